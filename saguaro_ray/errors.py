@@ -1,0 +1,37 @@
+"""Exception types raised for users.
+
+Every error a user can cause (a bad path, an unsupported checkpoint, an
+invalid sampling value, a prompt that does not fit) has its own type, so the
+CLI can print a one-line message and exit 2 instead of a traceback, and
+library callers can catch precisely what they expect.
+"""
+
+from __future__ import annotations
+
+
+class SaguaroError(Exception):
+    """Base class of every error raised for users of saguaro-ray."""
+
+
+class ConfigError(SaguaroError, ValueError):
+    """An invalid configuration or sampling value; the message names the field."""
+
+
+class CheckpointError(SaguaroError):
+    """A model directory is missing, incomplete or unreadable."""
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """A checkpoint's ``model_type`` (or one of its options) is not supported."""
+
+
+class PromptTooLongError(SaguaroError, ValueError):
+    """A prompt (plus the requested generation) does not fit the context window."""
+
+
+class OutOfKVBlocksError(SaguaroError, RuntimeError):
+    """The paged KV cache has no free block left for a sequence."""
+
+
+class IncompatibleModelsError(SaguaroError):
+    """A draft/qualifier does not share the target's vocabulary or tokenizer."""

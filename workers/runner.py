@@ -1,0 +1,268 @@
+"""The model runner: a decoder plus its paged KV cache and tree scratch.
+
+This is the one object every worker (target, draft, qualifier) drives:
+
+* :meth:`ModelRunner.forward` — a ragged batch where each sequence brings any
+  number of new tokens (prefill, AR decode with 1, verification with K+1);
+  their K/V are appended to the sequence's cache and logits come back for the
+  last token of each sequence or for every token.
+* :meth:`ModelRunner.truncate` — rollback after a rejection.
+* :meth:`ModelRunner.tree_start` / :meth:`ModelRunner.tree_forward` — the
+  shared-prefix tree decode used to pre-compute speculations: N branch rows,
+  each continuing one sequence's cached prefix up to its own length limit,
+  with per-branch suffix K/V in a scratch buffer; nothing of the prefix is
+  copied. :meth:`ModelRunner.tree_commit` moves a branch's suffix K/V into
+  the sequence's cache (the "KV delta" of an accepted speculation), and
+  :meth:`ModelRunner.tree_export` / :meth:`ModelRunner.append_kv` carry the
+  same delta between processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
+from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatch, select_backend
+from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
+from saguaro_ray.workers.decoder import AttentionStep
+from saguaro_ray.workers.kv_cache import PagedKVCache
+from saguaro_ray.workers.model_config import parse_dtype
+
+log = logging.getLogger(__name__)
+
+SeqId = Hashable
+
+
+@dataclass
+class TreeState:
+    """A live tree decode: which sequence and prefix length each branch continues."""
+
+    seq_ids: list[SeqId]  # distinct prefix sequences
+    branch_seq: list[int]  # per branch: index into seq_ids
+    prefix_lens: list[int]  # per branch: cached tokens of its sequence it attends to
+    suffix_len: int = 0  # tokens already in every branch's scratch
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.branch_seq)
+
+
+class ModelRunner:
+    """Runs one Llama-family checkpoint with a paged KV cache on one device."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Checkpoint,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        block_size: int | None = None,
+        max_kv_tokens: int | None = None,
+        max_tree_branches: int = 64,
+        max_tree_depth: int = 16,
+        attention_backend: str | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+        self.config = self.checkpoint.config
+        self.dtype = parse_dtype(dtype, default=torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.backend = select_backend(attention_backend, self.device)
+        if block_size is None:
+            block_size = FlashAttnBackend.required_block_size if isinstance(self.backend, FlashAttnBackend) else 16
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        self.model = load_decoder(self.checkpoint, self.device, self.dtype)
+        cfg = self.config
+        if max_kv_tokens is None:
+            max_kv_tokens = 8 * min(cfg.max_position_embeddings, 4096)
+        num_blocks = -(-max_kv_tokens // block_size)
+        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        sshape = (max_tree_branches, max_tree_depth, cfg.num_kv_heads, cfg.head_dim)
+        self._scratch = [
+            (torch.zeros(sshape, dtype=self.dtype, device=self.device), torch.zeros(sshape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    # ---------------------------------------------------------------- facts
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    # ------------------------------------------------------------ sequences
+    def add_sequence(self, seq_id: SeqId) -> None:
+        self.kv.add(seq_id)
+
+    def free_sequence(self, seq_id: SeqId) -> None:
+        self.kv.free(seq_id)
+
+    def has_sequence(self, seq_id: SeqId) -> bool:
+        return seq_id in self.kv.seqs
+
+    def seq_len(self, seq_id: SeqId) -> int:
+        return self.kv.length(seq_id)
+
+    def truncate(self, seq_id: SeqId, length: int) -> None:
+        self.kv.truncate(seq_id, length)
+
+    # -------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        seq_ids: Sequence[SeqId],
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]] | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Append ``tokens[b]`` to sequence ``seq_ids[b]`` and run the model.
+
+        ``positions`` default to the cache indices the tokens land at. Returns
+        fp32 logits ``[B, V]`` for each sequence's last new token, or
+        ``[sum(n_b), V]`` for every new token when ``all_logits``.
+        """
+        if len(seq_ids) != len(tokens) or not seq_ids:
+            raise ValueError("forward needs one non-empty token list per sequence")
+        qlens = [len(t) for t in tokens]
+        if min(qlens) == 0:
+            raise ValueError("every sequence in a forward must bring at least one token")
+        self._check_capacity(seq_ids, qlens)
+        starts = [self.kv.length(s) for s in seq_ids]
+        if positions is None:
+            positions = [range(s, s + n) for s, n in zip(starts, qlens)]
+        slots: list[int] = []
+        for s, n in zip(seq_ids, qlens):
+            slots.extend(self.kv.reserve(s, n))
+        dev = self.device
+        batch = PagedBatch(
+            block_tables=self.kv.block_table(list(seq_ids), dev),
+            context_lens=[s + n for s, n in zip(starts, qlens)],
+            query_lens=qlens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_size=self.kv.block_size,
+        )
+        step = AttentionStep(
+            kind="paged",
+            backend=self.backend,
+            plan=self.backend.plan_paged(batch, self.config.sliding_window, dev),
+            slot_mapping=batch.slot_mapping,
+        )
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=dev)
+        pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.long, device=dev)
+        hidden = self.model.hidden_states(ids, pos, self.kv.layers, step)
+        if not all_logits:
+            last = torch.tensor([sum(qlens[: b + 1]) - 1 for b in range(len(qlens))], device=dev)
+            hidden = hidden[last]
+        return self.model.logits(hidden).float()
+
+    def _check_capacity(self, seq_ids: Sequence[SeqId], qlens: Sequence[int]) -> None:
+        """Refuse a forward that would overflow the context or the block pool
+        *before* touching any sequence, so a failure loses nothing."""
+        for s, n in zip(seq_ids, qlens):
+            if self.kv.length(s) + n > self.max_context:
+                raise PromptTooLongError(
+                    f"sequence {s!r} would reach {self.kv.length(s) + n} tokens, beyond the "
+                    f"model's context window of {self.max_context}"
+                )
+        need = sum(self.kv.blocks_needed(s, n) for s, n in zip(seq_ids, qlens))
+        if need > self.kv.free_blocks:
+            raise OutOfKVBlocksError(
+                f"KV cache full: this step needs {need} blocks, {self.kv.free_blocks} free of {self.kv.num_blocks}"
+            )
+
+    # ------------------------------------------------------------ tree decode
+    def tree_start(self, branch_seqs: Sequence[SeqId], prefix_lens: Sequence[int]) -> TreeState:
+        """Open a tree decode: branch r continues ``branch_seqs[r]`` after its
+        first ``prefix_lens[r]`` cached tokens (that prefix must be cached)."""
+        n = len(branch_seqs)
+        cap = self._scratch[0][0].shape[0]
+        if n == 0 or n > cap:
+            raise ValueError(f"tree decode needs 1..{cap} branches, got {n}")
+        distinct: list[SeqId] = []
+        index: dict[SeqId, int] = {}
+        branch_seq = []
+        for s, plen in zip(branch_seqs, prefix_lens):
+            if not 0 < plen <= self.kv.length(s):
+                raise ValueError(f"branch prefix length {plen} outside sequence {s!r} of length {self.kv.length(s)}")
+            if s not in index:
+                index[s] = len(distinct)
+                distinct.append(s)
+            branch_seq.append(index[s])
+        return TreeState(seq_ids=distinct, branch_seq=branch_seq, prefix_lens=list(prefix_lens))
+
+    @torch.inference_mode()
+    def tree_forward(self, tree: TreeState, tokens: torch.Tensor | Sequence[Sequence[int]], positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ``tokens [N, n]`` (n new tokens per branch) and return fp32 logits ``[N, n, V]``.
+
+        Default positions continue each branch: prefix_len + suffix_len + j.
+        """
+        dev = self.device
+        tok = torch.as_tensor(tokens, dtype=torch.long, device=dev)
+        nb, n_new = tok.shape
+        if nb != tree.num_branches:
+            raise ValueError(f"tree has {tree.num_branches} branches, got tokens for {nb}")
+        depth_cap = self._scratch[0][0].shape[1]
+        if tree.suffix_len + n_new > depth_cap:
+            raise ValueError(f"tree depth {tree.suffix_len + n_new} exceeds the scratch capacity {depth_cap}")
+        if positions is None:
+            base = torch.tensor(tree.prefix_lens, device=dev).unsqueeze(1) + tree.suffix_len
+            positions = base + torch.arange(n_new, device=dev).unsqueeze(0)
+        batch = TreeBatch(
+            block_tables=self.kv.block_table(tree.seq_ids, dev),
+            branch_seq=tree.branch_seq,
+            prefix_lens=tree.prefix_lens,
+            suffix_len=tree.suffix_len,
+            n_new=n_new,
+            block_size=self.kv.block_size,
+        )
+        step = AttentionStep(
+            kind="tree",
+            backend=self.backend,
+            plan=self.backend.plan_tree(batch, self.config.sliding_window, dev),
+            num_branches=nb,
+            suffix_len=tree.suffix_len,
+            n_new=n_new,
+        )
+        hidden = self.model.hidden_states(tok.reshape(-1), positions.reshape(-1).to(dev), self.kv.layers, step, self._scratch)
+        tree.suffix_len += n_new
+        return self.model.logits(hidden).float().view(nb, n_new, -1)
+
+    def tree_export(self, tree: TreeState, branch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``n`` suffix K/V rows of a branch, per layer (copies)."""
+        if not 0 <= n <= tree.suffix_len:
+            raise ValueError(f"branch has {tree.suffix_len} suffix tokens, asked for {n}")
+        return [(ks[branch, :n].clone(), vs[branch, :n].clone()) for ks, vs in self._scratch]
+
+    def tree_commit(self, tree: TreeState, branch: int, n: int) -> None:
+        """Make a branch's first ``n`` suffix tokens part of its sequence:
+        truncate the sequence to the branch's prefix and append the K/V."""
+        seq = tree.seq_ids[tree.branch_seq[branch]]
+        if not 0 <= n <= tree.suffix_len:
+            raise ValueError(f"branch has {tree.suffix_len} suffix tokens, asked for {n}")
+        self.truncate(seq, tree.prefix_lens[branch])
+        self.append_kv(seq, [(ks[branch, :n], vs[branch, :n]) for ks, vs in self._scratch])
+
+    def append_kv(self, seq_id: SeqId, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append precomputed K/V rows (one ``[n, Hkv, D]`` pair per layer) to a sequence."""
+        if len(kv) != len(self.kv.layers):
+            raise ValueError(f"KV delta has {len(kv)} layers, model has {len(self.kv.layers)}")
+        n = kv[0][0].shape[0]
+        if n == 0:
+            return
+        self._check_capacity([seq_id], [n])
+        slots = torch.tensor(self.kv.reserve(seq_id, n), dtype=torch.long, device=self.device)
+        cfg = self.config
+        for (kc, vc), (k, v) in zip(self.kv.layers, kv):
+            kc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, k.to(self.device, self.dtype))
+            vc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, v.to(self.device, self.dtype))
