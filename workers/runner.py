@@ -125,18 +125,23 @@ class ModelRunner:
         tokens: Sequence[Sequence[int]],
         positions: Sequence[Sequence[int]] | None = None,
         all_logits: bool = False,
+        num_logits: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Append ``tokens[b]`` to sequence ``seq_ids[b]`` and run the model.
 
         ``positions`` default to the cache indices the tokens land at. Returns
-        fp32 logits ``[B, V]`` for each sequence's last new token, or
-        ``[sum(n_b), V]`` for every new token when ``all_logits``.
+        fp32 logits for the last ``num_logits[b]`` new tokens of each sequence
+        (default 1; every new token when ``all_logits``), flat in batch order:
+        ``[sum(num_logits), V]``. Only those rows go through the LM head.
         """
         if len(seq_ids) != len(tokens) or not seq_ids:
             raise ValueError("forward needs one non-empty token list per sequence")
         qlens = [len(t) for t in tokens]
         if min(qlens) == 0:
             raise ValueError("every sequence in a forward must bring at least one token")
+        wanted = list(qlens) if all_logits else ([1] * len(qlens) if num_logits is None else list(num_logits))
+        if len(wanted) != len(qlens) or any(not 1 <= w <= n for w, n in zip(wanted, qlens)):
+            raise ValueError(f"num_logits {wanted} must ask for 1..n_b rows of each sequence (n_b = {qlens})")
         self._check_capacity(seq_ids, qlens)
         starts = [self.kv.length(s) for s in seq_ids]
         if positions is None:
@@ -161,9 +166,13 @@ class ModelRunner:
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=dev)
         pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.long, device=dev)
         hidden = self.model.hidden_states(ids, pos, self.kv.layers, step)
-        if not all_logits:
-            last = torch.tensor([sum(qlens[: b + 1]) - 1 for b in range(len(qlens))], device=dev)
-            hidden = hidden[last]
+        if wanted != qlens:
+            rows: list[int] = []
+            end = 0
+            for n, w in zip(qlens, wanted):
+                end += n
+                rows.extend(range(end - w, end))
+            hidden = hidden[torch.tensor(rows, device=dev)]
         return self.model.logits(hidden).float()
 
     def _check_capacity(self, seq_ids: Sequence[SeqId], qlens: Sequence[int]) -> None:
@@ -182,13 +191,14 @@ class ModelRunner:
             )
 
     # ------------------------------------------------------------ tree decode
-    def tree_start(self, branch_seqs: Sequence[SeqId], prefix_lens: Sequence[int]) -> TreeState:
+    def tree_start(self, branch_seqs: Sequence[SeqId], prefix_lens: Sequence[int], depth: int | None = None) -> TreeState:
         """Open a tree decode: branch r continues ``branch_seqs[r]`` after its
-        first ``prefix_lens[r]`` cached tokens (that prefix must be cached)."""
+        first ``prefix_lens[r]`` cached tokens (that prefix must be cached).
+        ``depth`` (suffix tokens per branch) grows the scratch buffer if needed."""
         n = len(branch_seqs)
-        cap = self._scratch[0][0].shape[0]
-        if n == 0 or n > cap:
-            raise ValueError(f"tree decode needs 1..{cap} branches, got {n}")
+        if n == 0:
+            raise ValueError("tree decode needs at least one branch")
+        self._ensure_scratch(n, depth or self._scratch[0][0].shape[1])
         distinct: list[SeqId] = []
         index: dict[SeqId, int] = {}
         branch_seq = []
@@ -200,6 +210,18 @@ class ModelRunner:
                 distinct.append(s)
             branch_seq.append(index[s])
         return TreeState(seq_ids=distinct, branch_seq=branch_seq, prefix_lens=list(prefix_lens))
+
+    def _ensure_scratch(self, branches: int, depth: int) -> None:
+        """Grow the per-branch scratch K/V (never shrinks; contents are per tree)."""
+        cap_b, cap_d = self._scratch[0][0].shape[:2]
+        if branches <= cap_b and depth <= cap_d:
+            return
+        cfg = self.config
+        shape = (max(branches, cap_b), max(depth, cap_d), cfg.num_kv_heads, cfg.head_dim)
+        self._scratch = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
 
     @torch.inference_mode()
     def tree_forward(self, tree: TreeState, tokens: torch.Tensor | Sequence[Sequence[int]], positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +272,22 @@ class ModelRunner:
         seq = tree.seq_ids[tree.branch_seq[branch]]
         if not 0 <= n <= tree.suffix_len:
             raise ValueError(f"branch has {tree.suffix_len} suffix tokens, asked for {n}")
-        self.truncate(seq, tree.prefix_lens[branch])
+        # check capacity for the committed state *before* truncating, so a
+        # failing commit leaves the sequence as it was
+        plen = tree.prefix_lens[branch]
+        if plen + n > self.max_context:
+            raise PromptTooLongError(
+                f"sequence {seq!r} would reach {plen + n} tokens, beyond the model's context window of {self.max_context}"
+            )
+        bs, held = self.kv.block_size, len(self.kv.seqs[seq].blocks)
+        keep = min(held, -(-plen // bs))
+        need = max(0, -(-(plen + n) // bs) - keep)
+        if need > self.kv.free_blocks + held - keep:
+            raise OutOfKVBlocksError(
+                f"KV cache full: committing {n} tokens needs {need} blocks, "
+                f"{self.kv.free_blocks + held - keep} free of {self.kv.num_blocks}"
+            )
+        self.truncate(seq, plen)
         self.append_kv(seq, [(ks[branch, :n], vs[branch, :n]) for ks, vs in self._scratch])
 
     def append_kv(self, seq_id: SeqId, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

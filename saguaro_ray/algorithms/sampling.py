@@ -1,0 +1,144 @@
+"""Turning logits into the processed target law p, and drawing from a law.
+
+The processed distribution is what every exactness statement is about:
+temperature, then top-k (ties to the lowest token id), then top-p over what is
+left. Greedy rows (temperature 0) become a one-hot on the argmax (lowest id
+among ties) so greedy and stochastic verification share one code path.
+
+Draws use inverse-CDF sampling with uniforms from a per-sequence
+``torch.Generator`` kept on the CPU, so a seed gives the same tokens on any
+device and the random stream is explicit (verification draws from it too).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def argmax_lowest(x: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dimension; ties resolve to the lowest index."""
+    # torch.argmax returns the first maximal index, i.e. the lowest token id.
+    return torch.argmax(x, dim=-1)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | Sequence[float],
+    top_k: torch.Tensor | Sequence[int] | None = None,
+    top_p: torch.Tensor | Sequence[float] | None = None,
+) -> torch.Tensor:
+    """Processed next-token law for each row of ``logits [..., V]``.
+
+    ``temperature``, ``top_k`` and ``top_p`` have one value per row (the leading
+    dims flattened). Returns fp32 probabilities of the same shape.
+    """
+    shape = logits.shape
+    x = logits.reshape(-1, shape[-1]).float()
+    rows, vocab = x.shape
+    dev = x.device
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(-1).expand(rows)
+    greedy = temp == 0
+    out = torch.empty_like(x)
+    if bool(greedy.any()):
+        g = greedy.nonzero(as_tuple=True)[0]
+        out[g] = torch.nn.functional.one_hot(argmax_lowest(x[g]), vocab).float()
+    s = (~greedy).nonzero(as_tuple=True)[0]
+    if len(s):
+        z = x[s] / temp[s].unsqueeze(-1)
+        k = None if top_k is None else torch.as_tensor(top_k, device=dev).reshape(-1).expand(rows)[s]
+        p = None if top_p is None else torch.as_tensor(top_p, dtype=torch.float32, device=dev).reshape(-1).expand(rows)[s]
+        out[s] = _filtered_softmax(z, k, p)
+    return out.view(shape)
+
+
+def _filtered_softmax(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    needs_k = top_k is not None and bool((top_k > 0).any())
+    needs_p = top_p is not None and bool((top_p < 1).any())
+    if not (needs_k or needs_p):
+        return torch.softmax(z, dim=-1)
+    vocab = z.shape[-1]
+    # stable descending sort: among equal logits the lower token id ranks first
+    sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=z.device).unsqueeze(0)
+    keep = torch.ones_like(sorted_z, dtype=torch.bool)
+    if needs_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
+        keep &= rank < k
+    sorted_z = sorted_z.masked_fill(~keep, float("-inf"))
+    if needs_p:
+        probs = torch.softmax(sorted_z, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep &= mass_before < top_p.unsqueeze(-1)
+        sorted_z = sorted_z.masked_fill(~keep, float("-inf"))
+    filtered = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+    return torch.softmax(filtered, dim=-1)
+
+
+def uniforms(generators: Sequence[torch.Generator], n: int = 1) -> torch.Tensor:
+    """``n`` U[0, 1) draws per sequence from its own generator: ``[B, n]``."""
+    return torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from each row of ``probs [B, V]`` with uniforms ``u [B]``.
+
+    Rows need not be normalised. Zero-probability tokens are never returned.
+    """
+    p = probs.double()
+    cdf = torch.cumsum(p, dim=-1)
+    target = (u.to(cdf.device).reshape(-1, 1) * cdf[:, -1:]).clamp_max(cdf[:, -1:])
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    idx = idx.clamp_max(p.shape[-1] - 1)
+    # guard against landing on a zero-mass token through rounding at the top end
+    bad = p.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
+    if bool(bad.any()):
+        last_nonzero = (p > 0).cumsum(-1).argmax(-1)
+        idx = torch.where(bad, last_nonzero, idx)
+    return idx
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+# Independent random streams per purpose: verification must never reuse the
+# uniforms a proposal was drawn with, or the accept test would be correlated
+# with the proposal and the output law would no longer be exact.
+STREAM_TARGET = 0
+STREAM_DRAFT = 1
+STREAM_QUALIFIER = 2
+
+
+def position_generator(seed: int, position: int, stream: int = STREAM_TARGET) -> torch.Generator:
+    """The random stream for the token at absolute ``position`` of a sequence.
+
+    Randomness is a pure function of (seed, position, stream): a restarted
+    worker, a different mode or a different batch composition draws the same
+    uniforms for the same token, which keeps seeded runs reproducible.
+    """
+    mixed = seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB
+    return make_generator(mixed % (2**63 - 1))
+
+
+def position_uniforms(seeds: Sequence[int], positions: Sequence[int], n: int = 1, stream: int = STREAM_TARGET) -> torch.Tensor:
+    """``[B, n]`` uniforms: row b from :func:`position_generator` (seeds[b], positions[b], stream)."""
+    return uniforms([position_generator(s, p, stream) for s, p in zip(seeds, positions)], n)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> torch.Tensor:
+    """One token per row of ``logits [B, V]`` from the processed law, using the
+    target stream of (seed, position) — the autoregressive step."""
+    probs = process_logits(logits, temperature, top_k, top_p)
+    u = position_uniforms(seeds, positions, 1).squeeze(-1)
+    return sample_from(probs, u)
