@@ -1,0 +1,144 @@
+"""The ``saguaro-ray`` command line.
+
+User errors (a bad path, an unsupported checkpoint, an invalid value, a prompt
+that does not fit) print one line on stderr and exit with status 2 — never a
+traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from saguaro_ray.errors import ConfigError, SaguaroError
+
+EXIT_USAGE = 2
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from prompts")
+    p.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
+    p.add_argument("--mode", default="ar", help="decoding mode (ar)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", help="JSONL file, one {\"prompt\": ...} object a line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
+    p.add_argument("--n", type=int, default=1, help="independent samples per prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--json", action="store_true", help="one JSON object per sample per line")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the workers")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    prompts = []
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{args.prompts_file}:{lineno}: not valid JSON ({exc.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise ConfigError(f"{args.prompts_file}:{lineno}: expected an object with a \"prompt\" string")
+                prompts.append(obj["prompt"])
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompts file {args.prompts_file!r}: {exc.strerror}") from None
+    if not prompts:
+        raise ConfigError(f"{args.prompts_file}: no prompts")
+    return prompts
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from saguaro_ray.config import SamplingParams
+    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.n <= 0:
+        raise ConfigError(f"--n must be a positive integer, got {args.n}")
+    engine = LocalEngine(
+        LocalEngineConfig(
+            target=args.target,
+            mode=args.mode,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            max_batch_size=args.max_batch_size,
+            num_threads=args.threads,
+        )
+    )
+    results = engine.generate(prompts, params, n=args.n)
+    for r in results:
+        if args.json:
+            print(json.dumps(r.to_json()), flush=True)
+        else:
+            print(f"--- prompt {r.prompt_index} sample {r.sample_index} [{r.mode}, {r.finish_reason}] ---")
+            print(prompts[r.prompt_index] + r.text, flush=True)
+    return 0
+
+
+def _add_zoo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("zoo", help="the built-in model family")
+    zsub = p.add_subparsers(dest="zoo_cmd", required=True)
+    b = zsub.add_parser("build", help="build (or find cached) a zoo family")
+    b.add_argument("--preset", default="tiny", help="tiny | small")
+    b.add_argument("--out", default=None, help="output directory (default: $SAGUARO_ZOO_DIR/<preset>)")
+    b.add_argument("--json", action="store_true", help="print zoo.json instead of the table")
+    b.set_defaults(func=_cmd_zoo_build)
+
+
+def _cmd_zoo_build(args: argparse.Namespace) -> int:
+    from saguaro_ray.zoo import build_family, format_summary
+
+    summary = build_family(args.preset, out=args.out, progress=True)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro-ray", description="Exact speculative decoding on Ray")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_zoo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SaguaroError as exc:
+        print(f"saguaro-ray: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

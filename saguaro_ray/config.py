@@ -1,0 +1,110 @@
+"""User-facing configuration dataclasses, validated at construction.
+
+Validation lives here, once, so the CLI, the Python API and the HTTP server
+all reject the same bad values with the same message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from saguaro_ray.algorithms.backup import BackupPolicy
+from saguaro_ray.algorithms.pyramid import validate_pyramid
+from saguaro_ray.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one sequence.
+
+    ``temperature == 0`` is greedy decoding (ties go to the lowest token id).
+    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
+    sample reproducible; ``None`` draws a fresh one. Generation stops at an
+    end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self, seed: int | None) -> "SamplingParams":
+        return replace(self, seed=seed)
+
+
+MODES = ("ar", "sd", "ssd", "pyramid")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Which decoding mode runs and how it speculates.
+
+    ``k``: draft tokens per round (SD/SSD). ``fanout``: ``"auto"`` (geometric
+    allocation of ``budget`` fitted online) or an explicit tuple of K+1 counts.
+    ``saguaro_c``: Saguaro sampling's down-weighting C in (0, 1] (1 = off).
+    ``backup``: what serves an SSD cache miss. PyramidSD: the draft proposes
+    ``ld`` tokens at a time until ``lq`` are qualified; stage rules and
+    thresholds as in DESIGN §4 — any τ > 0 is lossy and needs ``allow_lossy``.
+    """
+
+    mode: str = "ar"
+    k: int = 4
+    fanout: str | tuple[int, ...] = "auto"
+    budget: int = 8
+    saguaro_c: float = 1.0
+    backup: str = "neural"
+    stage1: str = "exact"
+    stage2: str = "exact"
+    tau_q: float = 0.0
+    tau_t: float = 0.0
+    div: str = "reverse_kl"
+    lq: int = 4
+    ld: int = 2
+    allow_lossy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        BackupPolicy(self.backup)  # validates the name
+        for name in ("k", "budget", "lq", "ld"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 < self.saguaro_c <= 1:
+            raise ConfigError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
+        if self.fanout != "auto":
+            if not isinstance(self.fanout, tuple) or len(self.fanout) != self.k + 1 or any(
+                not isinstance(f, int) or f < 0 for f in self.fanout
+            ):
+                raise ConfigError(f"fanout must be 'auto' or {self.k + 1} non-negative integers (one per k = 0..K), got {self.fanout!r}")
+        lossy = validate_pyramid(self.stage1, self.stage2, self.tau_q, self.tau_t, self.div, self.allow_lossy)
+        object.__setattr__(self, "_lossy", lossy and self.mode == "pyramid")
+
+    @property
+    def lossy(self) -> bool:
+        """True only for PyramidSD with a fuzzy stage at τ > 0."""
+        return self._lossy  # type: ignore[attr-defined]
+
+    @property
+    def needs_draft(self) -> bool:
+        return self.mode in ("sd", "ssd", "pyramid")
+

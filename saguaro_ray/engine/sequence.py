@@ -1,0 +1,78 @@
+"""Per-request state kept by the engine (the authoritative token history)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from saguaro_ray.config import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    """One sample being generated: the prompt, what was emitted, and why it stopped."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    prompt_index: int = 0
+    sample_index: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    # speculation bookkeeping (the round loop's)
+    proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
+    rounds: int = 0  # verification rounds, the prefill round included
+    spec_rounds: int = 0  # rounds that verified at least one draft token
+    accepted_total: int = 0
+    lookups: int = 0
+    hits: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def emit(self, tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+        """Append accepted tokens, stopping at EOS or ``max_tokens``; returns those kept."""
+        kept: list[int] = []
+        for t in tokens:
+            if self.finished:
+                break
+            kept.append(t)
+            self.output_ids.append(t)
+            if t in eos_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+        return kept
+
+
+@dataclass
+class GenerationResult:
+    """What a caller gets back for one sample (the CLI prints it as JSON)."""
+
+    prompt_index: int
+    sample_index: int
+    mode: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    stats: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+            "mode": self.mode,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "stats": self.stats,
+        }

@@ -1,0 +1,49 @@
+"""How a round loop reaches its workers.
+
+The round loop only ever calls ``worker.submit(method, *args)`` and waits on
+the returned future, so the same loop drives workers in this process (one
+thread per worker — calls to one worker run in order, like an actor's) or in
+Ray actors over ZeroMQ. One protocol, two transports.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from saguaro_ray.workers.messages import Timed
+
+
+class WorkerHandle(Protocol):
+    name: str
+
+    def submit(self, method: str, *args: Any) -> "Future[Timed]":
+        """Call ``method`` on the worker; the future resolves to a :class:`Timed`."""
+
+    def close(self) -> None: ...
+
+
+class InProcessWorker:
+    """Runs a worker-logic object's methods on its own thread, in call order."""
+
+    def __init__(self, name: str, logic: Any) -> None:
+        self.name = name
+        self.logic = logic
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"saguaro-{name}")
+
+    def submit(self, method: str, *args: Any) -> "Future[Timed]":
+        fn = getattr(self.logic, method)
+
+        def run() -> Timed:
+            start = time.perf_counter()
+            value = fn(*args)
+            return Timed(value, start, time.perf_counter())
+
+        return self._pool.submit(run)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.submit(method, *args).result().value
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

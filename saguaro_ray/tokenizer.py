@@ -1,0 +1,43 @@
+"""Loading a checkpoint's tokenizer and checking that models can share one.
+
+Tokenizers come from the checkpoint directory through ``transformers``'
+``AutoTokenizer`` (tokenization only — no modelling code). Speculation is only
+meaningful when draft and target agree on what every token id means, so
+:func:`check_same_vocabulary` compares the full vocabularies, not just sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from saguaro_ray.errors import CheckpointError, IncompatibleModelsError
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer saved in a model directory (a ``PreTrainedTokenizerFast``)."""
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{root}: cannot load the tokenizer ({exc})") from exc
+
+
+def check_same_vocabulary(target_tok: Any, other_tok: Any, other_name: str) -> None:
+    """Raise :class:`IncompatibleModelsError` unless both tokenizers map every
+    token string to the same id."""
+    a, b = target_tok.get_vocab(), other_tok.get_vocab()
+    if a == b:
+        return
+    if len(a) != len(b):
+        raise IncompatibleModelsError(
+            f"{other_name} tokenizer has {len(b)} tokens, the target's has {len(a)}; speculation needs one shared vocabulary"
+        )
+    differing = sorted(k for k in a if b.get(k) != a[k])[:3]
+    raise IncompatibleModelsError(
+        f"{other_name} tokenizer maps tokens differently from the target's (e.g. {differing}); "
+        "speculation needs one shared vocabulary"
+    )

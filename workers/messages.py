@@ -1,0 +1,111 @@
+"""The worker protocol's messages: plain data, the same in-process and over the wire.
+
+Every call a round loop makes on a worker takes a list of these items (one per
+sequence in the batch) — so one round is one call per worker whatever the
+batch size. Positions in a sequence are explicit: ``start`` is how many of the
+sequence's committed tokens the worker must already hold (it truncates
+anything past that — rejected speculation — before appending
+``new_tokens``), and ``output_pos`` is the index among generated tokens of the
+first token sampled in this call (it keys the random streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from saguaro_ray.config import SamplingParams
+
+
+@dataclass
+class SeqStep:
+    """Where a sequence stands when a worker call begins."""
+
+    seq_id: int
+    start: int
+    new_tokens: list[int]
+    params: SamplingParams
+    seed: int
+    output_pos: int
+    # the committed tokens just before `start` (a few): lets a worker that is
+    # slightly behind — a draft whose last proposed token was never fed
+    # because everything was accepted — catch up without a full resend
+    recent: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Proposal:
+    """A speculation: tokens and the exact law each was drawn from.
+
+    ``q`` is ``[len(tokens), V]`` — the rows really sampled from (Saguaro-
+    rescaled when that is on) — or ``None`` for point-mass proposals (greedy
+    drafting, fast backups): verification then uses δ_token.
+    """
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    source: str = "draft"  # "draft" | "cache" | "neural" | "fast"
+
+
+@dataclass
+class VerifyItem:
+    """Verify ``proposal`` after ``step``'s new tokens. ``rule``/``tau``/``div``
+    select PyramidSD's stage-2 test (``exact`` everywhere else)."""
+
+    step: SeqStep
+    proposal: Proposal
+    rule: str = "exact"
+    tau: float = 0.0
+    div: str = "tv"
+
+
+@dataclass
+class QualifyItem:
+    """PyramidSD stage 1: the qualifier checks a draft proposal with ``rule``."""
+
+    step: SeqStep
+    proposal: Proposal
+    rule: str = "exact"
+    tau: float = 0.0
+    div: str = "tv"
+
+
+class NeedsPrefillError(RuntimeError):
+    """A worker was asked to continue a sequence it does not hold (e.g. after a
+    restart); the caller re-sends the whole history from position 0."""
+
+
+@dataclass
+class Outcome:
+    """Verification result of one sequence: k accepted draft tokens, then t*."""
+
+    seq_id: int
+    accepted: int
+    next_token: int
+    proposed: int = 0  # how many draft tokens were checked
+
+    def emitted(self, proposal: Proposal) -> list[int]:
+        return proposal.tokens[: self.accepted] + [self.next_token]
+
+
+@dataclass
+class BuildItem:
+    """Ask a draft to pre-compute next round's speculations for the most likely
+    outcomes of verifying ``proposal`` (SSD)."""
+
+    step: SeqStep
+    proposal: Proposal
+    fanout: list[int]  # F_k for k = 0..len(proposal.tokens)
+    k_next: int  # speculation length of the next round
+    saguaro_c: float = 1.0
+
+
+@dataclass
+class Timed:
+    """A worker call's result with its wall-clock span (``time.perf_counter``)."""
+
+    value: Any
+    start: float
+    end: float

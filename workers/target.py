@@ -1,0 +1,123 @@
+"""Target-worker logic: owns the target runner, verifies proposals, samples.
+
+Plain Python, no transport: the in-process engine calls it directly and the
+Ray actor wraps the very same object. Logits never leave this object — only
+outcomes (k accepted, next token) do. Autoregressive decoding is verification
+of an empty proposal, so every mode goes through one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_uniforms, process_logits
+from saguaro_ray.algorithms.pyramid import target_check
+from saguaro_ray.algorithms.verification import point_mass
+from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
+from saguaro_ray.workers.runner import ModelRunner
+
+
+def feed(runner: ModelRunner, steps: Sequence[SeqStep], extra: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
+    """Roll each sequence back to ``step.start`` and append ``new_tokens + extra``.
+
+    Shared by every worker kind: this is where rejected speculation is dropped
+    from the KV cache. Returns the requested trailing logit rows, flat.
+    """
+    added = []
+    catch_up: list[list[int]] = []
+    for st in steps:
+        if not runner.has_sequence(st.seq_id):
+            if st.start != 0:
+                raise NeedsPrefillError(f"sequence {st.seq_id} is unknown here; resend it from position 0")
+            runner.add_sequence(st.seq_id)
+            added.append(st.seq_id)
+        gap = st.start - runner.seq_len(st.seq_id)
+        if gap > len(st.recent):
+            raise NeedsPrefillError(f"sequence {st.seq_id} holds {runner.seq_len(st.seq_id)} tokens, step starts at {st.start}")
+        catch_up.append(st.recent[len(st.recent) - gap :] if gap > 0 else [])
+    for st in steps:
+        if runner.seq_len(st.seq_id) > st.start:
+            runner.truncate(st.seq_id, st.start)
+    try:
+        return runner.forward(
+            [st.seq_id for st in steps],
+            [c + st.new_tokens + list(x) for st, c, x in zip(steps, catch_up, extra)],
+            num_logits=num_logits,
+        )
+    except Exception:
+        for s in added:  # a refused step leaves no half-registered sequence behind
+            runner.free_sequence(s)
+        raise
+
+
+@dataclass
+class VerificationBatch:
+    """Padded tensors for verifying a ragged batch of proposals (see
+    :func:`saguaro_ray.algorithms.verification.verify` for the layout)."""
+
+    p: torch.Tensor  # [B, Kmax+1, V] processed law of the verifying model
+    tokens: torch.Tensor  # [B, Kmax]
+    q: torch.Tensor  # [B, Kmax, V] the proposals' exact laws (point masses where q is None)
+    lens: torch.Tensor  # [B]
+    u: torch.Tensor  # [B, Kmax+1, 2]
+
+
+def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal], stream: int) -> VerificationBatch:
+    """Turn the verifying model's logit rows (``len(proposal)+1`` per sequence,
+    flat) into the processed law p, the proposals' q, and the uniforms of
+    ``stream`` keyed by each position's output index."""
+    lens = [len(p.tokens) for p in proposals]
+    kmax = max(lens)
+    b, vocab = len(steps), logits.shape[-1]
+    reps = torch.tensor([n + 1 for n in lens])
+    per_row = lambda f: torch.tensor([f(st.params) for st in steps]).repeat_interleave(reps)  # noqa: E731
+    p_flat = process_logits(logits, per_row(lambda p: p.temperature), per_row(lambda p: p.top_k), per_row(lambda p: p.top_p))
+    p = p_flat.new_zeros(b, kmax + 1, vocab)
+    tokens = torch.zeros(b, kmax, dtype=torch.long)
+    q = p_flat.new_zeros(b, kmax, vocab)
+    offset = 0
+    for i, (prop, n) in enumerate(zip(proposals, lens)):
+        p[i, : n + 1] = p_flat[offset : offset + n + 1]
+        offset += n + 1
+        if n:
+            toks = torch.tensor(prop.tokens, dtype=torch.long)
+            tokens[i, :n] = toks
+            q[i, :n] = point_mass(toks, vocab) if prop.q is None else prop.q[:n].to(q)
+    u = torch.stack(
+        [position_uniforms([st.seed] * (kmax + 1), [st.output_pos + j for j in range(kmax + 1)], 2, stream) for st in steps]
+    )
+    return VerificationBatch(p, tokens, q, torch.tensor(lens), u)
+
+
+class RunnerLogic:
+    """What every worker kind shares: one runner, prefill, and releasing sequences."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def prefill(self, steps: Sequence[SeqStep]) -> None:
+        feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for s in seq_ids:
+            self.runner.free_sequence(s)
+
+
+class TargetLogic(RunnerLogic):
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[Outcome]:
+        """Feed each sequence's pending tokens plus its proposal, verify the
+        proposal against the processed target law, and return the outcomes.
+        All items of a call share one rule (``exact``, or PyramidSD's ``fuzzy``)."""
+        steps = [it.step for it in items]
+        proposals = [it.proposal for it in items]
+        lens = [len(p.tokens) for p in proposals]
+        logits = feed(self.runner, steps, [p.tokens for p in proposals], [n + 1 for n in lens])
+        vb = verification_batch(logits, steps, proposals, STREAM_TARGET)
+        rule = items[0].rule
+        res = target_check(rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, items[0].tau, items[0].div)
+        acc, nxt = res.accepted.tolist(), res.next_token.tolist()
+        return [Outcome(st.seq_id, a, t, n) for st, a, t, n in zip(steps, acc, nxt, lens)]
