@@ -11,8 +11,12 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+if TYPE_CHECKING:
+    from saguaro_ray.config import SpeculationConfig
+
+from saguaro_ray.config import MODES
 from saguaro_ray.errors import ConfigError, SaguaroError
 
 EXIT_USAGE = 2
@@ -21,7 +25,9 @@ EXIT_USAGE = 2
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
-    p.add_argument("--mode", default="ar", help="decoding mode (ar)")
+    p.add_argument("--mode", default="ar", choices=MODES, help="decoding mode")
+    p.add_argument("--draft", default=None, help="draft model directory (sd, ssd, pyramid)")
+    p.add_argument("--qualifier", default=None, help="qualifier model directory (pyramid)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts-file", help="JSONL file, one {\"prompt\": ...} object a line")
@@ -36,6 +42,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
+    spec = p.add_argument_group("speculation")
+    spec.add_argument("--k", type=int, default=4, help="draft tokens per round (sd, ssd)")
+    spec.add_argument("--fan-out", default="auto", help="'auto' or K+1 comma-separated counts (ssd)")
+    spec.add_argument("--budget", type=int, default=8, help="speculations cached per sequence (ssd, auto fan-out)")
+    spec.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling down-weighting C in (0, 1]")
+    spec.add_argument("--backup", default="neural", help="auto | neural | fast (ssd cache misses)")
+    spec.add_argument("--stage1", default="exact", help="pyramid qualifier rule: exact | assisted | fuzzy")
+    spec.add_argument("--stage2", default="exact", help="pyramid target rule: exact | fuzzy")
+    spec.add_argument("--tau-q", type=float, default=0.0, help="fuzzy threshold of stage 1 (lossy when > 0)")
+    spec.add_argument("--tau-t", type=float, default=0.0, help="fuzzy threshold of stage 2 (lossy when > 0)")
+    spec.add_argument("--div", default="reverse_kl", help="fuzzy divergence: reverse_kl | kl | js | tv")
+    spec.add_argument("--lq", type=int, default=4, help="pyramid: qualified tokens per target verification")
+    spec.add_argument("--ld", type=int, default=2, help="pyramid: draft tokens per qualifier check")
+    spec.add_argument("--allow-lossy", action="store_true", help="accept fuzzy stages with tau > 0 (not exact)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the workers")
     p.set_defaults(func=_cmd_generate)
@@ -64,6 +84,30 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":
+    """The ``--mode``/speculation flags as a validated :class:`SpeculationConfig`."""
+    from saguaro_ray.algorithms.fanout import parse_fanout
+    from saguaro_ray.config import SpeculationConfig
+
+    fanout = parse_fanout(args.fan_out, args.k)
+    return SpeculationConfig(
+        mode=args.mode,
+        k=args.k,
+        fanout=fanout if fanout == "auto" else tuple(fanout),
+        budget=args.budget,
+        saguaro_c=args.saguaro_c,
+        backup=args.backup,
+        stage1=args.stage1,
+        stage2=args.stage2,
+        tau_q=args.tau_q,
+        tau_t=args.tau_t,
+        div=args.div,
+        lq=args.lq,
+        ld=args.ld,
+        allow_lossy=args.allow_lossy,
+    )
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from saguaro_ray.config import SamplingParams
     from saguaro_ray.engine import LocalEngine, LocalEngineConfig
@@ -79,10 +123,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.n <= 0:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
+    spec = speculation_from_args(args)
     engine = LocalEngine(
         LocalEngineConfig(
             target=args.target,
-            mode=args.mode,
+            draft=args.draft,
+            qualifier=args.qualifier,
+            spec=spec,
             device=args.device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,
@@ -90,7 +137,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             num_threads=args.threads,
         )
     )
-    results = engine.generate(prompts, params, n=args.n)
+    try:
+        results = engine.generate(prompts, params, n=args.n)
+    finally:
+        engine.close()
     for r in results:
         if args.json:
             print(json.dumps(r.to_json()), flush=True)

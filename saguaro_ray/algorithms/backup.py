@@ -1,0 +1,123 @@
+"""Backup speculation policy: what to verify next when the cache misses.
+
+*neural*: K sequential draft steps from the true outcome — costs about an SD
+draft phase (T_b > 0) but is accepted like a normal draft. *fast*: a point-mass
+guess — nearly free (T_b ≈ 0) but almost never accepted (≈ 1 token per round).
+
+A batch of b sequences avoids the backup path only if every sequence hits,
+which happens with probability ``p_hit ** b``; so at large batch the cheap
+backup can win even though it emits fewer tokens. The choice maximises the
+expected speedup of the paper (Speculative Speculative Decoding, Theorem 7):
+
+    [p·E_hit + (1-p)·E_miss] / [p·max(1, T_p) + (1-p)·(1 + T_b)]
+
+with E the expected tokens emitted per round and T latencies relative to one
+target verification (T_p: building the primary speculation, hidden behind the
+verification when ≤ 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+
+BackupKind = Literal["neural", "fast"]
+BACKUP_MODES = ("auto", "neural", "fast")
+
+
+def expected_speedup(
+    p_hit: float,
+    e_hit: float,
+    e_miss: float,
+    t_p: float,
+    t_b: float,
+    batch_size: int = 1,
+) -> float:
+    """Expected tokens per unit of verification time (Theorem 7).
+
+    ``p_hit`` is the per-sequence hit probability; the batch hits fully with
+    ``p_hit ** batch_size`` (``batch_size=1`` uses ``p_hit`` as given).
+    """
+    p = float(p_hit) ** int(batch_size)
+    num = p * e_hit + (1.0 - p) * e_miss
+    den = p * max(1.0, t_p) + (1.0 - p) * (1.0 + t_b)
+    return num / den
+
+
+@dataclass
+class BackupStats:
+    """Measured inputs of :func:`expected_speedup`, as exponential moving averages.
+
+    The defaults are priors that hold before any data (a moderately good draft,
+    K around 4): each observation moves an estimate by ``smoothing`` of the gap,
+    so after n observations the prior's weight is ``(1 - smoothing) ** n``.
+    """
+
+    p_hit: float = 0.5
+    e_hit: float = 3.0
+    e_miss_neural: float = 3.0
+    e_miss_fast: float = 1.05
+    t_primary: float = 1.0
+    t_neural: float = 0.5
+    t_fast: float = 0.0
+    smoothing: float = 0.05
+
+    def _ema(self, old: float, new: float) -> float:
+        return old + self.smoothing * (float(new) - old)
+
+    def observe_sequence(self, hit: bool, tokens: int | None = None, backup: BackupKind | None = None) -> None:
+        """One sequence's round: was its outcome in the cache, and (optionally) how
+        many tokens the verification of the speculation it got emitted.
+
+        On a hit ``tokens`` updates E_hit; on a miss it updates the E of
+        ``backup`` (the backup kind whose speculation was verified).
+        """
+        self.p_hit = self._ema(self.p_hit, 1.0 if hit else 0.0)
+        if tokens is None:
+            return
+        if hit:
+            self.e_hit = self._ema(self.e_hit, tokens)
+        elif backup == "neural":
+            self.e_miss_neural = self._ema(self.e_miss_neural, tokens)
+        elif backup == "fast":
+            self.e_miss_fast = self._ema(self.e_miss_fast, tokens)
+        elif backup is not None:
+            raise ValueError(f"backup must be 'neural' or 'fast', got {backup!r}")
+
+    def observe_latency(
+        self,
+        t_primary: float | None = None,
+        t_neural: float | None = None,
+        t_fast: float | None = None,
+    ) -> None:
+        """Measured latencies relative to one verification (None leaves an estimate as is)."""
+        if t_primary is not None:
+            self.t_primary = self._ema(self.t_primary, t_primary)
+        if t_neural is not None:
+            self.t_neural = self._ema(self.t_neural, t_neural)
+        if t_fast is not None:
+            self.t_fast = self._ema(self.t_fast, t_fast)
+
+    def speedup(self, kind: BackupKind, batch_size: int) -> float:
+        """Expected speedup if misses are served by ``kind``."""
+        e_miss, t_b = (self.e_miss_neural, self.t_neural) if kind == "neural" else (self.e_miss_fast, self.t_fast)
+        return expected_speedup(self.p_hit, self.e_hit, e_miss, self.t_primary, t_b, batch_size)
+
+
+class BackupPolicy:
+    """Which backup serves this round's misses: fixed, or ``auto`` by expected speedup."""
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in BACKUP_MODES:
+            raise ConfigError(f"backup must be one of {', '.join(BACKUP_MODES)}; got {mode!r}")
+        self.mode = mode
+
+    def choose(self, batch_size: int, stats: BackupStats) -> BackupKind:
+        """``neural`` or ``fast``; ``auto`` takes the larger expected speedup (ties: neural)."""
+        if self.mode != "auto":
+            return self.mode  # type: ignore[return-value]
+        neural = stats.speedup("neural", batch_size)
+        fast = stats.speedup("fast", batch_size)
+        return "fast" if fast > neural else "neural"

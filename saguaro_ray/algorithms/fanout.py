@@ -1,0 +1,270 @@
+"""Fan-out: how many speculations to pre-compute for each number of accepted tokens.
+
+A round accepting k of K draft tokens has probability ``a^k (1 - a)`` for k < K
+and ``a^K`` for k = K (a = per-position acceptance rate). Given F candidates at
+row k, the outcome is missed with probability ≈ ``c·F^(-r)`` (power law in the
+draft's rank of the true t*). Minimising the expected miss rate under a budget
+``Σ F_k = B`` gives the geometric allocation of the paper (Speculative
+Speculative Decoding, Theorem 12):
+
+    F_k ∝ a^(k/(1+r))                    for k < K
+    F_K ∝ a^(K/(1+r)) · (1 - a)^(-1/(1+r))
+
+(the constant c cancels). :class:`FanoutEstimator` fits a and r online so
+``fan_out="auto"`` tracks the models actually being served.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..errors import ConfigError
+
+_A_EPS = 1e-6
+
+
+def largest_remainder(weights: list[float], budget: int) -> list[int]:
+    """Integers proportional to ``weights`` that sum to exactly ``budget``.
+
+    Floors first, then hands the remaining units to the largest fractional
+    parts (ties: lower index). Non-positive total weight → uniform split.
+    """
+    n = len(weights)
+    if n == 0:
+        return []
+    total = sum(weights)
+    if not (total > 0 and math.isfinite(total)):
+        weights, total = [1.0] * n, float(n)
+    shares = [budget * w / total for w in weights]
+    floors = [int(math.floor(s)) for s in shares]
+    left = budget - sum(floors)
+    order = sorted(range(n), key=lambda i: (-(shares[i] - floors[i]), i))
+    for i in order[:left]:
+        floors[i] += 1
+    return floors
+
+
+def geometric_weights(k: int, accept_rate: float, r: float) -> list[float]:
+    """Unnormalised optimal fan-out weights for k = 0..K (Theorem 12).
+
+    ``accept_rate`` is clamped into [1e-6, 1 - 1e-6] so a = 0 or 1 stays finite.
+    Degenerate input (non-finite a or r, or r <= -1 where the optimum is not
+    defined) returns uniform weights.
+    """
+    if not (math.isfinite(accept_rate) and math.isfinite(r)) or r <= -1.0:
+        return [1.0] * (k + 1)
+    a = min(max(accept_rate, _A_EPS), 1.0 - _A_EPS)
+    e = 1.0 / (1.0 + r)
+    # work in log space so large K with small a does not underflow to all-zero
+    logs = [j * e * math.log(a) for j in range(k)]
+    logs.append(k * e * math.log(a) - e * math.log(1.0 - a))
+    top = max(logs)
+    return [math.exp(x - top) for x in logs]
+
+
+def geometric_fanout(budget: int, k: int, accept_rate: float, r: float) -> list[int]:
+    """K+1 non-negative ints summing to ``budget``: the geometric allocation,
+    scaled to the budget and rounded by largest remainder.
+
+    Falls back to a uniform split for degenerate ``accept_rate`` / ``r`` (NaN,
+    inf, r <= -1); see :func:`geometric_weights`.
+    """
+    if k < 0:
+        raise ConfigError(f"speculation length K must be >= 0, got {k}")
+    if budget < 0:
+        raise ConfigError(f"fan-out budget must be >= 0, got {budget}")
+    return largest_remainder(geometric_weights(k, accept_rate, r), int(budget))
+
+
+def parse_fanout(spec: str, k: int) -> list[int] | Literal["auto"]:
+    """Parse a ``--fan-out`` value: ``"auto"`` or K+1 comma-separated ints >= 0."""
+    text = str(spec).strip()
+    if text.lower() == "auto":
+        return "auto"
+    parts = [s.strip() for s in text.split(",")]
+    try:
+        values = [int(s) for s in parts]
+    except ValueError:
+        raise ConfigError(
+            f"fan_out must be 'auto' or {k + 1} comma-separated non-negative integers "
+            f"(one per accepted count k = 0..{k}), got {spec!r}"
+        ) from None
+    if len(values) != k + 1:
+        raise ConfigError(
+            f"fan_out lists {len(values)} values but speculation length K={k} needs {k + 1} "
+            f"(one per accepted count k = 0..{k}), got {spec!r}"
+        )
+    if any(v < 0 for v in values):
+        raise ConfigError(f"fan_out values must be >= 0, got {spec!r}")
+    return values
+
+
+def fit_power_law(ranks: list[int] | torch.Tensor, f_max: int, min_tail: int = 5) -> float | None:
+    """Fit r in ``P(rank > F) ≈ c·F^(-r)`` by least squares of log P on log F.
+
+    Uses F = 1..f_max where at least ``min_tail`` observations exceed F (the
+    tail estimate is too noisy below that). The intercept (log c) is free: it
+    absorbs how often the top-1 candidate misses and does not change the
+    allocation. Returns None when fewer than two usable points exist.
+    """
+    x = torch.as_tensor(ranks, dtype=torch.float64).reshape(-1)
+    n = x.numel()
+    if n == 0:
+        return None
+    fs = torch.arange(1, f_max + 1, dtype=torch.float64)
+    tail = (x.unsqueeze(0) > fs.unsqueeze(1)).sum(1)
+    use = tail >= min_tail
+    if int(use.sum()) < 2:
+        return None
+    lx = fs[use].log()
+    ly = (tail[use].double() / n).log()
+    lx_c = lx - lx.mean()
+    denom = float((lx_c * lx_c).sum())
+    if denom <= 0:
+        return None
+    slope = float((lx_c * (ly - ly.mean())).sum()) / denom
+    return -slope
+
+
+@dataclass
+class _Rate:
+    """Acceptance counts with a prior worth ``weight`` attempted positions."""
+
+    prior: float
+    weight: float
+    accepted: float = 0.0
+    attempted: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return (self.prior * self.weight + self.accepted) / (self.weight + self.attempted)
+
+
+@dataclass
+class FanoutEstimator:
+    """Online estimates of a (acceptance rate) and r (miss power law) for auto fan-out.
+
+    Call :meth:`observe` once per sequence per verified round. The acceptance
+    rate is the maximum-likelihood per-position rate: accepted tokens over
+    attempted positions (k accepted + 1 rejected position, or K when all were
+    accepted), blended with a prior worth ``prior_weight`` positions.
+
+    Rounds that verified a *backup* speculation are tracked separately, per
+    backup kind (``after_backup=True`` or ``"neural"`` / ``"fast"``): their
+    acceptance differs from the primary draft's, and the cache built during such
+    a round must be allocated with it. For a point-mass ("fast") backup the
+    acceptance rate is near 0 (its prior ``prior_fast_accept`` is 0.05 and the
+    data drive it lower), so the geometric weights ``a^(k/(1+r))`` collapse and
+    nearly all the budget goes to k = 0 — it emerges from the formula, no special
+    case.
+
+    r is shared by all regimes (it describes the draft's ranking of the true
+    outcome, not the proposal) and stays at ``prior_r`` until ``min_rank_obs``
+    ranked outcomes exist; fits are clamped to [``r_min``, ``r_max``].
+    """
+
+    prior_accept: float = 0.7
+    prior_backup_accept: float = 0.7
+    prior_fast_accept: float = 0.05
+    prior_weight: float = 10.0
+    prior_r: float = 1.0
+    f_max: int = 32
+    min_rank_obs: int = 50
+    r_min: float = 0.05
+    r_max: float = 8.0
+    max_history: int = 20000
+    _rates: dict[str, _Rate] = field(default_factory=dict, repr=False)
+    _ranks: list[int] = field(default_factory=list, repr=False)
+    _hits: int = 0
+    _hit_rounds: int = 0
+    _r_cache: float | None = field(default=None, repr=False)
+
+    def _rate(self, after_backup: bool | str) -> _Rate:
+        key = _regime(after_backup)
+        if key not in self._rates:
+            prior = {"primary": self.prior_accept, "fast": self.prior_fast_accept}.get(key, self.prior_backup_accept)
+            self._rates[key] = _Rate(prior=prior, weight=self.prior_weight)
+        return self._rates[key]
+
+    def observe(
+        self,
+        accepted: int,
+        k_max: int,
+        recovery_rank: int | None,
+        *,
+        after_backup: bool | str = False,
+        hit: bool | None = None,
+    ) -> None:
+        """Record one verified round of one sequence.
+
+        Args:
+            accepted: k, draft tokens accepted.
+            k_max: the round's draft length (a row may have fewer than K).
+            recovery_rank: 1-based rank of the true t* among the draft's
+                candidates at row ``accepted`` (the sampled s_{k+1} excluded),
+                or None when unknown. Ranks beyond ``f_max`` may be passed as is.
+            after_backup: False for a primary (cache-hit or first-choice)
+                speculation; True / "neural" / "fast" when the round verified a
+                backup speculation.
+            hit: whether this round's outcome was found in the cache (for
+                :attr:`hit_rate`); None if not known.
+        """
+        if not 0 <= accepted <= k_max:
+            raise ValueError(f"accepted={accepted} must lie in [0, k_max={k_max}]")
+        rate = self._rate(after_backup)
+        rate.accepted += accepted
+        rate.attempted += accepted + (1 if accepted < k_max else 0)
+        if recovery_rank is not None:
+            if recovery_rank < 1:
+                raise ValueError(f"recovery_rank is 1-based, got {recovery_rank}")
+            self._ranks.append(int(recovery_rank))
+            if len(self._ranks) > self.max_history:
+                del self._ranks[: len(self._ranks) - self.max_history]
+            self._r_cache = None
+        if hit is not None:
+            self._hits += int(bool(hit))
+            self._hit_rounds += 1
+
+    def accept_rate_for(self, after_backup: bool | str = False) -> float:
+        """Estimated per-position acceptance rate for a regime."""
+        return self._rate(after_backup).value
+
+    @property
+    def accept_rate(self) -> float:
+        """Primary-draft acceptance rate estimate."""
+        return self.accept_rate_for(False)
+
+    @property
+    def r(self) -> float:
+        """Miss power-law exponent estimate (prior until enough ranked outcomes)."""
+        if self._r_cache is None:
+            fit = None
+            if len(self._ranks) >= self.min_rank_obs:
+                fit = fit_power_law(self._ranks, self.f_max)
+            r = self.prior_r if fit is None or not math.isfinite(fit) else fit
+            self._r_cache = min(max(r, self.r_min), self.r_max)
+        return self._r_cache
+
+    @property
+    def hit_rate(self) -> float:
+        """Observed per-sequence cache hit rate (0.0 before any hit/miss was reported)."""
+        return self._hits / self._hit_rounds if self._hit_rounds else 0.0
+
+    def allocation(self, budget: int, k: int, after_backup: bool | str = False) -> list[int]:
+        """Geometric fan-out (K+1 ints summing to ``budget``) from current estimates,
+        using the acceptance rate of the regime of the round being verified."""
+        return geometric_fanout(budget, k, self.accept_rate_for(after_backup), self.r)
+
+
+def _regime(after_backup: bool | str) -> str:
+    if after_backup is False or after_backup is None:
+        return "primary"
+    if after_backup is True:
+        return "backup"
+    if after_backup in ("neural", "fast", "backup"):
+        return str(after_backup)
+    raise ValueError(f"after_backup must be a bool, 'neural' or 'fast', got {after_backup!r}")

@@ -1,0 +1,213 @@
+"""The one verification rule: speculative sampling (Leviathan et al.; Chen et al.).
+
+Every mode (SD, SSD hits and misses, every PyramidSD stage) checks proposed
+tokens with this file and nothing else. A proposed token ``x`` drawn from a law
+``q`` is accepted with probability ``min(1, p(x) / q(x))``; at the first
+rejection the emitted token is drawn from ``norm(max(0, p - q))``; when every
+proposed token is accepted a bonus token is drawn from the next row of ``p``.
+The emitted tokens then have exactly the law ``p`` whatever ``q`` is, *provided
+``q`` is the law the token was really drawn from* and the uniforms used here are
+independent of the ones the proposal used.
+
+Special cases are not special rules:
+
+* temperature 0: ``p`` rows are one-hot (see :func:`process_logits`), so the
+  same arithmetic accepts iff ``x == argmax p`` and emits ``argmax p`` at the
+  first mismatch;
+* deterministic proposals (backup guesses, n-grams, point-mass drafts): ``q`` is
+  :func:`point_mass`, which makes the rule accept with probability ``p(x)`` and
+  on rejection draw from ``p`` with ``x`` zeroed and renormalised.
+
+Uniform layout (``u [B, K+1, 2]``): ``u[b, i, 0]`` is the accept test at draft
+position ``i``; ``u[b, i, 1]`` is the draw of the recovery token (first rejection
+at ``i``) or of the bonus token (``i == draft_lens[b]``). A position uses at most
+one of each, so no uniform is ever reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import sample_from
+
+
+def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """``min(1, p(x) / q(x))`` elementwise.
+
+    A drawn token always has ``q(x) > 0``. Padding positions (beyond a row's
+    draft length) may carry ``q(x) == 0``; they get 1 when ``p(x) > 0`` and 0
+    otherwise so the result is always finite — their decision is ignored anyway.
+    """
+    p_x, q_x = torch.broadcast_tensors(*_promote(p_x, q_x))
+    safe_q = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
+    ratio = (p_x / safe_q).clamp(0.0, 1.0)
+    return torch.where(q_x > 0, ratio, (p_x > 0).to(ratio.dtype))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` over the last dimension.
+
+    When ``p == q`` the residual has no mass; a rejection then has probability 0,
+    so any law is correct there. We return ``p`` (not NaN) so batched code can
+    compute every row unconditionally.
+    """
+    p, q = _promote(p, q)
+    r = (p - q).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / torch.where(mass > 0, mass, torch.ones_like(mass)), p)
+
+
+def point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """One-hot laws ``δ_x`` (fp32, shape ``[..., vocab]``) for deterministic proposals.
+
+    Verifying a guess against ``δ_x`` is exact for any way the guess was made,
+    as long as it does not depend on the verification uniforms.
+    """
+    return torch.nn.functional.one_hot(tokens.long(), vocab).float()
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification round for a batch of sequences.
+
+    ``accepted[b]`` (k) draft tokens were accepted, then ``next_token[b]`` (t*)
+    was emitted: a recovery token when ``rejected[b]`` (rejection at position k),
+    else the bonus token drawn from ``p[b, k]``. The SSD cache key is (k, t*).
+    """
+
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    rejected: torch.Tensor
+    draft_tokens: torch.Tensor
+
+    def emitted(self, b: int) -> list[int]:
+        """The tokens sequence ``b`` gains this round: ``draft[:k] + [t*]``."""
+        k = int(self.accepted[b])
+        return self.draft_tokens[b, :k].tolist() + [int(self.next_token[b])]
+
+    def emitted_all(self) -> list[list[int]]:
+        """:meth:`emitted` for every row (one device-to-host copy per tensor)."""
+        acc = self.accepted.tolist()
+        nxt = self.next_token.tolist()
+        drafts = self.draft_tokens.tolist()
+        return [drafts[b][: acc[b]] + [nxt[b]] for b in range(len(acc))]
+
+
+def accept_decisions(
+    p: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """The per-position accept test ``u[:, i, 0] < min(1, p_i(x_i) / q_i(x_i))``: ``[B, K]`` bool.
+
+    Decisions are computed for every position (including padding beyond a row's
+    draft length); :func:`resolve` keeps only the leading run within the length.
+    ``q is None`` means point masses on the draft tokens (``q_i(x_i) = 1``).
+    """
+    B, K = draft_tokens.shape
+    if K == 0:
+        return torch.zeros(B, 0, dtype=torch.bool, device=p.device)
+    idx = draft_tokens.long().clamp(0, p.shape[-1] - 1).unsqueeze(-1)
+    p_x = p[:, :K].gather(-1, idx).squeeze(-1)
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, idx).squeeze(-1)
+    a = acceptance_probability(p_x, q_x)
+    return u[:, :K, 0].to(a.device) < a
+
+
+def resolve(
+    p: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_lens: torch.Tensor,
+    u: torch.Tensor,
+    accept: torch.Tensor,
+) -> VerifyResult:
+    """Turn per-position accept decisions into (k, t*).
+
+    k is the length of the leading run of accepted positions, capped at
+    ``draft_lens``. If ``k < draft_lens`` t* is drawn from the residual at
+    position k, otherwise the bonus is drawn from ``p[:, k]``; both with
+    ``u[:, k, 1]``. Shared by :func:`verify` and the fuzzy rule so the
+    residual/bonus step exists once.
+    """
+    B, K = draft_tokens.shape
+    V = p.shape[-1]
+    dev = p.device
+    lens = draft_lens.to(dev).long()
+    if K:
+        valid = torch.arange(K, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        run = torch.cumprod((accept.to(dev) & valid).long(), dim=1)
+        k = run.sum(dim=1)
+    else:
+        k = torch.zeros(B, dtype=torch.long, device=dev)
+    rejected = k < lens
+    rows = torch.arange(B, device=dev)
+    p_k = p[rows, k]
+    if K:
+        kq = k.clamp_max(K - 1)
+        if q is None:
+            x_k = draft_tokens.to(dev).long()[rows, kq].clamp(0, V - 1)
+            q_k = point_mass(x_k, V)
+        else:
+            q_k = q[rows, kq]
+        dist = torch.where(rejected.unsqueeze(-1), residual_distribution(p_k, q_k), p_k)
+    else:
+        dist = p_k
+    t = sample_from(dist, u[rows.to(u.device), k.to(u.device), 1]).to(dev)
+    return VerifyResult(accepted=k, next_token=t, rejected=rejected, draft_tokens=draft_tokens)
+
+
+def verify(
+    p: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_lens: torch.Tensor,
+    u: torch.Tensor,
+) -> VerifyResult:
+    """Speculative-sampling verification of a ragged batch.
+
+    Args:
+        p: ``[B, K+1, V]`` the target's *processed* law at each position (row i
+            predicts the token after the first i draft tokens; row K is the bonus).
+        draft_tokens: ``[B, K]`` proposed tokens; entries beyond ``draft_lens``
+            are ignored (any value, e.g. -1 padding).
+        q: ``[B, K, V]`` the exact law each draft token was drawn from (Saguaro's
+            q', never the unscaled q). ``None`` means point masses (deterministic
+            proposals, or a greedy draft whose q rows are one-hot anyway).
+        draft_lens: ``[B]`` real draft length per row, ``0 <= draft_lens <= K``.
+        u: ``[B, K+1, 2]`` independent U[0,1) uniforms (layout in the module doc).
+    """
+    check_inputs(p, draft_tokens, q, draft_lens, u)
+    accept = accept_decisions(p, draft_tokens, q, u)
+    return resolve(p, draft_tokens, q, draft_lens, u, accept)
+
+
+def check_inputs(
+    p: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_lens: torch.Tensor,
+    u: torch.Tensor,
+) -> None:
+    """Raise ValueError on inconsistent shapes or draft lengths (shared with the fuzzy rule)."""
+    B, K = draft_tokens.shape
+    if p.dim() != 3 or p.shape[0] != B or p.shape[1] != K + 1:
+        raise ValueError(f"p must be [B, K+1, V] = [{B}, {K + 1}, V], got {tuple(p.shape)}")
+    if q is not None and tuple(q.shape) != (B, K, p.shape[-1]):
+        raise ValueError(f"q must be [B, K, V] = [{B}, {K}, {p.shape[-1]}], got {tuple(q.shape)}")
+    if tuple(u.shape) != (B, K + 1, 2):
+        raise ValueError(f"u must be [B, K+1, 2] = [{B}, {K + 1}, 2], got {tuple(u.shape)}")
+    if tuple(draft_lens.shape) != (B,):
+        raise ValueError(f"draft_lens must be [B] = [{B}], got {tuple(draft_lens.shape)}")
+    if B and (bool((draft_lens < 0).any()) or bool((draft_lens > K).any())):
+        raise ValueError(f"draft_lens must lie in [0, K={K}], got {draft_lens.tolist()}")
+
+
+def _promote(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    return a.to(dtype), b.to(dtype)

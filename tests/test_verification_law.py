@@ -1,0 +1,371 @@
+"""The verification law, proved by exact enumeration, then checked against `verify`.
+
+Part 1 enumerates every path of repeated verification rounds (draft draws,
+accept/reject, residual and bonus draws) on a small vocabulary and shows the
+emitted tokens have exactly the target's autoregressive law — for a full draft
+q, Saguaro's q' for several (F, C), and point-mass proposals. Part 2 shows that
+`verify` really is built from those pieces (decisions, residual draws, bonus)
+and matches p empirically. Part 3 covers greedy rows and ragged lengths.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from saguaro_ray.algorithms.sampling import process_logits, sample_from
+from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
+from saguaro_ray.algorithms.verification import (
+    acceptance_probability,
+    point_mass,
+    residual_distribution,
+    verify,
+)
+from saguaro_ray.errors import ConfigError
+
+V = 5
+
+
+# ---------------------------------------------------------------- random laws
+
+def _gen(*key: object) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def random_law(*key: object, sparse: bool = True) -> torch.Tensor:
+    """A float64 law on V tokens, deterministic in ``key``; ``sparse`` zeroes some
+    tokens (like top-k / top-p filtering) but always keeps at least one."""
+    g = _gen(*key)
+    w = torch.rand(V, generator=g, dtype=torch.float64) ** 3 + 1e-3
+    if sparse:
+        drop = torch.rand(V, generator=g) < 0.3
+        drop[int(torch.randint(V, (1,), generator=g))] = False
+        w = w.masked_fill(drop, 0.0)
+    return w / w.sum()
+
+
+def target_law(prefix: tuple[int, ...]) -> torch.Tensor:
+    return random_law("p", prefix)
+
+
+def proposal_maker(kind: str, f: int = 0, c: float = 1.0):
+    """Q(prefix) for a proposal family (the law the proposal is really drawn from)."""
+
+    def full(prefix):
+        return random_law("q", prefix)
+
+    def saguaro(prefix):
+        return saguaro_rescale(random_law("q", prefix, sparse=False), f, c)
+
+    def point(prefix):
+        g = _gen("x", prefix)
+        return point_mass(torch.randint(V, (), generator=g), V).double()
+
+    def mixed(prefix):  # a different family at each depth
+        return [full, saguaro, point][len(prefix) % 3](prefix)
+
+    return {"full": full, "saguaro": saguaro, "point": point, "mixed": mixed}[kind]
+
+
+# ------------------------------------------------------------ exact enumeration
+
+class Enumerator:
+    """Exact law of the next ``n`` emitted tokens under repeated verification rounds
+    with speculation length ``K``, built only from `acceptance_probability` and
+    `residual_distribution` (the bonus comes from P at depth K)."""
+
+    def __init__(self, P, Q, K: int):
+        self.P, self.Q, self.K = P, Q, K
+        self._rows: dict[tuple[int, ...], tuple] = {}
+
+    def rows(self, prefix):
+        if prefix not in self._rows:
+            p, q = self.P(prefix), self.Q(prefix)
+            a = acceptance_probability(p, q)
+            r = residual_distribution(p, q)
+            self._rows[prefix] = (p.tolist(), q.tolist(), a.tolist(), r.tolist())
+        return self._rows[prefix]
+
+    def law(self, prefix: tuple[int, ...], n: int) -> torch.Tensor:
+        out = torch.zeros([V] * n, dtype=torch.float64)
+        self._round(prefix, 0, (), 1.0, n, out)
+        return out
+
+    def _round(self, pre, i, emitted, prob, n, out):
+        if len(emitted) == n:
+            out[emitted] += prob
+            return
+        if prob == 0.0:
+            return
+        if i == self.K:  # every draft token accepted: bonus from p
+            p = self.P(pre)
+            for t in range(V):
+                self._round(pre + (t,), 0, emitted + (t,), prob * float(p[t]), n, out)
+            return
+        p, q, a, r = self.rows(pre)
+        for x in range(V):
+            if q[x] == 0.0:
+                continue
+            # accepted: x is emitted, the round continues at position i + 1
+            self._round(pre + (x,), i + 1, emitted + (x,), prob * q[x] * a[x], n, out)
+            # rejected: a recovery token from the residual ends the round
+            for t in range(V):
+                w = prob * q[x] * (1.0 - a[x]) * r[t]
+                if w:
+                    self._round(pre + (t,), 0, emitted + (t,), w, n, out)
+
+
+def autoregressive_law(P, prefix, n) -> torch.Tensor:
+    out = torch.zeros([V] * n, dtype=torch.float64)
+    for toks in itertools.product(range(V), repeat=n):
+        prob, pre = 1.0, prefix
+        for t in toks:
+            prob *= float(P(pre)[t])
+            pre = pre + (t,)
+        out[toks] = prob
+    return out
+
+
+PROPOSALS = [
+    ("full", 0, 1.0),
+    ("saguaro", 0, 0.5),
+    ("saguaro", 1, 0.2),
+    ("saguaro", 2, 0.05),
+    ("saguaro", 3, 1.0),
+    ("point", 0, 1.0),
+    ("mixed", 1, 0.3),
+]
+
+
+@pytest.mark.parametrize("kind,f,c", PROPOSALS)
+@pytest.mark.parametrize("root", [(), (3,), (1, 4)])
+def test_first_token_law_is_p(kind, f, c, root):
+    Q = proposal_maker(kind, f, c)
+    p, q = target_law(root), Q(root)
+    a, r = acceptance_probability(p, q), residual_distribution(p, q)
+    # Σ_x q(x) [a(x) δ_x + (1 - a(x)) r]
+    law = q * a + (q * (1 - a)).sum() * r
+    assert torch.allclose(law, p, atol=1e-9, rtol=0)
+    assert abs(float(law.sum()) - 1) < 1e-9
+
+
+@pytest.mark.parametrize("kind,f,c", PROPOSALS)
+def test_joint_law_of_emitted_tokens_is_autoregressive_p(kind, f, c):
+    # K = 2; three tokens cover accept/accept/bonus, accept/reject, reject then a
+    # new round, with p and q conditional on every earlier token.
+    enum = Enumerator(target_law, proposal_maker(kind, f, c), K=2)
+    for root, n in [((), 2), ((2,), 3)]:
+        got = enum.law(root, n)
+        want = autoregressive_law(target_law, root, n)
+        assert torch.allclose(got, want, atol=1e-9, rtol=0), (kind, f, c, root, n)
+
+
+def test_k3_mixed_proposals_three_tokens():
+    enum = Enumerator(target_law, proposal_maker("mixed", 2, 0.4), K=3)
+    assert torch.allclose(enum.law((), 3), autoregressive_law(target_law, (), 3), atol=1e-9, rtol=0)
+
+
+def test_verifying_saguaro_draws_against_unscaled_q_is_biased():
+    """Negative control: the draft samples q' but the verifier uses q — not exact."""
+    base = proposal_maker("saguaro", 1, 1.0)  # q itself
+    scaled = proposal_maker("saguaro", 1, 0.2)  # q'
+    p, q, q2 = target_law(()), base(()), scaled(())
+    a, r = acceptance_probability(p, q), residual_distribution(p, q)
+    wrong = q2 * a + (q2 * (1 - a)).sum() * r  # x ~ q', rule applied with q
+    assert (wrong - p).abs().max() > 1e-3
+
+
+def test_point_mass_rule_is_accept_px_then_p_without_x():
+    p = target_law(())
+    for x in range(V):
+        q = point_mass(torch.tensor(x), V).double()
+        assert torch.isclose(acceptance_probability(p[x], q[x]), p[x])
+        if p[x] < 1:
+            want = p.clone()
+            want[x] = 0
+            assert torch.allclose(residual_distribution(p, q), want / want.sum())
+
+
+def test_residual_of_identical_laws_is_p_not_nan():
+    p = target_law((1,))
+    r = residual_distribution(p, p.clone())
+    assert torch.equal(r, p)
+    assert torch.isfinite(acceptance_probability(torch.tensor(0.3), torch.tensor(0.0)))
+
+
+def test_saguaro_rescale_properties():
+    q = torch.tensor([[0.1, 0.4, 0.1, 0.3, 0.1]], dtype=torch.float64)
+    assert saguaro_rescale(q, 2, 1.0) is q
+    q2 = saguaro_rescale(q, 1, 0.5)  # top-2: tokens 1 and 3
+    want = torch.tensor([[0.1, 0.2, 0.1, 0.15, 0.1]], dtype=torch.float64)
+    assert torch.allclose(q2, want / want.sum())
+    # ties: lowest token id first (tokens 0, 2, 4 tie at 0.1; top-3 = 1, 3, 0)
+    q3 = saguaro_rescale(q, 2, 0.5)
+    scaled = (q3 / q)[0]
+    assert torch.allclose(scaled[[1, 3, 0]], scaled[1].expand(3))
+    assert torch.allclose(scaled[[2, 4]], scaled[2].expand(2))
+    assert scaled[1] < scaled[2]
+    # per-row fan-out
+    rows = q.expand(2, 5)
+    both = saguaro_rescale(rows, torch.tensor([0, 1]), 0.5)
+    assert torch.allclose(both[1], q2[0])
+    assert torch.allclose(both[0], saguaro_rescale(q, 0, 0.5)[0])
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError):
+            saguaro_rescale(q, 1, bad)
+    with pytest.raises(ConfigError):
+        saguaro_rescale(q, -1, 0.5)
+
+
+# ------------------------------------------------- `verify` is built from the pieces
+
+def _random_case(B: int, K: int, seed: int, point: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(3 * torch.randn(B, K + 1, V, generator=g, dtype=torch.float64), -1)
+    p = p.masked_fill(torch.rand(B, K + 1, V, generator=g) < 0.2, 0.0)
+    p[..., 0] += 1e-3
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.softmax(2 * torch.randn(B, K, V, generator=g, dtype=torch.float64), -1)
+    draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K)
+    if point:
+        q = point_mass(draft, V).double()
+    lens = torch.randint(0, K + 1, (B,), generator=g)
+    return p, draft, q, lens, g
+
+
+def _reference(p, draft, q, lens, u):
+    """Per-row loop: the textbook rule, from the same pieces."""
+    ks, ts = [], []
+    for b in range(p.shape[0]):
+        k = 0
+        while k < int(lens[b]):
+            x = int(draft[b, k])
+            if not float(u[b, k, 0]) < float(acceptance_probability(p[b, k, x], q[b, k, x])):
+                break
+            k += 1
+        dist = residual_distribution(p[b, k], q[b, k]) if k < int(lens[b]) else p[b, k]
+        ks.append(k)
+        ts.append(int(sample_from(dist.unsqueeze(0), u[b, k, 1].reshape(1))[0]))
+    return ks, ts
+
+
+@pytest.mark.parametrize("point", [False, True])
+def test_verify_decisions_and_draws_match_the_rule_on_a_grid(point):
+    K = 3
+    p, draft, q, lens, g = _random_case(64, K, seed=7, point=point)
+    grid = torch.linspace(0, 1, 9, dtype=torch.float64)[:-1]
+    for u0 in grid:
+        for u1 in (0.0, 0.37, 0.999):
+            u = torch.empty(64, K + 1, 2, dtype=torch.float64)
+            u[..., 0] = (u0 + 0.1 * torch.rand(64, K + 1, generator=g, dtype=torch.float64)) % 1.0
+            u[..., 1] = u1
+            res = verify(p, draft, q, lens, u)
+            ks, ts = _reference(p, draft, q, lens, u)
+            assert res.accepted.tolist() == ks
+            assert res.next_token.tolist() == ts
+            assert res.rejected.tolist() == [k < int(n) for k, n in zip(ks, lens)]
+    # q = None is the point-mass rule without materialising q
+    if point:
+        u = torch.rand(64, K + 1, 2, generator=g, dtype=torch.float64)
+        a, b = verify(p, draft, q, lens, u), verify(p, draft, None, lens, u)
+        assert torch.equal(a.accepted, b.accepted) and torch.equal(a.next_token, b.next_token)
+
+
+def test_accept_test_is_strict_u_less_than_a():
+    p = torch.tensor([[[0.2, 0.8], [0.5, 0.5]]], dtype=torch.float64)
+    q = torch.tensor([[[0.5, 0.5]]], dtype=torch.float64)
+    draft, lens = torch.tensor([[0]]), torch.tensor([1])
+    a = 0.2 / 0.5
+    for u0, acc in [(a, 0), (a - 1e-12, 1), (0.0, 1), (0.999, 0)]:
+        u = torch.tensor([[[u0, 0.5], [0.0, 0.5]]], dtype=torch.float64)
+        res = verify(p, draft, q, lens, u)
+        assert int(res.accepted[0]) == acc
+        if not acc:  # residual max(0, p - q) = [0, 0.3] → token 1
+            assert int(res.next_token[0]) == 1
+
+
+def test_verify_first_token_frequencies_match_p():
+    N, K = 20000, 2
+    g = torch.Generator().manual_seed(1234)
+    p_row = random_law("emp", "p")
+    q_row = saguaro_rescale(random_law("emp", "q", sparse=False), 1, 0.3)
+    p = torch.stack([p_row, random_law("emp", 1), random_law("emp", 2)]).expand(N, K + 1, V)
+    q = torch.stack([q_row, random_law("emp", "q1")]).expand(N, K, V)
+    draft = torch.multinomial(q.reshape(-1, V), 1, replacement=True, generator=g).reshape(N, K)
+    u = torch.rand(N, K + 1, 2, generator=g, dtype=torch.float64)
+    res = verify(p, draft, q, torch.full((N,), K), u)
+    first = torch.where(res.accepted > 0, draft[:, 0], res.next_token)
+    freq = torch.bincount(first, minlength=V).double() / N
+    se = (p_row * (1 - p_row) / N).sqrt()
+    assert ((freq - p_row).abs() <= 5 * se + 1e-12).all(), (freq, p_row)
+    assert (freq[p_row == 0] == 0).all()
+    chi2 = float((((freq - p_row) ** 2) / p_row.clamp_min(1e-12))[p_row > 0].sum() * N)
+    assert chi2 < 20.5  # 99.9% quantile for up to 4 degrees of freedom is 18.5
+
+
+# ------------------------------------------------------------ greedy and ragged
+
+@pytest.mark.parametrize("draft_q", ["point", "none", "stochastic"])
+def test_greedy_rows_accept_the_argmax_prefix(draft_q):
+    B, K, Vg = 40, 4, 7
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (B, K + 1, Vg), generator=g).float()  # many ties
+    p = process_logits(logits.reshape(-1, Vg), [0.0] * (B * (K + 1))).reshape(B, K + 1, Vg)
+    best = logits.argmax(-1)  # torch: first maximal index = lowest id
+    draft = torch.where(torch.rand(B, K, generator=g) < 0.75, best[:, :K], torch.randint(0, Vg, (B, K), generator=g))
+    lens = torch.randint(0, K + 1, (B,), generator=g)
+    lens[:3] = torch.tensor([0, K, K])
+    draft[1] = best[1, :K]  # a row that accepts everything → bonus argmax
+    if draft_q == "point":
+        q = point_mass(draft, Vg)
+    elif draft_q == "none":
+        q = None
+    else:  # a draft sampling at T > 0 with q(x) > 0 everywhere
+        q = torch.softmax(torch.randn(B, K, Vg, generator=g), -1)
+    # padding beyond the draft length must be ignored
+    draft = torch.where(torch.arange(K) < lens.unsqueeze(1), draft, torch.full_like(draft, -1))
+    u = torch.rand(B, K + 1, 2, generator=g, dtype=torch.float64)
+    res = verify(p, draft, q, lens, u)
+    for b in range(B):
+        k = 0
+        while k < int(lens[b]) and int(draft[b, k]) == int(best[b, k]):
+            k += 1
+        assert int(res.accepted[b]) == k
+        assert int(res.next_token[b]) == int(best[b, k])
+        assert res.emitted(b) == draft[b, :k].tolist() + [int(best[b, k])]
+    assert res.emitted_all() == [res.emitted(b) for b in range(B)]
+    assert int(res.accepted[1]) == K and not bool(res.rejected[1])
+
+
+def test_zero_draft_length_samples_t_star_from_p0():
+    B, K = 6, 3
+    p, draft, q, _, g = _random_case(B, K, seed=11)
+    lens = torch.zeros(B, dtype=torch.long)
+    u = torch.rand(B, K + 1, 2, generator=g, dtype=torch.float64)
+    res = verify(p, draft, q, lens, u)
+    assert res.accepted.tolist() == [0] * B
+    assert not bool(res.rejected.any())
+    assert torch.equal(res.next_token, sample_from(p[:, 0], u[:, 0, 1]))
+
+
+def test_no_draft_positions_at_all():
+    B, V0 = 3, 6
+    p = torch.softmax(torch.randn(B, 1, V0), -1)
+    u = torch.rand(B, 1, 2, dtype=torch.float64)
+    res = verify(p, torch.zeros(B, 0, dtype=torch.long), None, torch.zeros(B, dtype=torch.long), u)
+    assert torch.equal(res.next_token, sample_from(p[:, 0], u[:, 0, 1]))
+    assert res.emitted(0) == [int(res.next_token[0])]
+
+
+def test_shape_errors_are_reported():
+    p, draft, q, lens, _ = _random_case(2, 2, seed=0)
+    u = torch.rand(2, 3, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="u must be"):
+        verify(p, draft, q, lens, u[:, :2])
+    with pytest.raises(ValueError, match="draft_lens"):
+        verify(p, draft, q, torch.tensor([0, 3]), u)
+    with pytest.raises(ValueError, match="p must be"):
+        verify(p[:, :2], draft, q, lens, u)
