@@ -168,11 +168,32 @@ def _cmd_zoo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD on the built-in model family")
+    p.add_argument("--preset", default="tiny", help="zoo preset (tiny | small)")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (in-process engine)")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from saguaro_ray.demo import format_rows, run_demo
+
+    rows = run_demo(args.preset, args.prompts, args.max_tokens, args.k, args.budget, args.threads)
+    print(f"saguaro-ray demo: zoo:{args.preset} family, {args.prompts} held-out prompts, temperature 0")
+    print(format_rows(rows))
+    return 0 if all(r.same_as_ar for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro-ray", description="Exact speculative decoding on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_demo(sub)
     _add_zoo(sub)
     return parser
 

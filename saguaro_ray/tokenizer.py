@@ -41,3 +41,32 @@ def check_same_vocabulary(target_tok: Any, other_tok: Any, other_name: str) -> N
         f"{other_name} tokenizer maps tokens differently from the target's (e.g. {differing}); "
         "speculation needs one shared vocabulary"
     )
+
+
+class IncrementalDecoder:
+    """Turns a growing token stream into text chunks for streaming.
+
+    Byte-level BPE tokens can split a UTF-8 character, so text is only
+    released once decoding the tokens so far no longer ends in a replacement
+    character; the concatenated chunks equal decoding everything at once.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = 0  # characters of the decoded text already released
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        chunk = text[self.emitted :]
+        self.emitted = len(text)
+        return chunk
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        chunk = text[self.emitted :]
+        self.emitted = len(text)
+        return chunk

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
+import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine.rounds import RoundLoop
+from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.transport import InProcessWorker
 from saguaro_ray.errors import ConfigError, IncompatibleModelsError, PromptTooLongError
-from saguaro_ray.tokenizer import check_same_vocabulary, load_tokenizer
+from saguaro_ray.tokenizer import IncrementalDecoder, check_same_vocabulary, load_tokenizer
 from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
@@ -101,7 +104,9 @@ class LocalEngine:
             draft=self.workers.get("draft"),
             qualifier=self.workers.get("qualifier"),
         )
+        self.scheduler = Scheduler(self.loop, config.max_batch_size)
         self._next_id = 0
+        self._id_lock = threading.Lock()
 
     @property
     def mode(self) -> str:
@@ -112,6 +117,7 @@ class LocalEngine:
         return self.loop.timeline
 
     def close(self) -> None:
+        self.scheduler.shutdown()
         for w in self.workers.values():
             w.close()
 
@@ -156,8 +162,9 @@ class LocalEngine:
         return seqs
 
     def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+        with self._id_lock:
+            self._next_id += 1
+            return self._next_id
 
     # ------------------------------------------------------------ generation
     def generate(
@@ -168,15 +175,30 @@ class LocalEngine:
     ) -> list[GenerationResult]:
         """Generate ``n`` samples for every prompt; results in (prompt, sample) order."""
         seqs = self.make_sequences(prompts, params, n)
-        bs = self.config.max_batch_size
-        for start in range(0, len(seqs), bs):
-            batch = seqs[start : start + bs]
-            t0 = time.perf_counter()
-            self.loop.run(batch)
-            elapsed = time.perf_counter() - t0
-            for s in batch:
-                s.stats["seconds"] = round(elapsed, 6)
+        t0 = time.perf_counter()
+        futures = [self.scheduler.submit([s for s in seqs if s.prompt_index == i]) for i in range(len(prompts))]
+        for f in futures:
+            f.result()
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats["seconds"] = round(elapsed, 6)
         return [self._result(s) for s in seqs]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[str]:
+        """Yield text chunks of one sample as rounds complete."""
+        [seq] = self.make_sequences([prompt], params, 1)
+        chunks: queue.Queue[list[int] | None] = queue.Queue()
+        fut = self.scheduler.submit([seq], lambda s, toks: chunks.put(list(toks)))
+        fut.add_done_callback(lambda _: chunks.put(None))
+        decoder = IncrementalDecoder(self.tokenizer)
+        while (toks := chunks.get()) is not None:
+            text = decoder.push(toks)
+            if text:
+                yield text
+        fut.result()  # re-raise a failure
+        tail = decoder.flush()
+        if tail:
+            yield tail
 
     def _result(self, s: SequenceState) -> GenerationResult:
         return GenerationResult(

@@ -147,47 +147,62 @@ class RoundLoop:
 
     # -------------------------------------------------------------- run
     def run(self, seqs: list[SequenceState]) -> None:
-        """Generate until every sequence in ``seqs`` has finished."""
-        running = [s for s in seqs if not s.finished]
+        """Generate until every sequence in ``seqs`` has finished (static batch)."""
+        running: list[SequenceState] = []
         try:
-            self._first_round(running)
-            running = self._retire(running)
-            mode = self.spec.mode
+            running = self.admit([s for s in seqs if not s.finished])
             while running:
-                rec = RoundRecord(index=len(self.timeline), batch=len(running))
-                if mode == "ar":
-                    self._round_ar(running, rec)
-                elif mode == "sd":
-                    self._round_sd(running, rec)
-                elif mode == "ssd":
-                    self._round_ssd(running, rec)
-                else:
-                    self._round_pyramid(running, rec)
-                self.timeline.append(rec)
-                running = self._retire(running)
+                running = self.advance(running)
         finally:
-            self._release([s for s in running])
+            self.release(running)
+
+    def admit(self, new: list[SequenceState]) -> list[SequenceState]:
+        """Prefill new sequences on every worker concurrently (the target samples
+        their first token) — they join the running batch at a round boundary.
+        Returns those still running; finished ones are released and finalised."""
+        if not new:
+            return []
+        steps = [self.step(s) for s in new]
+        rec = RoundRecord(index=len(self.timeline), batch=len(new))
+        fut_t = self.target.submit("verify", [VerifyItem(st, Proposal([])) for st in steps])
+        others = [w.submit("prefill", steps) for w in (self.draft, self.qualifier) if w is not None]
+        try:
+            outcomes, rec.verify = _timed(fut_t)
+        finally:
+            for f in others:
+                f.result()
+        self._emit(new, [Proposal([])] * len(new), outcomes, rec)
+        self.timeline.append(rec)
+        return self._retire(new)
+
+    def advance(self, running: list[SequenceState]) -> list[SequenceState]:
+        """One round of the configured mode for every running sequence; returns
+        those still running (finished ones are released and finalised)."""
+        rec = RoundRecord(index=len(self.timeline), batch=len(running))
+        mode = self.spec.mode
+        if mode == "ar":
+            self._round_ar(running, rec)
+        elif mode == "sd":
+            self._round_sd(running, rec)
+        elif mode == "ssd":
+            self._round_ssd(running, rec)
+        else:
+            self._round_pyramid(running, rec)
+        self.timeline.append(rec)
+        return self._retire(running)
+
+    def release(self, seqs: list[SequenceState]) -> None:
+        """Free unfinished sequences everywhere (cancellation or failure)."""
+        self._release(seqs)
         for s in seqs:
             self._finish_stats(s)
 
     def _retire(self, running: list[SequenceState]) -> list[SequenceState]:
         done = [s for s in running if s.finished]
         self._release(done)
+        for s in done:
+            self._finish_stats(s)
         return [s for s in running if not s.finished]
-
-    def _first_round(self, running: list[SequenceState]) -> None:
-        """Prefill every worker concurrently; the target samples the first token."""
-        if not running:
-            return
-        steps = [self.step(s) for s in running]
-        rec = RoundRecord(index=len(self.timeline), batch=len(running))
-        fut_t = self.target.submit("verify", [VerifyItem(st, Proposal([])) for st in steps])
-        others = [w.submit("prefill", steps) for w in (self.draft, self.qualifier) if w is not None]
-        outcomes, rec.verify = _timed(fut_t)
-        for f in others:
-            f.result()
-        self._emit(running, [Proposal([])] * len(running), outcomes, rec)
-        self.timeline.append(rec)
 
     def _round_ar(self, running: list[SequenceState], rec: RoundRecord) -> None:
         items = [VerifyItem(self.step(s), Proposal([])) for s in running]

@@ -1,0 +1,935 @@
+"""The control plane over ZeroMQ: worker commands and the outcome broadcast.
+
+Every frame is a :class:`~saguaro_ray.runtime.wire.FrameCodec` frame
+(HMAC-SHA256 ‖ msgpack); a frame that fails authentication or decoding is
+dropped and counted (``dropped_frames``, ``drop_reasons``), never acted on.
+Every receive polls with a timeout, so every loop notices ``close()``.
+
+Commands — ROUTER (worker, binds) ⇄ DEALER (coordinator, connects).
+    One endpoint per worker carries both directions; calls are pipelined (a
+    DEALER does not wait for a reply before the next request, unlike REQ),
+    and the ROUTER routes each reply back to the connection it came from, so
+    a worker can also answer a second client (a restarted coordinator)
+    without any handshake. A PUSH/PULL pair would need a second endpoint and
+    the worker connecting back to the coordinator, for nothing gained. The
+    :class:`CommandServer` runs calls on *one* thread in arrival order — the
+    same guarantee a Ray actor (and ``InProcessWorker``) gives.
+
+Broadcast — XPUB (coordinator, binds) → SUB (workers, connect), in
+    ``XPUB_MANUAL`` mode. A :class:`Subscriber` sends, as a subscription, an
+    authenticated hello naming its topics; only on receiving it does the
+    :class:`Broadcaster` subscribe that connection to those topics. So
+    :meth:`Broadcaster.wait_for_subscribers` returning means every counted
+    subscriber *is* subscribed — the first message published afterwards
+    reaches it (no slow-joiner loss) — and a peer without the key receives
+    nothing at all. ``XPUB_NODROP`` makes a full queue raise instead of
+    silently dropping a message.
+
+Threads. ZeroMQ sockets are not thread-safe; a socket may only move between
+threads across a full memory barrier. :class:`CommandServer` and
+:class:`CommandClient` each own their network socket on one private thread.
+``CommandClient.submit`` may be called from any thread: it encodes on the
+caller's thread, then hands the frame to the I/O thread through an
+``inproc://`` PAIR socket whose sending end is guarded by a lock (the lock is
+the barrier); the I/O thread polls that PAIR and the DEALER together, so a
+submit is sent at once and replies are matched to futures by id.
+:class:`Broadcaster` and :class:`Subscriber` have no thread: each serialises
+calls on its one socket with a lock, so any thread may call them.
+
+Endpoints come from :func:`bind_endpoint`: ``tcp://HOST:PORT`` on an
+ephemeral port, or an ``ipc://`` socket in a fresh private (0700) temp dir
+when ``host`` is ``None`` (same node), released by the owner's ``close()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import zmq
+
+from saguaro_ray.errors import SaguaroError
+from saguaro_ray.runtime.wire import MALFORMED, BadFrame, EncodeError, FrameCodec
+from saguaro_ray.workers.messages import Timed
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Broadcaster",
+    "ClientClosed",
+    "CommandClient",
+    "CommandServer",
+    "ControlError",
+    "RemoteError",
+    "Subscriber",
+    "SubscriberTimeout",
+    "WorkerTimeout",
+    "bind_endpoint",
+    "release_endpoint",
+]
+
+METHOD_NOT_ALLOWED = "MethodNotAllowed"
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+_PING = "__ping__"
+_STATS = "__stats__"
+_IPC_PREFIX = "saguaro-zmq-"
+_DATA = b"D"  # broadcast topic prefix
+_HELLO = b"H"  # subscription-handshake prefix
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ControlError(SaguaroError, RuntimeError):
+    """The control plane could not deliver a call or a message."""
+
+
+class RemoteError(ControlError):
+    """A worker method raised; ``type_name`` is the remote exception's class name."""
+
+    def __init__(self, type_name: str, message: str, worker: str = "", remote_traceback: str = "") -> None:
+        self.type_name = type_name
+        self.message = message
+        self.worker = worker
+        self.remote_traceback = remote_traceback
+        where = f"worker {worker!r} raised " if worker else ""
+        super().__init__(f"{where}{type_name}: {message}")
+
+    def __reduce__(self) -> tuple:
+        return (RemoteError, (self.type_name, self.message, self.worker, self.remote_traceback))
+
+
+class WorkerTimeout(ControlError, TimeoutError):
+    """A worker did not answer a call within its timeout (the call may still run there)."""
+
+
+class ClientClosed(ControlError):
+    """The command client was closed before the call was answered."""
+
+
+class SubscriberTimeout(ControlError, TimeoutError):
+    """Fewer subscribers than required joined a broadcast in time."""
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+def _ipc_dir_root() -> str:
+    root = tempfile.gettempdir()
+    # a unix socket path must fit in ~107 bytes
+    return root if len(root) <= 60 else "/tmp"
+
+
+def bind_endpoint(sock: zmq.Socket, host: str | None, *, name: str = "control") -> str:
+    """Bind ``sock`` and return the concrete endpoint to connect to.
+
+    ``host`` given: ``tcp://host:*`` — an ephemeral port on that address
+    (IPv6 literals allowed). ``None``: an ``ipc://`` socket in a new private
+    temp dir (same-node peers only); :func:`release_endpoint` removes it.
+    """
+    if host is None:
+        d = tempfile.mkdtemp(prefix=_IPC_PREFIX, dir=_ipc_dir_root())
+        sock.bind(f"ipc://{os.path.join(d, name)}.sock")
+    else:
+        if not host or any(c in host for c in "/*[]"):
+            raise ValueError(f"host must be an IP address or host name, got {host!r}")
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.bind(f"tcp://[{host}]:*")
+        else:
+            sock.bind(f"tcp://{host}:*")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def release_endpoint(endpoint: str) -> None:
+    """Remove the temp dir of an ``ipc://`` endpoint made by :func:`bind_endpoint`
+    (a no-op for anything else). Call after the bound socket is closed."""
+    if not endpoint.startswith("ipc://"):
+        return
+    d = os.path.dirname(endpoint[len("ipc://") :])
+    if os.path.basename(d).startswith(_IPC_PREFIX):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- counters
+
+
+class _Drops:
+    """Dropped-frame counts by reason (thread-safe)."""
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def drop(self, reason: str, detail: str = "") -> None:
+        with self._lock:
+            self._counts[reason] += 1
+        log.warning("%s: dropped a frame (%s%s)", self._owner, reason, f": {detail}" if detail else "")
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+    def reasons(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def _sock(kind: int, max_frame_bytes: int | None) -> zmq.Socket:
+    s = zmq.Context.instance().socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    if max_frame_bytes:
+        s.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
+    return s
+
+
+# ---------------------------------------------------------------- commands
+
+
+class CommandServer:
+    """Worker side: serves ``allowed`` methods of ``target`` on a ROUTER socket.
+
+    Requests are ``{"id", "method", "args"}``; each is executed on the server
+    thread, strictly in arrival order, and answered with ``{"id", "ok": True,
+    "result": Timed(value, start, end)}`` (``time.perf_counter`` on this
+    process) or ``{"id", "ok": False, "type", "message", "traceback"}``. A
+    method outside the allow-list is answered with error type
+    ``"MethodNotAllowed"``. Two built-ins are always served: ``__ping__``
+    and ``__stats__`` (this server's counters). Frames that fail
+    authentication or decoding are dropped and counted.
+
+    Bind to ``endpoint`` exactly, or (default) via :func:`bind_endpoint` on
+    ``host`` (``None``: ipc). ``poll_interval_s`` bounds how long ``close()``
+    waits for an idle loop; a call in progress is waited for up to
+    ``close(timeout_s)``.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        allowed: Iterable[str],
+        key: bytes,
+        *,
+        host: str | None = None,
+        endpoint: str | None = None,
+        name: str = "worker",
+        poll_interval_s: float = 0.1,
+        max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.name = name
+        self._target = target
+        self._allowed = frozenset(allowed)
+        for m in sorted(self._allowed):
+            if not isinstance(m, str) or not m or m.startswith("_"):
+                raise ValueError(f"cannot expose method {m!r}: names starting with '_' are never served")
+            if not callable(getattr(target, m, None)):
+                raise ValueError(f"{type(target).__name__} has no method {m!r} to expose")
+        self._codec = FrameCodec(key)
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._drops = _Drops(f"command server {name!r}")
+        self._calls = 0
+        self._errors = 0
+        self._unroutable = 0
+        self._sock = _sock(zmq.ROUTER, max_frame_bytes)
+        try:
+            if endpoint is not None:
+                self._sock.bind(endpoint)
+                self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self.endpoint = bind_endpoint(self._sock, host, name=name.replace("/", "_")[:40] or "worker")
+        except Exception:
+            self._sock.close(0)
+            raise
+        self._stop = threading.Event()
+        self._closed = False
+        # the socket moves to the server thread here (Thread.start is a memory barrier)
+        self._thread = threading.Thread(target=self._serve, name=f"saguaro-cmd-{name}", daemon=True)
+        self._thread.start()
+
+    # counters -----------------------------------------------------------
+    @property
+    def dropped_frames(self) -> int:
+        return self._drops.total
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        return self._drops.reasons()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "calls": self._calls,
+            "errors": self._errors,
+            "dropped": self._drops.total,
+            "drop_reasons": self._drops.reasons(),
+            "unroutable_replies": self._unroutable,
+        }
+
+    # loop ---------------------------------------------------------------
+    def _serve(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not sock.poll(self._poll_ms, zmq.POLLIN):
+                        continue
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.ETERM:
+                        break
+                    log.exception("command server %r: receive failed", self.name)
+                    time.sleep(self._poll_ms / 1000)
+                    continue
+                try:
+                    self._handle(parts)
+                except Exception:  # never let one frame kill the loop
+                    log.exception("command server %r: unexpected error handling a frame", self.name)
+        finally:
+            sock.close(0)
+
+    def _handle(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self._drops.drop(MALFORMED, f"{len(parts)} message parts, expected identity + frame")
+            return
+        ident, frame = parts
+        try:
+            msg = self._codec.decode(frame)
+        except BadFrame as e:
+            self._drops.drop(e.reason, e.detail)
+            return
+        if (
+            type(msg) is not dict
+            or type(msg.get("id")) is not int
+            or type(msg.get("method")) is not str
+            or type(msg.get("args")) is not list
+        ):
+            self._drops.drop(MALFORMED, "request is not {id: int, method: str, args: list}")
+            return
+        cid, method, args = msg["id"], msg["method"], msg["args"]
+        reply = self._execute(cid, method, args)
+        try:
+            out = self._codec.encode(reply)
+        except EncodeError as e:
+            self._errors += 1
+            out = self._codec.encode(self._error(cid, e, with_traceback=False))
+        try:
+            self._sock.send_multipart([ident, out], zmq.NOBLOCK)
+        except zmq.Again:  # the client's queue is full or it is gone
+            self._unroutable += 1
+            log.warning("command server %r: could not send the reply to call %d (%s)", self.name, cid, method)
+
+    def _execute(self, cid: int, method: str, args: list) -> dict[str, Any]:
+        start = time.perf_counter()
+        if method == _PING:
+            return {"id": cid, "ok": True, "result": Timed(None, start, time.perf_counter())}
+        if method == _STATS:
+            return {"id": cid, "ok": True, "result": Timed(self.stats(), start, time.perf_counter())}
+        if method not in self._allowed:
+            self._errors += 1
+            return {
+                "id": cid,
+                "ok": False,
+                "type": METHOD_NOT_ALLOWED,
+                "message": f"worker {self.name!r} does not serve {method!r}; it serves {sorted(self._allowed)}",
+                "traceback": "",
+            }
+        self._calls += 1
+        try:
+            value = getattr(self._target, method)(*args)
+        except Exception as e:
+            self._errors += 1
+            return self._error(cid, e)
+        return {"id": cid, "ok": True, "result": Timed(value, start, time.perf_counter())}
+
+    @staticmethod
+    def _error(cid: int, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-8000:] if with_traceback else ""
+        return {"id": cid, "ok": False, "type": type(e).__name__, "message": str(e), "traceback": tb}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving (after the call in progress, waiting up to ``timeout_s``)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("command server %r: a call is still running after %.1fs; leaving it", self.name, timeout_s)
+        release_endpoint(self.endpoint)
+
+    def __enter__(self) -> "CommandServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _ClockMap:
+    """Maps a worker's ``perf_counter`` spans onto this process's clock.
+
+    Each reply is an NTP-style sample: sent at ``t0`` (here), ran over
+    ``[start, end]`` (there), received at ``t1`` (here); ``offset = ((start -
+    t0) + (end - t1)) / 2`` with error at most ``(t1 - t0 - (end - start)) / 2``.
+    The sample with the smallest error bound (aged by a generous drift rate)
+    wins, so calls that waited in the worker's queue never spoil it.
+    """
+
+    DRIFT = 1e-4  # s/s
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self.bound = float("inf")
+        self._at = 0.0
+
+    def sample(self, t0: float, t1: float, start: float, end: float) -> None:
+        bound = max(0.0, (t1 - t0) - (end - start)) / 2
+        if bound <= self.bound + self.DRIFT * (t1 - self._at):
+            self.offset = ((start - t0) + (end - t1)) / 2
+            self.bound = bound
+            self._at = t1
+
+    def map(self, timed: Timed) -> Timed:
+        return Timed(timed.value, timed.start - self.offset, timed.end - self.offset)
+
+
+@dataclass
+class _Pending:
+    future: Future
+    method: str
+    deadline: float  # time.monotonic()
+    timeout_s: float
+    t_send: float  # time.perf_counter()
+
+
+class CommandClient:
+    """Coordinator side: calls a :class:`CommandServer` (a worker handle).
+
+    ``submit(method, *args)`` returns a ``Future[Timed]`` — the contract of
+    ``InProcessWorker.submit``: the result is ``Timed(value, start, end)``, a
+    remote exception raises :class:`RemoteError`, no answer within
+    ``timeout_s`` raises :class:`WorkerTimeout` (the worker may still run the
+    call; later replies to it are discarded), ``close()`` fails what is still
+    pending with :class:`ClientClosed`. Encoding happens in ``submit``, so an
+    argument that cannot be sent raises :class:`EncodeError` right there.
+
+    Spans are reported on *this* process's ``perf_counter`` clock: with
+    ``clock_sync`` (default: on for ``tcp://``, off for ``ipc://`` where both
+    ends share the monotonic clock) worker spans are shifted by an offset
+    estimated from the round trips (see ``_ClockMap``; error ≤ half the best
+    round-trip overhead). Future callbacks run on the client's I/O thread:
+    keep them short.
+
+    ``known_errors`` maps remote exception type names to local classes to
+    raise instead of :class:`RemoteError` (built as ``cls(message)``, with the
+    ``RemoteError`` as ``__cause__``), e.g. ``{"NeedsPrefillError":
+    NeedsPrefillError}`` so a round loop can catch what it catches in-process.
+    Unlike ``InProcessWorker``, an unknown method is reported through the
+    future (``RemoteError`` of type ``"MethodNotAllowed"``), not at submit.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        endpoint: str,
+        key: bytes,
+        *,
+        timeout_s: float = 120.0,
+        poll_interval_s: float = 0.05,
+        clock_sync: bool | None = None,
+        max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
+        known_errors: Mapping[str, type[BaseException]] | None = None,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        self.name = name
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self._codec = FrameCodec(key)
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._clock = _ClockMap() if (clock_sync if clock_sync is not None else not endpoint.startswith("ipc://")) else None
+        self._drops = _Drops(f"command client {name!r}")
+        self._known_errors = dict(known_errors or {})
+        self._late = 0
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _pending and _closed
+        self._pending: dict[int, _Pending] = {}
+        self._closed = False
+        self._stop = threading.Event()
+
+        ctx = zmq.Context.instance()
+        addr = f"inproc://saguaro-client-{uuid.uuid4().hex}"
+        self._inbox = ctx.socket(zmq.PAIR)  # I/O thread's end
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.RCVHWM, 0)
+        self._inbox.bind(addr)
+        self._outbox = ctx.socket(zmq.PAIR)  # submitters' end, under _send_lock
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._outbox.connect(addr)
+        self._send_lock = threading.Lock()
+        self._dealer = _sock(zmq.DEALER, max_frame_bytes)
+        self._dealer.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name=f"saguaro-client-{name}", daemon=True)
+        self._thread.start()
+
+    # public -------------------------------------------------------------
+    @property
+    def dropped_frames(self) -> int:
+        return self._drops.total
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        return self._drops.reasons()
+
+    @property
+    def late_replies(self) -> int:
+        """Replies that arrived after their call had timed out."""
+        return self._late
+
+    def submit(self, method: str, *args: Any) -> "Future[Timed]":
+        return self.submit_with(method, args)
+
+    def submit_with(self, method: str, args: Iterable[Any] = (), *, timeout_s: float | None = None) -> "Future[Timed]":
+        """``submit`` with an explicit per-call timeout."""
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string, got {method!r}")
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        cid = next(self._ids)
+        frame = self._codec.encode({"id": cid, "method": method, "args": list(args)})
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()  # like an executor's running task: not cancellable
+        with self._lock:
+            if self._closed:
+                raise ClientClosed(f"command client {self.name!r} is closed")
+            self._pending[cid] = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
+        try:
+            with self._send_lock:
+                self._outbox.send_multipart([cid.to_bytes(8, "little"), frame])
+        except zmq.ZMQError:  # closed concurrently: close() fails every pending future
+            pass
+        return fut
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Blocking convenience: the call's value."""
+        return self.submit(method, *args).result().value
+
+    def ping(self, timeout_s: float = 10.0) -> float:
+        """Round-trip time in seconds; waits for the server to be reachable."""
+        t0 = time.perf_counter()
+        self.submit_with(_PING, (), timeout_s=timeout_s).result()
+        return time.perf_counter() - t0
+
+    def server_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The server's counters (calls, errors, dropped frames by reason)."""
+        return self.submit_with(_STATS, (), timeout_s=timeout_s).result().value
+
+    def close(self) -> None:
+        """Stop the I/O thread (within about one poll interval) and fail pending calls."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        with self._send_lock:
+            self._outbox.close(0)
+
+    def __enter__(self) -> "CommandClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # I/O thread ---------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._inbox, zmq.POLLIN)
+        failure: BaseException | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    events = dict(poller.poll(self._wait_ms()))
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.ETERM:
+                        break
+                    raise
+                if self._inbox in events:
+                    self._forward()
+                if self._dealer in events:
+                    self._receive()
+                self._expire()
+        except Exception as e:  # a bug: do not leave callers hanging
+            log.exception("command client %r: I/O thread failed", self.name)
+            failure = e
+        finally:
+            with self._lock:
+                self._closed = True
+                pending, self._pending = self._pending, {}
+            for p in pending.values():
+                err = ClientClosed(f"command client {self.name!r} closed before {p.method}() was answered")
+                if failure is not None:
+                    err = ControlError(f"command client {self.name!r} failed: {failure!r}")
+                _fail(p.future, err)
+            self._dealer.close(0)
+            self._inbox.close(0)
+
+    def _wait_ms(self) -> int:
+        with self._lock:
+            if not self._pending:
+                return self._poll_ms
+            soonest = min(p.deadline for p in self._pending.values())
+        return max(0, min(self._poll_ms, int((soonest - time.monotonic()) * 1000) + 1))
+
+    def _forward(self) -> None:
+        while True:
+            try:
+                cid_b, frame = self._inbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            cid = int.from_bytes(cid_b, "little")
+            with self._lock:
+                p = self._pending.get(cid)
+                if p is not None:
+                    p.t_send = time.perf_counter()
+            try:
+                self._dealer.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                with self._lock:
+                    p = self._pending.pop(cid, None)
+                if p is not None:
+                    _fail(p.future, ControlError(f"the send queue to worker {self.name!r} is full ({self.endpoint}); is it alive?"))
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                parts = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            t1 = time.perf_counter()
+            if len(parts) != 1:
+                self._drops.drop(MALFORMED, f"{len(parts)} message parts in a reply")
+                continue
+            try:
+                msg = self._codec.decode(parts[0])
+            except BadFrame as e:
+                self._drops.drop(e.reason, e.detail)
+                continue
+            if type(msg) is not dict or type(msg.get("id")) is not int:
+                self._drops.drop(MALFORMED, "reply without an id")
+                continue
+            with self._lock:
+                p = self._pending.pop(msg["id"], None)
+            if p is None:
+                self._late += 1
+                continue
+            self._resolve(p, msg, t1)
+
+    def _resolve(self, p: _Pending, msg: dict, t1: float) -> None:
+        if msg.get("ok") is True:
+            timed = msg.get("result")
+            if type(timed) is not Timed or not isinstance(timed.start, float) or not isinstance(timed.end, float):
+                self._drops.drop(MALFORMED, "reply result is not a Timed")
+                _fail(p.future, ControlError(f"worker {self.name!r} sent a malformed reply to {p.method}()"))
+                return
+            if self._clock is not None:
+                self._clock.sample(p.t_send, t1, timed.start, timed.end)
+                timed = self._clock.map(timed)
+            _succeed(p.future, timed)
+            return
+        type_name, message = msg.get("type"), msg.get("message")
+        if type(type_name) is not str or type(message) is not str:
+            self._drops.drop(MALFORMED, "error reply without type and message")
+            _fail(p.future, ControlError(f"worker {self.name!r} sent a malformed error reply to {p.method}()"))
+            return
+        tb = msg.get("traceback")
+        err: BaseException = RemoteError(type_name, message, self.name, tb if type(tb) is str else "")
+        local = self._known_errors.get(type_name)
+        if local is not None:
+            try:
+                mapped = local(message)
+            except Exception:
+                log.warning("command client %r: cannot build %s(%r); raising RemoteError", self.name, local.__name__, message)
+            else:
+                mapped.__cause__ = err
+                err = mapped
+        _fail(p.future, err)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [cid for cid, p in self._pending.items() if p.deadline <= now]
+            gone = [self._pending.pop(cid) for cid in expired]
+        for p in gone:
+            _fail(p.future, WorkerTimeout(f"worker {self.name!r} did not answer {p.method}() within {p.timeout_s:g}s ({self.endpoint})"))
+
+
+def _succeed(fut: Future, value: Any) -> None:
+    try:
+        fut.set_result(value)
+    except Exception:  # already resolved
+        pass
+
+
+def _fail(fut: Future, err: BaseException) -> None:
+    try:
+        fut.set_exception(err)
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+class Broadcaster:
+    """Coordinator → many workers: an XPUB socket with an authenticated join.
+
+    ``publish(obj, topic="")`` sends to every subscriber of ``topic`` (a
+    subscriber of ``""`` receives all topics). ``wait_for_subscribers(n)``
+    blocks until ``n`` authenticated subscribers are connected and
+    subscribed. Hellos that fail authentication are dropped and counted; an
+    unauthenticated peer is never subscribed to anything. A subscriber that
+    stops reading makes ``publish`` raise :class:`ControlError` after
+    ``send_timeout_s`` once its queue (``hwm`` messages) is full.
+    """
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        host: str | None = None,
+        endpoint: str | None = None,
+        name: str = "broadcast",
+        hwm: int = 10_000,
+        send_timeout_s: float = 30.0,
+    ) -> None:
+        self.name = name
+        self._codec = FrameCodec(key)
+        self._drops = _Drops(f"broadcaster {name!r}")
+        self._lock = threading.Lock()
+        self._subs: dict[str, list[str]] = {}
+        self._closed = False
+        sock = _sock(zmq.XPUB, None)
+        sock.setsockopt(zmq.XPUB_MANUAL, 1)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.SNDTIMEO, max(0, int(send_timeout_s * 1000)))
+        try:
+            if endpoint is not None:
+                sock.bind(endpoint)
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self.endpoint = bind_endpoint(sock, host, name=name.replace("/", "_")[:40] or "broadcast")
+        except Exception:
+            sock.close(0)
+            raise
+        self._sock = sock
+
+    @property
+    def dropped_frames(self) -> int:
+        return self._drops.total
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        return self._drops.reasons()
+
+    @property
+    def subscribers(self) -> int:
+        """Authenticated subscribers connected now."""
+        with self._lock:
+            self._drain(0)
+            return len(self._subs)
+
+    def wait_for_subscribers(self, n: int, timeout_s: float = 30.0) -> int:
+        """Return the subscriber count once it is at least ``n``; raise
+        :class:`SubscriberTimeout` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                self._drain(0)
+                if len(self._subs) >= n:
+                    return len(self._subs)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SubscriberTimeout(
+                        f"only {len(self._subs)} of {n} subscribers joined broadcast {self.name!r} ({self.endpoint}) within {timeout_s:g}s"
+                    )
+                self._drain(min(left, 0.1))
+
+    def publish(self, obj: Any, topic: str = "") -> None:
+        frame = self._codec.encode({"topic": topic, "msg": obj})
+        with self._lock:
+            self._drain(0)
+            try:
+                self._sock.send_multipart([_DATA + topic.encode("utf-8"), frame])
+            except zmq.Again:
+                raise ControlError(
+                    f"broadcast {self.name!r}: a subscriber's queue is full and it has not read for a while; message not sent"
+                ) from None
+
+    def _drain(self, wait_s: float) -> None:
+        """Process subscription messages; wait up to ``wait_s`` for the first."""
+        # poll even for wait_s == 0: it makes libzmq process pending pipe events
+        if not self._sock.poll(max(0, int(wait_s * 1000)), zmq.POLLIN):
+            return
+        while True:
+            try:
+                msg = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_subscription(msg)
+
+    def _on_subscription(self, msg: bytes) -> None:
+        if len(msg) < 2 or msg[0] not in (0, 1):
+            self._drops.drop(MALFORMED, "not a subscription message")
+            return
+        subscribe, topic = msg[0] == 1, msg[1:]
+        if topic[:1] == _DATA:
+            return  # a SUB's own topic filter; in manual mode only the hello subscribes
+        if topic[:1] != _HELLO:
+            self._drops.drop(MALFORMED, "subscription outside the protocol")
+            return
+        try:
+            hello = self._codec.decode(topic[1:])
+        except BadFrame as e:
+            self._drops.drop(e.reason, f"subscriber hello: {e.detail}")
+            return
+        if (
+            type(hello) is not dict
+            or type(hello.get("hello")) is not str
+            or type(hello.get("topics")) is not list
+            or any(type(t) is not str for t in hello["topics"])
+        ):
+            self._drops.drop(MALFORMED, "subscriber hello is not {hello: str, topics: [str]}")
+            return
+        sid = hello["hello"]
+        if subscribe:
+            for t in hello["topics"]:  # applies to the connection this hello came from
+                self._sock.setsockopt(zmq.SUBSCRIBE, _DATA + t.encode("utf-8"))
+            self._subs[sid] = hello["topics"]
+        else:  # the subscriber left (its connection closed)
+            self._subs.pop(sid, None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close(0)
+        release_endpoint(self.endpoint)
+
+    def __enter__(self) -> "Broadcaster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Subscriber:
+    """Worker side of a :class:`Broadcaster`: ``recv(timeout_s)`` → object or ``None``.
+
+    Joins with an authenticated hello naming ``topics`` (``""``: all).
+    Frames that fail authentication or decoding are dropped and counted.
+    """
+
+    def __init__(self, endpoint: str, key: bytes, *, topics: Iterable[str] = ("",), name: str = "subscriber") -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.id = uuid.uuid4().hex
+        self.topics = list(topics)
+        if not self.topics or any(not isinstance(t, str) for t in self.topics):
+            raise ValueError(f"topics must be a non-empty list of strings, got {topics!r}")
+        self._codec = FrameCodec(key)
+        self._drops = _Drops(f"subscriber {name!r}")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closing = False
+        sock = _sock(zmq.SUB, None)
+        for t in self.topics:  # local filter first, then the hello
+            sock.setsockopt(zmq.SUBSCRIBE, _DATA + t.encode("utf-8"))
+        sock.setsockopt(zmq.SUBSCRIBE, _HELLO + self._codec.encode({"hello": self.id, "topics": self.topics}))
+        sock.connect(endpoint)
+        self._sock = sock
+
+    @property
+    def dropped_frames(self) -> int:
+        return self._drops.total
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        return self._drops.reasons()
+
+    def recv(self, timeout_s: float = 1.0) -> Any:
+        """The next authentic message, or ``None`` if none arrives within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._closing:
+                    raise ControlError(f"subscriber {self.name!r} is closed")
+                left = deadline - time.monotonic()
+                # poll in short slices so a concurrent close() gets the lock promptly
+                if not self._sock.poll(max(0, int(min(left, 0.1) * 1000)), zmq.POLLIN):
+                    if left <= 0.1:
+                        return None
+                    continue
+                try:
+                    parts = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                obj = self._accept(parts)
+                if obj is not _REJECTED:
+                    return obj
+                if time.monotonic() >= deadline:
+                    return None
+
+    def _accept(self, parts: list[bytes]) -> Any:
+        if len(parts) != 2 or parts[0][:1] != _DATA:
+            self._drops.drop(MALFORMED, "not a [topic, frame] broadcast")
+            return _REJECTED
+        try:
+            env = self._codec.decode(parts[1])
+        except BadFrame as e:
+            self._drops.drop(e.reason, e.detail)
+            return _REJECTED
+        if type(env) is not dict or type(env.get("topic")) is not str or "msg" not in env:
+            self._drops.drop(MALFORMED, "broadcast is not {topic, msg}")
+            return _REJECTED
+        if _DATA + env["topic"].encode("utf-8") != parts[0]:
+            self._drops.drop(MALFORMED, "topic frame does not match the authenticated topic")
+            return _REJECTED
+        return env["msg"]
+
+    def close(self) -> None:
+        """Leave the broadcast; a ``recv`` in progress on another thread returns within ~0.1 s."""
+        self._closing = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close(0)
+
+    def __enter__(self) -> "Subscriber":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_REJECTED = object()

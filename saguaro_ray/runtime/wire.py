@@ -1,0 +1,329 @@
+"""The control plane's frame codec: authenticated msgpack, never pickle.
+
+A frame is ``HMAC-SHA256(key, payload) ‖ payload``; the payload is msgpack.
+Decoding checks the MAC first (:func:`hmac.compare_digest`) and only then
+parses, so an unauthenticated peer can make us do nothing but hash its bytes.
+Whatever is wrong with a frame raises :class:`BadFrame` with a ``reason``
+(``"bad mac"``, ``"malformed"``, ``"unknown type"``, ``"bad tensor"``).
+
+What can cross the wire (anything else is an :class:`EncodeError` at the
+sender): ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes``,
+``list``, ``tuple`` (round-trips as a tuple, so lookup keys stay hashable),
+``dict`` (keys of those types, tuples included), CPU or device
+``torch.Tensor`` of a whitelisted dtype (decoded on the CPU), and dataclasses
+registered with :func:`register` — every worker-protocol message is
+registered below. Decoding rebuilds a dataclass through its constructor (so
+``SamplingParams`` re-validates) and refuses names that are not registered.
+
+Encoding, in the msgpack tree: a tuple is an array whose first element is the
+extension marker ``ExtType(1, b"")``; a dataclass is ``[ExtType(2, name), field,
+value, field, value, ...]`` (flat, so a frozen one can be a map key); a tensor is ``[ExtType(3, b""), dtype, shape, raw bytes]``.
+User data can never contain an extension object (the encoder rejects it), so
+a marker-led array is unambiguous, and an extension anywhere else is
+malformed. All tensor handling is :func:`tensor_to_wire` /
+:func:`tensor_from_wire`, the one place to swap when tensors move to the
+torch.distributed data plane.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import math
+import secrets
+from typing import Any, TypeVar
+
+import msgpack
+import torch
+
+from saguaro_ray.config import SamplingParams
+from saguaro_ray.errors import SaguaroError
+from saguaro_ray.workers.messages import BuildItem, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
+
+__all__ = [
+    "BadFrame",
+    "EncodeError",
+    "FrameCodec",
+    "MAC_SIZE",
+    "new_key",
+    "pack_payload",
+    "register",
+    "registered_types",
+    "tensor_from_wire",
+    "tensor_to_wire",
+    "unpack_payload",
+]
+
+MAC_SIZE = 32  # bytes of HMAC-SHA256
+MIN_KEY_BYTES = 16
+MAX_TENSOR_DIMS = 16
+
+BAD_MAC = "bad mac"
+MALFORMED = "malformed"
+UNKNOWN_TYPE = "unknown type"
+BAD_TENSOR = "bad tensor"
+REASONS = (BAD_MAC, MALFORMED, UNKNOWN_TYPE, BAD_TENSOR)
+
+
+class BadFrame(SaguaroError, ValueError):
+    """A received frame is unauthenticated or cannot be decoded; never act on it.
+
+    ``reason`` is one of ``"bad mac"``, ``"malformed"``, ``"unknown type"``,
+    ``"bad tensor"`` (what the drop counters are keyed by); ``detail`` says more.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in REASONS:
+            raise ValueError(f"BadFrame reason must be one of {REASONS}, got {reason!r}")
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+    def __reduce__(self) -> tuple:
+        return (BadFrame, (self.reason, self.detail))
+
+
+class EncodeError(SaguaroError, TypeError):
+    """An object cannot be sent: its type is not wire-safe (register the
+    dataclass with :func:`saguaro_ray.runtime.wire.register`, or convert it)."""
+
+
+def new_key() -> bytes:
+    """A fresh 32-byte HMAC key (one per engine, handed to workers through Ray)."""
+    return secrets.token_bytes(32)
+
+
+# ---------------------------------------------------------------- registry
+
+_EXT_TUPLE = 1
+_EXT_DATACLASS = 2
+_EXT_TENSOR = 3
+_TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
+_TENSOR_MARK = msgpack.ExtType(_EXT_TENSOR, b"")
+
+_BY_NAME: dict[str, type] = {}
+_BY_TYPE: dict[type, tuple[msgpack.ExtType, tuple[str, ...], frozenset[str]]] = {}
+
+C = TypeVar("C", bound=type)
+
+
+def register(cls: C, name: str | None = None) -> C:
+    """Allow dataclass ``cls`` on the wire under ``name`` (default: its class name).
+
+    Only the constructor's fields travel; decoding calls ``cls(**fields)``.
+    Usable as a decorator. Registering a different class under a taken name
+    is an error; registering the same class again is a no-op.
+    """
+    if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
+        raise TypeError(f"only dataclasses can be registered for the wire, got {cls!r}")
+    name = cls.__name__ if name is None else name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"wire name must be a non-empty string, got {name!r}")
+    existing = _BY_NAME.get(name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"wire name {name!r} is already registered for {existing.__module__}.{existing.__qualname__}")
+    if cls in _BY_TYPE and existing is None:
+        raise ValueError(f"{cls.__qualname__} is already registered under another wire name")
+    fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    _BY_NAME[name] = cls
+    _BY_TYPE[cls] = (msgpack.ExtType(_EXT_DATACLASS, name.encode("utf-8")), fields, frozenset(fields))
+    return cls
+
+
+def registered_types() -> dict[str, type]:
+    """Wire name → class, for every registered dataclass."""
+    return dict(_BY_NAME)
+
+
+for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, QualifyItem, BuildItem, Outcome, Timed):
+    register(_cls)
+
+
+# ---------------------------------------------------------------- tensors
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _DTYPES.items()}
+
+
+def tensor_to_wire(t: torch.Tensor) -> tuple:
+    """``(marker, dtype name, shape, raw bytes)``; device tensors are copied to the CPU."""
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise EncodeError(f"tensor dtype {t.dtype} cannot be sent; allowed: {', '.join(_DTYPES)}")
+    if t.layout != torch.strided:
+        raise EncodeError(f"only dense (strided) tensors can be sent, got layout {t.layout}")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+    return (_TENSOR_MARK, name, tuple(int(d) for d in t.shape), data)
+
+
+def tensor_from_wire(dtype_name: Any, shape: Any, data: Any) -> torch.Tensor:
+    """Rebuild a CPU tensor, checking dtype, shape and that the byte count matches."""
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        raise BadFrame(BAD_TENSOR, f"dtype {dtype_name!r} is not allowed")
+    if type(shape) is not tuple or len(shape) > MAX_TENSOR_DIMS or any(type(d) is not int or d < 0 for d in shape):
+        raise BadFrame(BAD_TENSOR, f"invalid shape {shape!r}")
+    if type(data) is not bytes:
+        raise BadFrame(BAD_TENSOR, "tensor data is not bytes")
+    numel = math.prod(shape)
+    if numel * _ITEMSIZE[dtype_name] != len(data):
+        raise BadFrame(BAD_TENSOR, f"{len(data)} bytes do not hold a {dtype_name} tensor of shape {list(shape)}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- payloads
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _to_wire(obj: Any) -> Any:
+    t = type(obj)
+    if t in _SCALARS:
+        return obj
+    if t is list:
+        return [_to_wire(x) for x in obj]
+    if t is tuple or t is torch.Size:
+        return (_TUPLE_MARK, *(_to_wire(x) for x in obj))
+    if t is dict:
+        try:
+            return {_to_wire(k): _to_wire(v) for k, v in obj.items()}
+        except TypeError as e:  # a key that encodes to something unhashable (a list, a dataclass)
+            if isinstance(e, EncodeError):
+                raise
+            raise EncodeError(f"dict key cannot be sent: {e}") from None
+    entry = _BY_TYPE.get(t)
+    if entry is not None:
+        mark, fields, _ = entry
+        return (mark, *(item for f in fields for item in (f, _to_wire(getattr(obj, f)))))
+    if isinstance(obj, torch.Tensor):
+        return tensor_to_wire(obj)
+    if t is bytearray or t is memoryview:
+        return bytes(obj)
+    if dataclasses.is_dataclass(obj):
+        raise EncodeError(f"dataclass {t.__module__}.{t.__qualname__} is not registered for the wire; call saguaro_ray.runtime.wire.register({t.__qualname__})")
+    raise EncodeError(f"objects of type {t.__module__}.{t.__qualname__} cannot be sent over the control plane")
+
+
+def _from_wire(x: Any) -> Any:
+    t = type(x)
+    if t is tuple:  # a msgpack array (decoded with use_list=False)
+        if x and type(x[0]) is msgpack.ExtType:
+            return _from_marked(x)
+        return [_from_wire(v) for v in x]
+    if t is dict:
+        try:
+            return {_from_wire(k): _from_wire(v) for k, v in x.items()}
+        except TypeError as e:
+            raise BadFrame(MALFORMED, f"unhashable map key: {e}") from None
+    if t is msgpack.ExtType:
+        raise BadFrame(MALFORMED, f"stray extension object (code {x.code})")
+    return x  # None, bool, int, float, str, bytes
+
+
+def _from_marked(x: tuple) -> Any:
+    mark = x[0]
+    if mark.code == _EXT_TUPLE and mark.data == b"":
+        return tuple(_from_wire(v) for v in x[1:])
+    if mark.code == _EXT_TENSOR and mark.data == b"":
+        if len(x) != 4:
+            raise BadFrame(BAD_TENSOR, f"tensor record has {len(x) - 1} fields, expected 3")
+        return tensor_from_wire(x[1], x[2], x[3])
+    if mark.code == _EXT_DATACLASS:
+        try:
+            name = mark.data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadFrame(MALFORMED, "type name is not UTF-8") from None
+        cls = _BY_NAME.get(name)
+        if cls is None:
+            raise BadFrame(UNKNOWN_TYPE, f"type {name!r} is not registered")
+        if len(x) % 2 != 1:
+            raise BadFrame(MALFORMED, f"{name} record is not [marker, field, value, ...]")
+        allowed = _BY_TYPE[cls][2]
+        names = x[1::2]
+        extra = [k for k in names if type(k) is not str or k not in allowed]
+        if extra:
+            raise BadFrame(MALFORMED, f"{name} has no field(s) {extra!r}")
+        if len(set(names)) != len(names):
+            raise BadFrame(MALFORMED, f"{name} record repeats a field")
+        kwargs = {k: _from_wire(v) for k, v in zip(names, x[2::2])}
+        try:
+            return cls(**kwargs)
+        except Exception as e:  # missing fields, constructor validation
+            raise BadFrame(MALFORMED, f"cannot build {name}: {type(e).__name__}: {e}") from None
+    raise BadFrame(MALFORMED, f"unknown extension code {mark.code}")
+
+
+def pack_payload(obj: Any) -> bytes:
+    """msgpack bytes for ``obj`` (no MAC); :class:`EncodeError` if not wire-safe."""
+    tree = _to_wire(obj)
+    try:
+        return msgpack.packb(tree, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as e:  # e.g. an int beyond 64 bits
+        raise EncodeError(f"cannot encode: {e}") from None
+
+
+def unpack_payload(payload: bytes) -> Any:
+    """Inverse of :func:`pack_payload`; :class:`BadFrame` on anything wrong."""
+    try:
+        tree = msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=False)
+    except Exception as e:  # ExtraData, FormatError, StackError, ValueError, TypeError, ...
+        raise BadFrame(MALFORMED, f"not msgpack: {type(e).__name__}: {e}") from None
+    try:
+        return _from_wire(tree)
+    except RecursionError:
+        raise BadFrame(MALFORMED, "nested too deeply") from None
+
+
+# ---------------------------------------------------------------- frames
+
+
+class FrameCodec:
+    """Encode / decode authenticated frames with one shared key.
+
+    Stateless after construction and safe to share between threads.
+    HMAC gives integrity and authenticity, not secrecy and not replay
+    protection: put ids in messages where a replay would matter.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, (bytes, bytearray)):
+            raise TypeError(f"the frame key must be bytes, got {type(key).__name__}")
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"the frame key must be at least {MIN_KEY_BYTES} bytes (use saguaro_ray.runtime.wire.new_key()), got {len(key)}")
+        self._key = bytes(key)
+
+    def seal(self, payload: bytes) -> bytes:
+        """``MAC ‖ payload``."""
+        return hmac.new(self._key, payload, hashlib.sha256).digest() + payload
+
+    def unseal(self, frame: bytes | bytearray | memoryview) -> bytes:
+        """The payload of an authentic frame; :class:`BadFrame` ("bad mac") otherwise."""
+        frame = bytes(frame)
+        if len(frame) < MAC_SIZE:
+            raise BadFrame(BAD_MAC, f"frame of {len(frame)} bytes is shorter than its MAC")
+        mac, payload = frame[:MAC_SIZE], frame[MAC_SIZE:]
+        if not hmac.compare_digest(mac, hmac.new(self._key, payload, hashlib.sha256).digest()):
+            raise BadFrame(BAD_MAC, "authentication failed (wrong key or altered frame)")
+        return payload
+
+    def encode(self, obj: Any) -> bytes:
+        return self.seal(pack_payload(obj))
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> Any:
+        return unpack_payload(self.unseal(frame))

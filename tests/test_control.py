@@ -1,0 +1,445 @@
+"""ZeroMQ control plane: command calls to a worker in another process, and the broadcast.
+
+Loopback TCP (127.0.0.1) and ipc only; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from saguaro_ray.config import SamplingParams
+from saguaro_ray.runtime.control import (
+    Broadcaster,
+    ClientClosed,
+    CommandClient,
+    CommandServer,
+    ControlError,
+    RemoteError,
+    Subscriber,
+    SubscriberTimeout,
+    WorkerTimeout,
+    _ClockMap,
+    bind_endpoint,
+    release_endpoint,
+)
+from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
+from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
+
+ALLOWED = ["add", "history", "echo", "boom", "sleep", "pid", "verify", "unsendable"]
+
+
+class Recorder:
+    """The worker object served by the child process."""
+
+    def __init__(self) -> None:
+        self.logs: dict[str, list] = {}
+
+    def add(self, tag: str, x):
+        log = self.logs.setdefault(tag, [])
+        log.append(x)
+        return len(log)
+
+    def history(self, tag: str):
+        return list(self.logs.get(tag, []))
+
+    def echo(self, *args):
+        return args
+
+    def boom(self, msg: str):
+        raise KeyError(msg)
+
+    def sleep(self, s: float):
+        time.sleep(s)
+        return s
+
+    def pid(self):
+        return os.getpid()
+
+    def verify(self, items: list[VerifyItem]) -> list[Outcome]:
+        assert all(isinstance(it, VerifyItem) for it in items)
+        return [Outcome(it.step.seq_id, len(it.proposal.tokens), int(it.proposal.q[-1].argmax()) if it.proposal.q is not None else -1, len(it.proposal.tokens)) for it in items]
+
+    def unsendable(self):
+        return {1, 2}
+
+    def secret(self):
+        return "never served"
+
+
+def _serve_in_child(key: bytes, conn) -> None:
+    servers = {
+        "tcp": CommandServer(Recorder(), ALLOWED, key, host="127.0.0.1", name="tcp"),
+        "ipc": CommandServer(Recorder(), ALLOWED, key, host=None, name="ipc"),
+        "slow": CommandServer(Recorder(), ALLOWED, key, host="127.0.0.1", name="slow"),
+    }
+    conn.send({name: s.endpoint for name, s in servers.items()})
+    deadline = time.monotonic() + 300  # never outlive a stuck test run
+    while time.monotonic() < deadline and not conn.poll(0.1):
+        pass
+    for s in servers.values():
+        s.close(timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    key = new_key()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_in_child, args=(key, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(90), "worker process did not start"
+        endpoints = parent.recv()
+        yield key, endpoints, proc
+    finally:
+        try:
+            parent.send("stop")
+        except OSError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def client(request, worker):
+    key, endpoints, _ = worker
+    c = CommandClient(request.param, endpoints[request.param], key, timeout_s=20)
+    yield c
+    c.close()
+
+
+def step(seq_id: int) -> SeqStep:
+    return SeqStep(seq_id, 0, [1, 2, 3], SamplingParams(temperature=0.5, seed=3), seed=7, output_pos=0)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def test_calls_roundtrip(client, worker):
+    assert client.endpoint.startswith(client.name)
+    assert client.ping() > 0
+    pid = client.submit("pid").result(10)
+    assert isinstance(pid, Timed) and pid.value == worker[2].pid != os.getpid()
+    assert isinstance(pid.start, float) and pid.start <= pid.end
+    assert client.call("echo", 1, (2, (3, 4)), "x", None, b"\x00") == (1, (2, (3, 4)), "x", None, b"\x00")
+    q = torch.zeros(2, 9, dtype=torch.bfloat16)
+    q[1, 5] = 1
+    items = [VerifyItem(step(0), Proposal([4, 5], q)), VerifyItem(step(1), Proposal([], None))]
+    assert client.call("verify", items) == [Outcome(0, 2, 5, 2), Outcome(1, 0, -1, 0)]
+
+
+def test_calls_run_in_arrival_order(client):
+    tag = uuid.uuid4().hex
+    futures = [client.submit("add", tag, i) for i in range(100)]
+    assert [f.result(20).value for f in futures] == list(range(1, 101))
+    assert client.call("history", tag) == list(range(100))
+
+
+def test_concurrent_submits_from_threads(client):
+    tag = uuid.uuid4().hex
+    results: dict[int, list] = {}
+
+    def run(t: int) -> None:
+        futs = [(i, client.submit("echo", t, i), client.submit("add", tag, (t, i))) for i in range(30)]
+        results[t] = [(i, fe.result(20).value, fa.result(20).value) for i, fe, fa in futs]
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sorted(results) == list(range(6))
+    for t, rows in results.items():
+        assert [echo for _, echo, _ in rows] == [(t, i) for i in range(30)]
+    lengths = sorted(n for rows in results.values() for _, _, n in rows)
+    assert lengths == list(range(1, 181))  # every add ran exactly once
+    history = client.call("history", tag)
+    for t in range(6):  # each thread's calls ran in its submission order
+        assert [i for tt, i in history if tt == t] == list(range(30))
+
+
+def test_remote_exception_and_disallowed_methods(client):
+    with pytest.raises(RemoteError) as info:
+        client.submit("boom", "no such sequence").result(10)
+    assert info.value.type_name == "KeyError" and "no such sequence" in info.value.message
+    assert info.value.worker == client.name and "boom" in info.value.remote_traceback
+    for method in ["secret", "__init__", "_private", "missing"]:
+        with pytest.raises(RemoteError) as info:
+            client.submit(method).result(10)
+        assert info.value.type_name == "MethodNotAllowed"
+    with pytest.raises(RemoteError) as info:
+        client.submit("unsendable").result(10)  # the result cannot be encoded
+    assert info.value.type_name == "EncodeError"
+    with pytest.raises(EncodeError):
+        client.submit("echo", object())  # rejected before sending
+    assert client.call("echo", 1) == (1,)  # still serving
+
+
+def test_known_errors_are_raised_as_local_types(worker):
+    key, endpoints, _ = worker
+    with CommandClient("tcp", endpoints["tcp"], key, timeout_s=20, known_errors={"KeyError": NeedsPrefillError}) as c:
+        with pytest.raises(NeedsPrefillError) as info:
+            c.submit("boom", "seq 4").result(10)
+        assert isinstance(info.value.__cause__, RemoteError) and info.value.__cause__.type_name == "KeyError"
+        with pytest.raises(TypeError):
+            c.submit(3)  # type: ignore[arg-type]
+
+
+def test_timeout_fails_the_future_and_close_is_prompt(worker):
+    key, endpoints, _ = worker
+    with CommandClient("slow", endpoints["slow"], key, timeout_s=0.25) as c:
+        c.ping()
+        t0 = time.monotonic()
+        slow = c.submit("sleep", 0.6)
+        with pytest.raises(WorkerTimeout):
+            slow.result(5)
+        # (a WorkerTimeout, not the value: it failed before the reply came)
+        after = c.submit_with("sleep", (0.0,), timeout_s=10)
+        assert after.result(10).value == 0.0
+        assert c.late_replies == 1  # the timed-out call's reply was discarded
+    c = CommandClient("slow", endpoints["slow"], key, timeout_s=30)
+    pending = c.submit("sleep", 0.5)
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 1.5
+    with pytest.raises(ClientClosed):
+        pending.result(1)
+    with pytest.raises(ClientClosed):
+        c.submit("pid")
+    c.close()  # idempotent
+
+
+def test_forged_frames_are_dropped_and_counted(worker):
+    key, endpoints, _ = worker
+    codec = FrameCodec(key)
+    with CommandClient("tcp", endpoints["tcp"], key, timeout_s=20) as c:
+        before = c.server_stats()
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(endpoints["tcp"])
+        try:
+            request = {"id": 1, "method": "add", "args": ["forged", 1]}
+            raw.send(b"garbage bytes")  # bad mac
+            raw.send(FrameCodec(b"w" * 32).encode(request))  # bad mac: wrong key
+            raw.send_multipart([codec.encode(request), b"x"])  # malformed: extra part
+            raw.send(codec.encode(["not", "a", "request"]))  # malformed
+            raw.send(codec.seal(msgpack.packb([msgpack.ExtType(2, b"Evil")])))  # unknown type
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                stats = c.server_stats()
+                if stats["dropped"] - before["dropped"] >= 5:
+                    break
+                time.sleep(0.02)
+            reasons = stats["drop_reasons"]
+            got = {r: reasons.get(r, 0) - before["drop_reasons"].get(r, 0) for r in ("bad mac", "malformed", "unknown type")}
+            assert got == {"bad mac": 2, "malformed": 2, "unknown type": 1}
+            assert raw.poll(200) == 0  # nothing was answered
+            assert c.call("history", "forged") == []  # nothing was acted on
+            assert c.call("echo", "alive") == ("alive",)
+        finally:
+            raw.close(0)
+
+
+def test_client_drops_forged_replies():
+    key = new_key()
+    codec = FrameCodec(key)
+    rogue = zmq.Context.instance().socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    endpoint = bind_endpoint(rogue, "127.0.0.1")
+    try:
+        with CommandClient("rogue", endpoint, key, timeout_s=10) as c:
+            fut = c.submit("pid")
+            assert rogue.poll(5000)
+            ident, frame = rogue.recv_multipart()
+            req = codec.decode(frame)
+            assert req["method"] == "pid" and req["args"] == []
+            rogue.send_multipart([ident, b"junk"])
+            rogue.send_multipart([ident, FrameCodec(b"w" * 32).encode({"id": req["id"], "ok": True, "result": Timed(666, 0.0, 1.0)})])
+            rogue.send_multipart([ident, codec.encode({"id": 10**6, "ok": True, "result": Timed(1, 0.0, 1.0)})])
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(42, 1.0, 2.0)})])
+            assert fut.result(5).value == 42
+            assert c.dropped_frames == 2 and c.drop_reasons == {"bad mac": 2}
+            assert c.late_replies == 1
+    finally:
+        rogue.close(0)
+
+
+def test_server_in_process_and_validation():
+    key = new_key()
+    with pytest.raises(ValueError):
+        CommandServer(Recorder(), ["_private"], key)
+    with pytest.raises(ValueError):
+        CommandServer(Recorder(), ["missing"], key)
+    server = CommandServer(Recorder(), ["echo"], key, host=None, name="local")
+    path = server.endpoint[len("ipc://") :]
+    assert os.path.exists(path)
+    with CommandClient("local", server.endpoint, key, timeout_s=10) as c:
+        assert c.call("echo", {"k": (1, 2)}) == ({"k": (1, 2)},)
+    t0 = time.monotonic()
+    server.close()
+    assert time.monotonic() - t0 < 1.5
+    assert not os.path.exists(os.path.dirname(path))
+    server.close()
+    assert server.stats()["calls"] == 1
+
+
+def test_bind_endpoint_helpers():
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.LINGER, 0)
+    tcp = bind_endpoint(s, "127.0.0.1")
+    assert tcp.startswith("tcp://127.0.0.1:") and int(tcp.rsplit(":", 1)[1]) > 0
+    ipc = bind_endpoint(s, None, name="probe")
+    assert ipc.startswith("ipc://") and ipc.endswith("probe.sock") and os.path.exists(ipc[6:])
+    assert oct(os.stat(os.path.dirname(ipc[6:])).st_mode & 0o777) == "0o700"
+    s.close(0)
+    release_endpoint(ipc)
+    release_endpoint(tcp)
+    assert not os.path.exists(os.path.dirname(ipc[6:]))
+    with pytest.raises(ValueError):
+        bind_endpoint(s, "tcp://x")
+
+
+def test_clock_map_keeps_the_tightest_sample():
+    m = _ClockMap()
+    # worker clock = local + 100; a call that ran 1.0-1.5 locally, sent at 0.9, answered at 1.6
+    m.sample(0.9, 1.6, 101.0, 101.5)
+    assert abs(m.offset - 100.0) < 1e-9
+    # a queued call (long wait before it started) gives a loose sample that must not win
+    m.sample(2.0, 5.0, 104.5, 104.9)
+    assert abs(m.offset - 100.0) < 1e-9
+    mapped = m.map(Timed("v", 110.0, 111.0))
+    assert (mapped.value, mapped.start, mapped.end) == ("v", 10.0, 11.0)
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", None])
+def test_first_broadcast_reaches_every_subscriber(host):
+    key = new_key()
+    with Broadcaster(key, host=host) as b:
+        subs = [Subscriber(b.endpoint, key, name=f"s{i}") for i in range(4)]
+        only_a = Subscriber(b.endpoint, key, topics=["a"])
+        try:
+            assert b.wait_for_subscribers(5, timeout_s=10) == 5
+            first = [Outcome(1, 2, 3), (4, Proposal([5], torch.ones(1, 3)))]
+            b.publish(first)  # immediately: no sleep, no retry
+            for i in range(3):
+                b.publish(i, topic="a" if i == 1 else "b")
+            for s in subs:
+                got = s.recv(timeout_s=5)
+                assert got[0] == Outcome(1, 2, 3) and got[1][0] == 4 and torch.equal(got[1][1].q, torch.ones(1, 3))
+                assert [s.recv(5) for _ in range(3)] == [0, 1, 2]
+                assert s.dropped_frames == 0
+            assert only_a.recv(5) == 1
+            assert only_a.recv(0.1) is None
+        finally:
+            for s in subs + [only_a]:
+                s.close()
+        deadline = time.monotonic() + 5
+        while b.subscribers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.subscribers == 0  # leaving is noticed
+
+
+def test_wait_for_subscribers_times_out():
+    key = new_key()
+    with Broadcaster(key, host="127.0.0.1") as b:
+        t0 = time.monotonic()
+        with pytest.raises(SubscriberTimeout):
+            b.wait_for_subscribers(1, timeout_s=0.2)
+        assert time.monotonic() - t0 < 1.5
+        with Subscriber(b.endpoint, b"w" * 32) as wrong:
+            with pytest.raises(SubscriberTimeout):
+                b.wait_for_subscribers(1, timeout_s=0.3)
+            b.publish("secret")
+            assert wrong.recv(0.2) is None  # never subscribed
+        assert b.drop_reasons.get("bad mac") == 1
+
+
+def test_forged_subscribers_get_nothing():
+    key = new_key()
+    codec = FrameCodec(key)
+    with Broadcaster(key, host="127.0.0.1") as b:
+        raw = zmq.Context.instance().socket(zmq.SUB)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.SUBSCRIBE, b"")  # tries to get everything
+        raw.setsockopt(zmq.SUBSCRIBE, b"Hforged hello")
+        raw.setsockopt(zmq.SUBSCRIBE, b"H" + codec.encode(["not a hello"]))
+        raw.setsockopt(zmq.SUBSCRIBE, b"X")
+        raw.connect(b.endpoint)
+        try:
+            with Subscriber(b.endpoint, key) as good:
+                b.wait_for_subscribers(1, timeout_s=10)
+                deadline = time.monotonic() + 5
+                while b.dropped_frames < 4 and time.monotonic() < deadline:
+                    b.subscribers
+                    time.sleep(0.01)
+                assert b.drop_reasons == {"bad mac": 1, "malformed": 3}  # b"", bad hello, non-dict hello, b"X"
+                assert b.subscribers == 1
+                b.publish({"x": 1})
+                assert good.recv(5) == {"x": 1}
+                assert raw.poll(300) == 0
+        finally:
+            raw.close(0)
+
+
+def test_subscriber_drops_forged_broadcasts():
+    key = new_key()
+    codec = FrameCodec(key)
+    rogue = zmq.Context.instance().socket(zmq.XPUB)
+    rogue.setsockopt(zmq.LINGER, 0)
+    endpoint = bind_endpoint(rogue, None)
+    try:
+        with Subscriber(endpoint, key) as sub:
+            deadline = time.monotonic() + 5
+            seen = set()
+            while b"\x01D" not in seen and time.monotonic() < deadline:  # the SUB's filter arrived
+                if rogue.poll(100):
+                    seen.add(rogue.recv())
+            rogue.send_multipart([b"D", b"garbage"])
+            rogue.send_multipart([b"D", FrameCodec(b"w" * 32).encode({"topic": "", "msg": "evil"})])
+            rogue.send_multipart([b"D", codec.encode(["no envelope"])])
+            rogue.send_multipart([b"Dother", codec.encode({"topic": "", "msg": "retopiced"})])
+            rogue.send_multipart([b"D", b"a", b"b"])
+            rogue.send_multipart([b"D", codec.encode({"topic": "", "msg": "ok"})])
+            assert sub.recv(5) == "ok"
+            assert sub.drop_reasons == {"bad mac": 2, "malformed": 3}
+            assert sub.recv(0.05) is None
+    finally:
+        rogue.close(0)
+        release_endpoint(endpoint)
+
+
+def test_subscriber_close_interrupts_recv():
+    key = new_key()
+    with Broadcaster(key, host=None) as b:
+        sub = Subscriber(b.endpoint, key)
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                sub.recv(timeout_s=30)
+            except ControlError as e:
+                errors.append(e)
+
+        th = threading.Thread(target=reader)
+        th.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        sub.close()
+        th.join(5)
+        assert not th.is_alive() and time.monotonic() - t0 < 1.5
+        assert len(errors) == 1
