@@ -56,6 +56,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     spec.add_argument("--lq", type=int, default=4, help="pyramid: qualified tokens per target verification")
     spec.add_argument("--ld", type=int, default=2, help="pyramid: draft tokens per qualifier check")
     spec.add_argument("--allow-lossy", action="store_true", help="accept fuzzy stages with tau > 0 (not exact)")
+    rt = p.add_argument_group("runtime")
+    rt.add_argument("--in-process", action="store_true", help="run every worker in this process instead of Ray actors")
+    rt.add_argument("--num-drafts", type=int, default=1, help="draft actors sharing the SSD outcome set")
+    rt.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
+    rt.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the workers")
     p.set_defaults(func=_cmd_generate)
@@ -124,23 +129,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.n <= 0:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
     spec = speculation_from_args(args)
-    engine = LocalEngine(
-        LocalEngineConfig(
+    if args.in_process:
+        engine = LocalEngine(
+            LocalEngineConfig(
+                target=args.target,
+                draft=args.draft,
+                qualifier=args.qualifier,
+                spec=spec,
+                device=args.device,
+                dtype=args.dtype,
+                attention_backend=args.attention_backend,
+                max_batch_size=args.max_batch_size,
+                num_threads=args.threads,
+            )
+        )
+        close = engine.close
+    else:
+        from saguaro_ray.engine.frontend import preflight
+        from saguaro_ray.runtime.engine import Engine
+        from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+
+        config = EngineConfig(
             target=args.target,
             draft=args.draft,
             qualifier=args.qualifier,
             spec=spec,
+            num_drafts=args.num_drafts,
             device=args.device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,
             max_batch_size=args.max_batch_size,
-            num_threads=args.threads,
+            threads_per_worker=args.threads or 1,
+            worker_cpus=args.worker_cpus,
+            address=args.address,
         )
-    )
+        preflight({role_kind(r): config.model_for(r) for r in config.roles}, prompts, params, args.n)
+        engine = Engine.launch(config)
+        close = engine.shutdown
     try:
         results = engine.generate(prompts, params, n=args.n)
     finally:
-        engine.close()
+        close()
     for r in results:
         if args.json:
             print(json.dumps(r.to_json()), flush=True)

@@ -1,0 +1,164 @@
+"""The request side shared by every engine: prompts in, results and streams out.
+
+Validation happens here, before any model work: empty prompts, token ids
+outside the vocabulary, prompts that (with ``max_tokens``) do not fit the
+context window of *every* model. Sample i of a prompt gets seed ``seed + i``.
+The in-process engine and the Ray coordinator both put a :class:`Frontend`
+in front of their :class:`Scheduler`, so they answer identically.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from saguaro_ray.config import SamplingParams
+from saguaro_ray.engine.scheduler import Scheduler
+from saguaro_ray.engine.sequence import GenerationResult, SequenceState
+from saguaro_ray.errors import ConfigError, IncompatibleModelsError, PromptTooLongError
+from saguaro_ray.tokenizer import IncrementalDecoder, check_same_vocabulary, load_tokenizer
+from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
+
+
+def open_models(roles: dict[str, str | os.PathLike]) -> tuple[dict[str, Checkpoint], Any]:
+    """Open (and validate) every role's checkpoint and the target's tokenizer;
+    refuse drafts/qualifiers whose vocabulary differs from the target's."""
+    ckpts = {role: open_checkpoint(path) for role, path in roles.items()}
+    tokenizer = load_tokenizer(ckpts["target"].path)
+    target = ckpts["target"]
+    for role, ck in ckpts.items():
+        if role == "target":
+            continue
+        if ck.config.vocab_size != target.config.vocab_size:
+            raise IncompatibleModelsError(
+                f"{role} {ck.path} has vocab_size {ck.config.vocab_size}, the target {target.path} has "
+                f"{target.config.vocab_size}; speculation needs one shared vocabulary"
+            )
+        check_same_vocabulary(tokenizer, load_tokenizer(ck.path), role)
+    return ckpts, tokenizer
+
+
+def preflight(
+    models: dict[str, str | os.PathLike],
+    prompts: Sequence[str | Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    n: int,
+) -> None:
+    """Validate models and requests without starting anything (the CLI calls it
+    before a distributed launch, so bad input fails in milliseconds)."""
+    ckpts, tokenizer = open_models(models)
+    max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
+    Frontend(tokenizer, ckpts["target"].config.vocab_size, max_context, "", None).make_sequences(prompts, params, n)
+
+
+@dataclass
+class StreamChunk:
+    """Newly emitted tokens of one sample and their text (may be empty while a
+    multi-byte character is incomplete); ``finish_reason`` on the last chunk."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+class Frontend:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_context: int, mode: str, scheduler: Scheduler | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.mode = mode
+        self.scheduler = scheduler
+        self._next_id = 0
+        self._id_lock = threading.Lock()
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("prompt is empty; give at least one token")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def make_sequences(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        n: int = 1,
+    ) -> list[SequenceState]:
+        """Validate every prompt and expand ``n`` samples each; sample i of a
+        prompt uses seed ``seed + i``. Raises before any model work."""
+        if n <= 0:
+            raise ConfigError(f"n must be a positive integer, got {n}")
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} sampling parameter sets")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            ids = self.encode(prompt)
+            if len(ids) + p.max_tokens > self.max_context:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={p.max_tokens} it needs "
+                    f"{len(ids) + p.max_tokens} > the context window of {self.max_context}; "
+                    "shorten the prompt or lower max_tokens"
+                )
+            base = p.seed if p.seed is not None else secrets.randbelow(2**31)
+            for j in range(n):
+                seqs.append(SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j))
+        return seqs
+
+    def _new_id(self) -> int:
+        with self._id_lock:
+            self._next_id += 1
+            return self._next_id
+
+    # ------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        n: int = 1,
+    ) -> list[GenerationResult]:
+        """Generate ``n`` samples for every prompt; results in (prompt, sample) order."""
+        seqs = self.make_sequences(prompts, params, n)
+        t0 = time.perf_counter()
+        futures = [self.scheduler.submit([s for s in seqs if s.prompt_index == i]) for i in range(len(prompts))]
+        for f in futures:
+            f.result()  # re-raises a failed request's error
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats["seconds"] = round(elapsed, 6)
+        return [self._result(s) for s in seqs]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
+        """Yield one sample's new tokens and text as rounds complete; the last
+        chunk carries the finish reason."""
+        [seq] = self.make_sequences([prompt], params, 1)
+        chunks: queue.Queue[list[int] | None] = queue.Queue()
+        fut = self.scheduler.submit([seq], lambda s, toks: chunks.put(list(toks)))
+        fut.add_done_callback(lambda _: chunks.put(None))
+        decoder = IncrementalDecoder(self.tokenizer)
+        while (toks := chunks.get()) is not None:
+            yield StreamChunk(toks, decoder.push(toks))
+        fut.result()  # re-raise a failure
+        yield StreamChunk([], decoder.flush(), seq.finish_reason or "length")
+
+    def _result(self, s: SequenceState) -> GenerationResult:
+        return GenerationResult(
+            prompt_index=s.prompt_index,
+            sample_index=s.sample_index,
+            mode=self.mode,
+            token_ids=list(s.output_ids),
+            text=self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
+            finish_reason=s.finish_reason or "length",
+            prompt_tokens=len(s.prompt_ids),
+            stats=dict(s.stats),
+        )

@@ -1,0 +1,238 @@
+"""Launching and reaching a distributed engine on Ray.
+
+``Engine.launch(EngineConfig(...))`` validates the configuration and the
+models, joins a Ray cluster (or starts the embedded local instance), reserves
+one placement group — a CPU bundle for the coordinator and one bundle per
+worker (target, each draft, the qualifier) — starts the actors in it, and
+returns an :class:`EngineHandle`. Workers bind their ZeroMQ sockets to the
+node address Ray reports, or to IPC sockets when every bundle landed on one
+node; the endpoints and the per-engine HMAC key travel through Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from saguaro_ray.config import SamplingParams
+from saguaro_ray.engine.frontend import open_models
+from saguaro_ray.engine.sequence import GenerationResult
+from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
+from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+from saguaro_ray.runtime.wire import new_key
+
+log = logging.getLogger(__name__)
+
+_PG_TIMEOUT_S = 120.0
+
+
+class EngineHandle:
+    """A client's handle on a running engine (launched here or attached by name)."""
+
+    def __init__(self, coordinator: Any, workers: dict[str, Any] | None = None, pg: Any = None, owned: bool = False) -> None:
+        self.coordinator = coordinator
+        self.workers = workers or {}
+        self.pg = pg
+        self._owned = owned
+
+    # ------------------------------------------------------------- sync
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        n: int = 1,
+    ) -> list[GenerationResult]:
+        """Generate ``n`` samples per prompt; results in (prompt, sample) order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return _unwrap(lambda: ray.get(self.coordinator.generate.remote(list(prompts), params, n)))
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[dict[str, Any]]:
+        """Yield ``{"token_ids", "text", "finish_reason"}`` chunks as rounds complete."""
+        gen = self.coordinator.stream.remote(prompt, params)
+        for ref in gen:
+            yield _unwrap(lambda: ray.get(ref))
+
+    # ------------------------------------------------------------ async
+    async def agenerate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        n: int = 1,
+    ) -> list[GenerationResult]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        try:
+            return await self.coordinator.generate.remote(list(prompts), params, n)
+        except ray.exceptions.RayTaskError as exc:
+            raise _user_error(exc) from None
+
+    async def astream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> AsyncIterator[dict[str, Any]]:
+        gen = self.coordinator.stream.remote(prompt, params)
+        async for ref in gen:
+            try:
+                yield await ref
+            except ray.exceptions.RayTaskError as exc:
+                raise _user_error(exc) from None
+
+    # ------------------------------------------------------------ admin
+    def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
+        return ray.get(self.coordinator.timeline.remote(last))
+
+    def metrics(self) -> dict[str, Any]:
+        return ray.get(self.coordinator.metrics.remote())
+
+    def worker_info(self) -> dict[str, dict[str, Any]]:
+        return {role: ray.get(a.info.remote()) for role, a in self.workers.items()}
+
+    def shutdown(self) -> None:
+        """Stop the coordinator and workers and free the placement group."""
+        try:
+            ray.get(self.coordinator.shutdown.remote(), timeout=30)
+        except Exception:  # already gone
+            log.debug("coordinator shutdown failed", exc_info=True)
+        for actor in [self.coordinator, *self.workers.values()]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                log.debug("kill failed", exc_info=True)
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                log.debug("placement group removal failed", exc_info=True)
+            self.pg = None
+
+
+def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """Surface our own errors (bad prompt, bad params) as themselves."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, SaguaroError) else exc
+
+
+def _unwrap(fn: Any) -> Any:
+    try:
+        return fn()
+    except ray.exceptions.RayTaskError as exc:
+        raise _user_error(exc) from None
+
+
+class Engine:
+    @staticmethod
+    def launch(config: EngineConfig) -> EngineHandle:
+        """Validate, place and start an engine; returns its handle."""
+        models = _resolve_models(config)
+        _ensure_ray(config)
+        bundles, roles = _bundles(config)
+        pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{config.name or 'saguaro'}-pg")
+        try:
+            ray.get(pg.ready(), timeout=_PG_TIMEOUT_S)
+        except Exception as exc:
+            remove_placement_group(pg)
+            raise ConfigError(
+                f"could not reserve resources {bundles} ({type(exc).__name__}); lower worker_cpus/gpus or add nodes"
+            ) from None
+        one_node = len(set(placement_group_table(pg)["bundles_to_node_id"].values())) == 1
+        tcp_host = None if one_node else "node"
+        key = new_key()
+        lifetime = "detached" if config.name else None
+        workers: dict[str, Any] = {}
+        try:
+            for i, role in enumerate(roles[1:], start=1):
+                opts = _actor_options(config, pg, i, lifetime)
+                workers[role] = ray.remote(WorkerActor).options(**opts, max_restarts=config.max_restarts).remote(
+                    role, models[role_kind(role)], config, key, tcp_host
+                )
+            endpoints = {role: ray.get(a.endpoint.remote()) for role, a in workers.items()}
+            copts = _actor_options(config, pg, 0, lifetime)
+            copts.pop("num_gpus", None)
+            coord_cls = ray.remote(CoordinatorActor).options(
+                **copts, name=config.name, namespace=config.namespace if config.name else None, max_concurrency=64
+            )
+            coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), endpoints, key)
+            ray.get(coordinator.ready.remote())
+        except Exception:
+            for a in workers.values():
+                ray.kill(a, no_restart=True)
+            remove_placement_group(pg)
+            raise
+        return EngineHandle(coordinator, workers, pg, owned=True)
+
+
+def connect(name: str, address: str | None = "auto", namespace: str = "saguaro-ray") -> EngineHandle:
+    """Attach to a detached engine launched elsewhere with ``EngineConfig(name=...)``."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    try:
+        coordinator = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ConfigError(f"no running engine named {name!r} in namespace {namespace!r}") from None
+    return EngineHandle(coordinator)
+
+
+def _resolve_models(config: EngineConfig) -> dict[str, str]:
+    """Resolve ``zoo:`` names (building on first use) and validate every model
+    and vocabulary here, before any actor starts."""
+    from saguaro_ray.zoo import resolve_model_path
+
+    paths = {"target": str(resolve_model_path(config.target))}
+    if config.spec.needs_draft:
+        paths["draft"] = str(resolve_model_path(config.draft))  # type: ignore[arg-type]
+    if config.spec.mode == "pyramid":
+        paths["qualifier"] = str(resolve_model_path(config.qualifier))  # type: ignore[arg-type]
+    open_models(paths)
+    return paths
+
+
+def _ensure_ray(config: EngineConfig) -> None:
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"namespace": config.namespace, "log_to_driver": False}
+    if config.address in (None, "local"):
+        if config.address is None:
+            try:
+                ray.init(address="auto", **kwargs)
+                return
+            except (ConnectionError, RuntimeError):
+                pass
+        # embedded instance: logical CPUs enough for every actor even on a small machine
+        need = config.coordinator_cpus + config.worker_cpus * len(config.roles)
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 1)), include_dashboard=False, **kwargs)
+    else:
+        ray.init(address=config.address, **kwargs)
+
+
+def _bundles(config: EngineConfig) -> tuple[list[dict[str, float]], list[str]]:
+    roles = ["coordinator", *config.roles]
+    bundles = []
+    for role in roles:
+        if role == "coordinator":
+            b: dict[str, float] = {"CPU": config.coordinator_cpus}
+        else:
+            b = {"CPU": config.worker_cpus}
+            if config.device == "cuda":
+                b["GPU"] = config.gpus_per_worker
+        b.update(config.resources.get(role_kind(role), {}))
+        bundles.append(b)
+    return bundles, roles
+
+
+def _actor_options(config: EngineConfig, pg: Any, index: int, lifetime: str | None) -> dict[str, Any]:
+    bundle_cpus = config.coordinator_cpus if index == 0 else config.worker_cpus
+    opts: dict[str, Any] = {
+        "num_cpus": bundle_cpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    }
+    if index > 0 and config.device == "cuda":
+        opts["num_gpus"] = config.gpus_per_worker
+    if lifetime:
+        opts["lifetime"] = lifetime
+    return opts
+

@@ -1,0 +1,98 @@
+"""``EngineConfig``: everything ``Engine.launch`` needs, validated before any actor starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from saguaro_ray.config import SpeculationConfig
+from saguaro_ray.errors import ConfigError
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def role_kind(role: str) -> str:
+    """The worker kind of a role: ``draft0`` → ``draft``."""
+    return "draft" if role.startswith("draft") else role
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A distributed engine: models, devices, placement and limits.
+
+    On CPU every worker asks Ray for ``worker_cpus`` logical CPUs (fractions
+    are fine — a 2-core machine cannot give a coordinator, a target and two
+    drafts a whole CPU each) and sets torch to ``threads_per_worker``
+    threads. On CUDA (``device="cuda"``) each worker asks for ``gpus_per_worker``.
+    ``address``: ``None`` joins a running cluster when there is one and starts
+    the embedded local instance otherwise; ``"auto"`` insists on a running
+    cluster; ``"local"`` always starts the embedded instance; anything else is
+    a cluster address. ``name`` registers a detached engine that other
+    processes reach with :func:`saguaro_ray.connect`.
+    """
+
+    target: str
+    draft: str | None = None
+    qualifier: str | None = None
+    spec: SpeculationConfig = field(default_factory=SpeculationConfig)
+    num_drafts: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    attention_backend: str | None = None
+    max_kv_tokens: int | None = None
+    max_batch_size: int = 64
+    worker_cpus: float = 0.5
+    coordinator_cpus: float = 0.25
+    gpus_per_worker: float = 1.0
+    threads_per_worker: int = 1
+    placement_strategy: str = "PACK"
+    address: str | None = None
+    name: str | None = None
+    namespace: str = "saguaro-ray"
+    max_restarts: int = 2
+    call_timeout_s: float = 120.0
+    # custom Ray resources per role, e.g. {"target": {"node_a": 1}}: pins roles to nodes
+    resources: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ConfigError("target model is required")
+        if self.spec.needs_draft and not self.draft:
+            raise ConfigError(f"mode {self.spec.mode!r} needs a draft model")
+        if self.spec.mode == "pyramid" and not self.qualifier:
+            raise ConfigError("mode 'pyramid' needs a qualifier model")
+        if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
+            raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
+        if self.num_drafts > 1 and self.spec.mode != "ssd":
+            raise ConfigError("num_drafts > 1 only applies to mode 'ssd' (drafts share the outcome set)")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.placement_strategy not in STRATEGIES:
+            raise ConfigError(f"placement_strategy must be one of {', '.join(STRATEGIES)}, got {self.placement_strategy!r}")
+        for name in ("worker_cpus", "coordinator_cpus", "gpus_per_worker", "call_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("threads_per_worker", "max_batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        unknown = set(self.resources) - {"target", "draft", "qualifier", "coordinator"}
+        if unknown:
+            raise ConfigError(f"resources has unknown roles {sorted(unknown)}; use target, draft, qualifier, coordinator")
+
+    @property
+    def roles(self) -> list[str]:
+        """Worker roles in launch order: target, draft0..draftD-1, qualifier."""
+        roles = ["target"]
+        if self.spec.needs_draft:
+            roles += [f"draft{i}" for i in range(self.num_drafts)]
+        if self.spec.mode == "pyramid":
+            roles.append("qualifier")
+        return roles
+
+    def model_for(self, role: str) -> str:
+        if role == "target":
+            return self.target
+        if role.startswith("draft"):
+            return self.draft  # type: ignore[return-value]
+        return self.qualifier  # type: ignore[return-value]
