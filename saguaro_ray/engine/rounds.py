@@ -22,9 +22,10 @@ authoritative token history of every sequence (:class:`SequenceState`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,8 +34,8 @@ from saguaro_ray.algorithms.fanout import FanoutEstimator
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.engine.sequence import SequenceState
-from saguaro_ray.engine.transport import WorkerHandle
-from saguaro_ray.workers.messages import BuildItem, Outcome, Proposal, QualifyItem, SeqStep, VerifyItem
+from saguaro_ray.engine.transport import WorkerGone, WorkerHandle, WorkerLost
+from saguaro_ray.workers.messages import BuildItem, NeedsPrefillError, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,41 @@ class RoundRecord:
         return self.build[1] <= self.verify[1]
 
 
-def _timed(fut: Any) -> tuple[Any, tuple[float, float]]:
-    timed = fut.result()
-    return timed.value, (timed.start, timed.end)
+ArgsFn = Callable[[bool], tuple]
+
+
+class _Call:
+    """A worker call that survives the worker losing its state.
+
+    ``args_fn(full)`` builds the call's arguments; ``full=True`` re-sends every
+    sequence's whole history from position 0. A worker that answers
+    :class:`NeedsPrefillError` (it was restarted, or never saw a sequence) gets
+    the full-history call; a worker that was lost mid-call is recovered first
+    (blocking) — unless ``degradable``, in which case :class:`WorkerLost`
+    reaches the caller, which carries on without it.
+    """
+
+    def __init__(self, worker: WorkerHandle, method: str, args_fn: ArgsFn, degradable: bool = False) -> None:
+        self.worker, self.method, self.args_fn, self.degradable = worker, method, args_fn, degradable
+        self.fut = worker.submit(method, *args_fn(False))
+
+    def result(self, attempts: int = 3) -> Timed:
+        for _ in range(attempts):
+            try:
+                return self.fut.result()
+            except NeedsPrefillError:
+                pass
+            except WorkerLost:
+                if self.degradable:
+                    raise
+                log.warning("%s lost; recovering and re-prefilling", self.worker.name)
+                self.worker.recover()
+            self.fut = self.worker.submit(self.method, *self.args_fn(True))
+        return self.fut.result()
+
+    def value(self) -> tuple[Any, tuple[float, float]]:
+        timed = self.result()
+        return timed.value, (timed.start, timed.end)
 
 
 def _regime(p: Proposal) -> bool | str:
@@ -104,13 +137,71 @@ class RoundLoop:
         self.backup_stats = BackupStats()
         self.timeline: list[RoundRecord] = []
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
+        # a lost draft is recovered in the background while rounds go on with
+        # point-mass (fast) proposals — still exact, just slower
+        self._draft_recovery: threading.Thread | None = None
+        self._draft_restored = False
+        self.draft_failures = 0
+
+    # -------------------------------------------------------- draft health
+    @property
+    def draft_up(self) -> bool:
+        """Is the draft usable now? (False while it restarts, or for good once
+        its restarts are exhausted.)"""
+        if self.draft is None:
+            return False
+        recovery = self._draft_recovery
+        if recovery is None:
+            return True
+        if recovery.is_alive() or not self._draft_restored:
+            return False
+        self._draft_recovery = None
+        return True
+
+    def _draft_lost(self) -> None:
+        if self._draft_recovery is not None:
+            return
+        self.draft_failures += 1
+        log.warning("draft lost; serving with point-mass backups while it restarts")
+        self._draft_restored = False
+
+        def recover() -> None:
+            try:
+                self.draft.recover()
+                self._draft_restored = True
+            except WorkerGone:
+                log.error("draft cannot be restarted; continuing with point-mass backups only")
+
+        self._draft_recovery = threading.Thread(target=recover, name="saguaro-draft-recovery", daemon=True)
+        self._draft_recovery.start()
+
+    def _draft_call(self, method: str, args_fn: ArgsFn) -> _Call | None:
+        """Submit to the draft unless it is down; ``None`` means: do without."""
+        if not self.draft_up:
+            return None
+        return _Call(self.draft, method, args_fn, degradable=True)
+
+    def _draft_value(self, call: _Call | None) -> tuple[Any, tuple[float, float]] | None:
+        if call is None:
+            return None
+        try:
+            return call.value()
+        except WorkerLost:
+            self._draft_lost()
+            return None
+
+    def _fast(self, seqs: Sequence[SequenceState], ks: Sequence[int], blocks: Sequence[list[int]] | None = None) -> list[Proposal]:
+        """Point-mass guesses from each sequence's history (the fast backup)."""
+        blocks = blocks or [[] for _ in seqs]
+        return [Proposal(ngram_guess(s.all_ids + b, k), None, "fast") for s, k, b in zip(seqs, ks, blocks)]
 
     # ------------------------------------------------------------ helpers
     @staticmethod
-    def step(s: SequenceState) -> SeqStep:
+    def step(s: SequenceState, full: bool = False) -> SeqStep:
         """Where ``s`` stands: workers hold all but the last emitted token
-        (before the first round: nothing — the whole prompt is new)."""
-        committed = len(s.all_ids) - 1 if s.output_ids else 0
+        (before the first round: nothing — the whole prompt is new).
+        ``full`` re-sends the whole history (a worker that lost its state)."""
+        committed = len(s.all_ids) - 1 if s.output_ids and not full else 0
         ids = s.all_ids
         recent = ids[max(0, committed - RECENT_TOKENS) : committed]
         return SeqStep(s.seq_id, committed, ids[committed:], s.params, s.seed, len(s.output_ids), recent)
@@ -141,9 +232,13 @@ class RoundLoop:
         ids = [s.seq_id for s in seqs]
         if not ids:
             return
-        futs = [w.submit("release", ids) for w in (self.target, self.draft, self.qualifier) if w is not None]
-        for f in futs:
-            f.result()
+        workers = [w for w in (self.target, self.draft, self.qualifier) if w is not None]
+        futs = [(w, w.submit("release", ids)) for w in workers if w is not self.draft or self.draft_up]
+        for w, f in futs:
+            try:
+                f.result()
+            except (WorkerLost, WorkerGone, NeedsPrefillError):
+                log.info("release on %s skipped: its state is already gone", w.name)
 
     # -------------------------------------------------------------- run
     def run(self, seqs: list[SequenceState]) -> None:
@@ -162,15 +257,17 @@ class RoundLoop:
         Returns those still running; finished ones are released and finalised."""
         if not new:
             return []
-        steps = [self.step(s) for s in new]
         rec = RoundRecord(index=len(self.timeline), batch=len(new))
-        fut_t = self.target.submit("verify", [VerifyItem(st, Proposal([])) for st in steps])
-        others = [w.submit("prefill", steps) for w in (self.draft, self.qualifier) if w is not None]
+        prefill = lambda full: ([self.step(s, full) for s in new],)  # noqa: E731
+        call_t = _Call(self.target, "verify", lambda full: ([VerifyItem(self.step(s, full), Proposal([])) for s in new],))
+        call_d = self._draft_call("prefill", prefill)
+        call_q = None if self.qualifier is None else _Call(self.qualifier, "prefill", prefill)
         try:
-            outcomes, rec.verify = _timed(fut_t)
+            outcomes, rec.verify = call_t.value()
         finally:
-            for f in others:
-                f.result()
+            self._draft_value(call_d)
+            if call_q is not None:
+                call_q.result()
         self._emit(new, [Proposal([])] * len(new), outcomes, rec)
         self.timeline.append(rec)
         return self._retire(new)
@@ -204,36 +301,55 @@ class RoundLoop:
             self._finish_stats(s)
         return [s for s in running if not s.finished]
 
+    def _verify(self, running: list[SequenceState], proposals: list[Proposal], rule: str = "exact", tau: float = 0.0) -> _Call:
+        div = self.spec.div
+        return _Call(
+            self.target,
+            "verify",
+            lambda full: ([VerifyItem(self.step(s, full), p, rule, tau, div) for s, p in zip(running, proposals)],),
+        )
+
     def _round_ar(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        items = [VerifyItem(self.step(s), Proposal([])) for s in running]
-        outcomes, rec.verify = _timed(self.target.submit("verify", items))
-        self._emit(running, [i.proposal for i in items], outcomes, rec)
+        proposals = [Proposal([]) for _ in running]
+        outcomes, rec.verify = self._verify(running, proposals).value()
+        self._emit(running, proposals, outcomes, rec)
 
     def _round_sd(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        steps = [self.step(s) for s in running]
         ks = [self.spec_len(s, self.spec.k) for s in running]
-        proposals, rec.draft = _timed(self.draft.submit("propose", steps, ks))
-        outcomes, rec.verify = _timed(self.target.submit("verify", [VerifyItem(st, p) for st, p in zip(steps, proposals)]))
+        t0 = time.perf_counter()
+        got = self._draft_value(self._draft_call("propose", lambda full: ([self.step(s, full) for s in running], ks)))
+        if got is None:
+            proposals, rec.draft = self._fast(running, ks), (t0, time.perf_counter())
+        else:
+            proposals, rec.draft = got
+        outcomes, rec.verify = self._verify(running, proposals).value()
         self._emit(running, proposals, outcomes, rec)
 
     # ---------------------------------------------------------------- SSD
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        steps = [self.step(s) for s in running]
-        need = [i for i, s in enumerate(running) if s.proposal is None]
+        need = [s for s in running if s.proposal is None]
         if need:  # the first round, or misses: the backup speculator serves them
-            self._backup([running[i] for i in need], [steps[i] for i in need], rec)
+            self._backup(need, rec)
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
-        builds = [
-            BuildItem(st, p, self._fanout_for(p), self.spec_len(s, self.spec.k), self.spec.saguaro_c)
-            for s, st, p in zip(running, steps, proposals)
-        ]
-        fut_v = self.target.submit("verify", [VerifyItem(st, p) for st, p in zip(steps, proposals)])
-        fut_b = self.draft.submit("build", builds)
-        outcomes, rec.verify = _timed(fut_v)
-        _, rec.build = _timed(fut_b)
+        call_v = self._verify(running, proposals)
+        fanouts = [self._fanout_for(p) for p in proposals]
+        ks = [self.spec_len(s, self.spec.k) for s in running]
+        call_b = self._draft_call(
+            "build",
+            lambda full: (
+                [
+                    BuildItem(self.step(s, full), p, f, k, self.spec.saguaro_c)
+                    for s, p, f, k in zip(running, proposals, fanouts, ks)
+                ],
+            ),
+        )
+        outcomes, rec.verify = call_v.value()
+        built = self._draft_value(call_b)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
-        self.backup_stats.observe_latency(t_primary=(rec.build[1] - rec.build[0]) / self._verify_seconds)
+        if built is not None:
+            rec.build = built[1]
+            self.backup_stats.observe_latency(t_primary=(rec.build[1] - rec.build[0]) / self._verify_seconds)
         self._emit(running, proposals, outcomes, rec)
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
@@ -242,7 +358,11 @@ class RoundLoop:
         if not live:
             return
         keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
-        results, rec.lookup = _timed(self.draft.submit("lookup", keys))
+        looked = self._draft_value(self._draft_call("lookup", lambda full: (keys,))) if built is not None else None
+        if looked is None:
+            results: list[tuple[Proposal | None, int | None]] = [(None, None)] * len(live)
+        else:
+            results, rec.lookup = looked
         for (s, p, out), (cached, rank) in zip(live, results):
             hit = cached is not None
             self.fanout.observe(out.accepted, out.proposed, rank, after_backup=_regime(p), hit=hit)
@@ -252,18 +372,22 @@ class RoundLoop:
             rec.misses += int(not hit)
             s.proposal = cached
 
-    def _backup(self, seqs: list[SequenceState], steps: list[SeqStep], rec: RoundRecord) -> None:
-        kind = self.backup_policy.choose(len(seqs), self.backup_stats)
-        rec.backup = kind
+    def _backup(self, seqs: list[SequenceState], rec: RoundRecord) -> None:
+        kind = self.backup_policy.choose(len(seqs), self.backup_stats) if self.draft_up else "fast"
         ks = [self.spec_len(s, self.spec.k) for s in seqs]
+        t0 = time.perf_counter()
+        got = None
         if kind == "neural":
-            proposals, span = _timed(self.draft.submit("propose", steps, ks, self.spec.saguaro_c))
-            rec.draft = span
-            self.backup_stats.observe_latency(t_neural=(span[1] - span[0]) / self._verify_seconds)
+            got = self._draft_value(
+                self._draft_call("propose", lambda full: ([self.step(s, full) for s in seqs], ks, self.spec.saguaro_c))
+            )
+        if got is None:
+            kind = "fast"
+            proposals, span = self._fast(seqs, ks), (t0, time.perf_counter())
         else:
-            t0 = time.perf_counter()
-            proposals = [Proposal(ngram_guess(s.all_ids, kk), None, "fast") for s, kk in zip(seqs, ks)]
-            rec.draft = (t0, time.perf_counter())
+            proposals, span = got
+            self.backup_stats.observe_latency(t_neural=(span[1] - span[0]) / self._verify_seconds)
+        rec.backup, rec.draft = kind, span
         for s, p in zip(seqs, proposals):
             p.source = kind
             s.proposal = p
@@ -271,7 +395,6 @@ class RoundLoop:
     # ------------------------------------------------------------ pyramid
     def _round_pyramid(self, running: list[SequenceState], rec: RoundRecord) -> None:
         spec = self.spec
-        steps = [self.step(s) for s in running]
         limits = [self.spec_len(s, spec.lq) for s in running]
         blocks: list[list[int]] = [[] for _ in running]
         block_q: list[list[Any]] = [[] for _ in running]
@@ -280,15 +403,23 @@ class RoundLoop:
             todo = [i for i, lim in enumerate(limits) if len(blocks[i]) < lim]
             if not todo:
                 break
-            sub = [
-                replace(steps[i], new_tokens=steps[i].new_tokens + blocks[i], output_pos=steps[i].output_pos + len(blocks[i]))
-                for i in todo
-            ]
+            seqs = [running[i] for i in todo]
+
+            def sub(full: bool, todo: list[int] = todo) -> list[SeqStep]:
+                out = []
+                for i in todo:
+                    st = self.step(running[i], full)
+                    out.append(replace(st, new_tokens=st.new_tokens + blocks[i], output_pos=st.output_pos + len(blocks[i])))
+                return out
+
             ks = [min(spec.ld, limits[i] - len(blocks[i])) for i in todo]
-            drafts = self.draft.submit("propose", sub, ks).result().value
-            quals = self.qualifier.submit(
-                "qualify", [QualifyItem(st, d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub, drafts)]
-            ).result().value
+            got = self._draft_value(self._draft_call("propose", lambda full: (sub(full), ks)))
+            drafts = self._fast(seqs, ks, [blocks[i] for i in todo]) if got is None else got[0]
+            quals = _Call(
+                self.qualifier,
+                "qualify",
+                lambda full: ([QualifyItem(st, d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full), drafts)],),
+            ).value()[0]
             for i, qp in zip(todo, quals):
                 room = limits[i] - len(blocks[i])
                 blocks[i].extend(qp.tokens[:room])
@@ -296,8 +427,7 @@ class RoundLoop:
                     block_q[i].append(qp.q[:room])
         rec.draft = (t0, time.perf_counter())
         proposals = [Proposal(b, torch.cat(q) if q else None, "qualified") for b, q in zip(blocks, block_q)]
-        items = [VerifyItem(st, p, spec.stage2, spec.tau_t, spec.div) for st, p in zip(steps, proposals)]
-        outcomes, rec.verify = _timed(self.target.submit("verify", items))
+        outcomes, rec.verify = self._verify(running, proposals, spec.stage2, spec.tau_t).value()
         self._emit(running, proposals, outcomes, rec)
 
     # -------------------------------------------------------------- stats

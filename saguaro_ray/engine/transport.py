@@ -12,7 +12,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from saguaro_ray.errors import SaguaroError
 from saguaro_ray.workers.messages import Timed
+
+
+class WorkerLost(SaguaroError, RuntimeError):
+    """A worker's process died or was restarted mid-call: its KV state is gone.
+    The caller recovers the worker and re-sends full histories."""
+
+
+class WorkerGone(SaguaroError, RuntimeError):
+    """A worker cannot be brought back (restarts exhausted); requests that need
+    it fail with this error."""
 
 
 class WorkerHandle(Protocol):
@@ -20,6 +31,10 @@ class WorkerHandle(Protocol):
 
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
         """Call ``method`` on the worker; the future resolves to a :class:`Timed`."""
+
+    def recover(self) -> None:
+        """Block until the worker is reachable again after :class:`WorkerLost`
+        (a fresh, empty worker); raise :class:`WorkerGone` if it cannot be."""
 
     def close(self) -> None: ...
 
@@ -44,6 +59,9 @@ class InProcessWorker:
 
     def call(self, method: str, *args: Any) -> Any:
         return self.submit(method, *args).result().value
+
+    def recover(self) -> None:
+        """An in-process worker cannot be lost."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

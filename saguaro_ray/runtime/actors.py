@@ -24,10 +24,10 @@ from saguaro_ray.engine.frontend import Frontend, open_models
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
-from saguaro_ray.runtime.control import CommandClient, CommandServer
+from saguaro_ray.runtime.control import CommandServer
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+from saguaro_ray.runtime.ray_transport import RayWorkerHandle
 from saguaro_ray.workers.draft import DraftLogic
-from saguaro_ray.workers.messages import NeedsPrefillError
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.target import TargetLogic
@@ -70,6 +70,7 @@ class WorkerActor:
             "role": self.role,
             "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
             "threads": torch.get_num_threads(),
             "dropped_frames": self.server.dropped_frames,
@@ -82,7 +83,7 @@ class WorkerActor:
 class CoordinatorActor:
     """Token history, round loop and scheduler; the engine's front door."""
 
-    def __init__(self, config: EngineConfig, endpoints: dict[str, str], key: bytes) -> None:
+    def __init__(self, config: EngineConfig, workers: dict[str, Any], key: bytes) -> None:
         logging.basicConfig(level=logging.INFO)
         self.config = config
         roles = {"target": config.target}
@@ -91,11 +92,7 @@ class CoordinatorActor:
         if config.spec.mode == "pyramid":
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
-        known = {"NeedsPrefillError": NeedsPrefillError}
-        self.clients = {
-            role: CommandClient(role, ep, key, timeout_s=config.call_timeout_s, known_errors=known)
-            for role, ep in endpoints.items()
-        }
+        self.clients = {role: RayWorkerHandle(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
         target_cfg = ckpts["target"].config
         eos = target_cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
@@ -126,7 +123,9 @@ class CoordinatorActor:
 
     def metrics(self) -> dict[str, Any]:
         return {
-            "dropped_frames": {role: c.dropped_frames for role, c in self.clients.items()},
+            "dropped_frames": {role: c.client.dropped_frames for role, c in self.clients.items()},
+            "restarts": {role: c.restarts for role, c in self.clients.items()},
+            "draft_failures": self.loop.draft_failures,
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
         }

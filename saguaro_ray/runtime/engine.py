@@ -26,6 +26,7 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+from saguaro_ray.runtime.ray_transport import actor_info
 from saguaro_ray.runtime.wire import new_key
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class EngineHandle:
         return ray.get(self.coordinator.metrics.remote())
 
     def worker_info(self) -> dict[str, dict[str, Any]]:
-        return {role: ray.get(a.info.remote()) for role, a in self.workers.items()}
+        return {role: actor_info(a) for role, a in self.workers.items()}
 
     def shutdown(self) -> None:
         """Stop the coordinator and workers and free the placement group."""
@@ -131,7 +132,7 @@ class Engine:
         models = _resolve_models(config)
         _ensure_ray(config)
         bundles, roles = _bundles(config)
-        pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{config.name or 'saguaro'}-pg")
+        pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{config.name}-pg" if config.name else "")  # unnamed engines must not collide
         try:
             ray.get(pg.ready(), timeout=_PG_TIMEOUT_S)
         except Exception as exc:
@@ -150,13 +151,12 @@ class Engine:
                 workers[role] = ray.remote(WorkerActor).options(**opts, max_restarts=config.max_restarts).remote(
                     role, models[role_kind(role)], config, key, tcp_host
                 )
-            endpoints = {role: ray.get(a.endpoint.remote()) for role, a in workers.items()}
             copts = _actor_options(config, pg, 0, lifetime)
             copts.pop("num_gpus", None)
             coord_cls = ray.remote(CoordinatorActor).options(
                 **copts, name=config.name, namespace=config.namespace if config.name else None, max_concurrency=64
             )
-            coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), endpoints, key)
+            coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), workers, key)
             ray.get(coordinator.ready.remote())
         except Exception:
             for a in workers.values():

@@ -1,0 +1,146 @@
+"""The Ray-side worker handle: ZeroMQ for the calls, Ray for liveness and restarts.
+
+:class:`RayWorkerHandle` implements the round loop's worker-handle contract
+(``submit`` → future of :class:`Timed`, ``recover``, ``close``). Calls go over
+the worker's :class:`CommandClient`. While calls are pending, a watchdog asks
+Ray about the actor every ``check_interval_s``: if the actor's process is
+gone, restarting, or was replaced (a different pid), every pending call fails
+at once with :class:`WorkerLost` — no waiting for a call timeout.
+:meth:`recover` waits for Ray's restart of the actor (``max_restarts``),
+connects to its new endpoint, and raises :class:`WorkerGone` once Ray reports
+the actor dead for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+
+from saguaro_ray.engine.transport import WorkerGone, WorkerLost
+from saguaro_ray.runtime.control import CommandClient
+from saguaro_ray.workers.messages import NeedsPrefillError, Timed
+
+log = logging.getLogger(__name__)
+
+KNOWN_ERRORS = {"NeedsPrefillError": NeedsPrefillError}
+
+
+def actor_info(actor: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """``actor.info()``, waiting through a restart (Ray answers "unavailable"
+    while it restarts an actor); ActorDiedError means it is gone for good."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise ray.exceptions.GetTimeoutError(f"actor unavailable for {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+
+
+class RayWorkerHandle:
+    def __init__(
+        self,
+        name: str,
+        actor: Any,
+        key: bytes,
+        timeout_s: float = 120.0,
+        check_interval_s: float = 0.5,
+        recover_timeout_s: float = 300.0,
+    ) -> None:
+        self.name = name
+        self.actor = actor
+        self._key = key
+        self._timeout_s = timeout_s
+        self._check_interval_s = check_interval_s
+        self._recover_timeout_s = recover_timeout_s
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._closed = threading.Event()
+        self.restarts = 0
+        info = ray.get(actor.info.remote())
+        self._pid = info["pid"]
+        self._client = self._connect(info["endpoint"])
+        self._watchdog = threading.Thread(target=self._watch, name=f"saguaro-watch-{name}", daemon=True)
+        self._watchdog.start()
+
+    def _connect(self, endpoint: str) -> CommandClient:
+        return CommandClient(self.name, endpoint, self._key, timeout_s=self._timeout_s, known_errors=KNOWN_ERRORS)
+
+    @property
+    def client(self) -> CommandClient:
+        return self._client
+
+    # ------------------------------------------------------------ calls
+    def submit(self, method: str, *args: Any) -> "Future[Timed]":
+        outer: Future[Timed] = Future()
+        with self._lock:
+            self._pending.add(outer)
+            inner = self._client.submit(method, *args)
+
+        def relay(f: Future) -> None:
+            with self._lock:
+                self._pending.discard(outer)
+            if outer.done():
+                return
+            exc = f.exception()
+            if exc is None:
+                outer.set_result(f.result())
+            else:
+                outer.set_exception(exc)
+
+        inner.add_done_callback(relay)
+        return outer
+
+    # --------------------------------------------------------- liveness
+    def _alive(self) -> bool:
+        """Is the very process we talk to still up? (False while Ray restarts it.)"""
+        try:
+            info = ray.get(self.actor.info.remote(), timeout=max(2.0, 4 * self._check_interval_s))
+        except Exception:
+            return False
+        return info["pid"] == self._pid
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._check_interval_s):
+            with self._lock:
+                pending = list(self._pending)
+            if not pending or self._alive():
+                continue
+            log.warning("worker %s (pid %s) is gone; failing %d pending calls", self.name, self._pid, len(pending))
+            err = WorkerLost(f"worker {self.name} was lost (its process died or was restarted)")
+            with self._lock:
+                for f in pending:
+                    self._pending.discard(f)
+                    if not f.done():
+                        f.set_exception(err)
+
+    def recover(self) -> None:
+        deadline = time.monotonic() + self._recover_timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                raise WorkerGone(f"worker {self.name} did not come back within {self._recover_timeout_s:.0f} s")
+            try:
+                info = actor_info(self.actor, timeout_s=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.ActorDiedError as exc:
+                raise WorkerGone(f"worker {self.name} died and its restarts are exhausted ({type(exc).__name__})") from None
+            if info["pid"] != self._pid:
+                break
+            time.sleep(0.2)  # Ray has not noticed the death yet
+        with self._lock:
+            old, self._client = self._client, self._connect(info["endpoint"])
+            self._pid = info["pid"]
+            self.restarts += 1
+        old.close()
+        log.warning("worker %s is back (pid %s, restart %d)", self.name, self._pid, self.restarts)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._client.close()
