@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -39,6 +40,7 @@ from saguaro_ray.workers.messages import BuildItem, NeedsPrefillError, Outcome, 
 
 log = logging.getLogger(__name__)
 
+TIMELINE_ROUNDS = 100_000  # rounds of history kept for benchmarks and debugging
 RECENT_TOKENS = 4  # committed tokens each step repeats so a worker one token behind can catch up
 
 
@@ -48,6 +50,8 @@ class RoundRecord:
 
     index: int
     batch: int
+    start: float = 0.0  # the round as the coordinator saw it (perf_counter)
+    end: float = 0.0
     verify: tuple[float, float] | None = None
     draft: tuple[float, float] | None = None  # SD drafting, pyramid drafting+qualifying, SSD backups
     build: tuple[float, float] | None = None  # SSD cache construction
@@ -56,6 +60,7 @@ class RoundRecord:
     misses: int = 0
     backup: str | None = None
     accepted: list[int] = field(default_factory=list)
+    prefill: bool = False  # an admission round (prompts prefilled, first tokens sampled)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -135,7 +140,7 @@ class RoundLoop:
         self.fanout = FanoutEstimator()
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
-        self.timeline: list[RoundRecord] = []
+        self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
         # a lost draft is recovered in the background while rounds go on with
         # point-mass (fast) proposals — still exact, just slower
@@ -257,7 +262,7 @@ class RoundLoop:
         Returns those still running; finished ones are released and finalised."""
         if not new:
             return []
-        rec = RoundRecord(index=len(self.timeline), batch=len(new))
+        rec = RoundRecord(index=len(self.timeline), batch=len(new), start=time.perf_counter(), prefill=True)
         prefill = lambda full: ([self.step(s, full) for s in new],)  # noqa: E731
         call_t = _Call(self.target, "verify", lambda full: ([VerifyItem(self.step(s, full), Proposal([])) for s in new],))
         call_d = self._draft_call("prefill", prefill)
@@ -269,13 +274,14 @@ class RoundLoop:
             if call_q is not None:
                 call_q.result()
         self._emit(new, [Proposal([])] * len(new), outcomes, rec)
+        rec.end = time.perf_counter()
         self.timeline.append(rec)
         return self._retire(new)
 
     def advance(self, running: list[SequenceState]) -> list[SequenceState]:
         """One round of the configured mode for every running sequence; returns
         those still running (finished ones are released and finalised)."""
-        rec = RoundRecord(index=len(self.timeline), batch=len(running))
+        rec = RoundRecord(index=len(self.timeline), batch=len(running), start=time.perf_counter())
         mode = self.spec.mode
         if mode == "ar":
             self._round_ar(running, rec)
@@ -285,6 +291,7 @@ class RoundLoop:
             self._round_ssd(running, rec)
         else:
             self._round_pyramid(running, rec)
+        rec.end = time.perf_counter()
         self.timeline.append(rec)
         return self._retire(running)
 

@@ -118,7 +118,8 @@ class CoordinatorActor:
             yield {"token_ids": chunk.token_ids, "text": chunk.text, "finish_reason": chunk.finish_reason}
 
     def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
-        recs = self.loop.timeline if last is None else self.loop.timeline[-last:]
+        recs = list(self.loop.timeline)
+        recs = recs if last is None else recs[-last:]
         return [r.to_json() for r in recs]
 
     def metrics(self) -> dict[str, Any]:

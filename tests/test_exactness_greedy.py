@@ -1,0 +1,408 @@
+"""Exactness at T = 0 (DESIGN §4, §8): SD, SSD and exact PyramidSD emit exactly
+the tokens autoregressive decoding emits on the same target (fp32, CPU).
+
+Every configuration is compared token for token with ``ar`` on the same
+target, over ragged prompts, run both as one batch of several prompts and one
+prompt at a time. The grid covers K, explicit and ``auto`` fan-outs (budgets
+1, 4, 16; an all-zero fan-out that can never hit), Saguaro C, the three backup
+policies, draft quality from useless (an unrelated random model) through
+partial (the target with noise added to its weights) to perfect (the target
+itself), PyramidSD's exact and assisted stage 1, a Qwen3 pair, EOS stops in
+the middle of a round and lengths that are not a multiple of K + 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_hf_model, save_tiny_checkpoint, torch_threads
+
+from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+
+MAX_TOKENS = 24
+# ragged lengths 1 .. 40, distinct content
+PROMPTS: list[list[int]] = [
+    [5, 6, 7],
+    [10, 20, 30, 40, 50, 60, 70],
+    [3],
+    [44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54],
+    [90, 12, 77, 31],
+    [(17 * i + 4) % 120 + 3 for i in range(40)],
+]
+BATCH = PROMPTS[:5]  # the batch-size-5 call
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
+    """A copy of checkpoint ``src`` with Gaussian noise (``scale`` × each
+    tensor's std) added to every weight: a draft that agrees with the target
+    part of the time, so runs mix cache hits, misses and partial acceptance."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {
+        name: (w + scale * w.std() * torch.randn(w.shape, generator=gen)).contiguous() if w.numel() > 1 else w
+        for name, w in weights.items()
+    }
+    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("greedy_models")
+    target = save_tiny_checkpoint(root, "llama", seed=3)
+    qwen = save_tiny_checkpoint(root, "qwen3", seed=3)
+    return {
+        "target": target,
+        "perfect": target,  # the target as its own draft: every draft token is accepted
+        "good": perturbed_checkpoint(target, root / "good", 0.05, seed=7),
+        "fair": perturbed_checkpoint(target, root / "fair", 0.15, seed=8),
+        "bad": save_tiny_checkpoint(root, "llama", seed=11),  # unrelated weights, same vocabulary
+        "qwen_target": qwen,
+        "qwen_draft": perturbed_checkpoint(qwen, root / "qwen_draft", 0.05, seed=9),
+        "qwen_qualifier": perturbed_checkpoint(qwen, root / "qwen_qualifier", 0.02, seed=10),
+    }
+
+
+def greedy(max_tokens: int = MAX_TOKENS, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+
+
+class Reference:
+    """AR outputs of one target, computed one prompt at a time and memoised."""
+
+    def __init__(self, target: Path) -> None:
+        self.engine = LocalEngine(LocalEngineConfig(target=str(target), num_threads=1))
+        self._memo: dict[tuple, tuple[list[int], str]] = {}
+
+    def __call__(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        key = (tuple(prompt), params)
+        if key not in self._memo:
+            r = self.engine.generate([prompt], params)[0]
+            self._memo[key] = (r.token_ids, r.finish_reason)
+        return self._memo[key]
+
+
+@pytest.fixture(scope="module")
+def ref(models):
+    refs = {"target": Reference(models["target"]), "qwen_target": Reference(models["qwen_target"])}
+    yield refs
+    for r in refs.values():
+        r.engine.close()
+
+
+def make_engine(models, mode: str, draft: str | None = None, qualifier: str | None = None, target: str = "target", **spec) -> LocalEngine:
+    return LocalEngine(
+        LocalEngineConfig(
+            target=str(models[target]),
+            draft=None if draft is None else str(models[draft]),
+            qualifier=None if qualifier is None else str(models[qualifier]),
+            spec=SpeculationConfig(mode=mode, **spec),
+            num_threads=1,
+        )
+    )
+
+
+def check_exact(engine: LocalEngine, reference: Reference, params: SamplingParams, prompts=BATCH, singles=True):
+    """Batched call, then one call per prompt: both must reproduce AR exactly.
+    Returns the batched results (for stats checks)."""
+    where = f"mode={engine.mode} spec={engine.config.spec}"
+    batched = engine.generate(prompts, params)
+    assert len(batched) == len(prompts)
+    for i, (prompt, res) in enumerate(zip(prompts, batched)):
+        want, reason = reference(prompt, params)
+        assert res.token_ids == want, f"{where}: batched prompt {i} {prompt[:8]}: got {res.token_ids}, AR {want}"
+        assert res.finish_reason == reason, f"{where}: prompt {i} finish {res.finish_reason} vs AR {reason}"
+        if params.ignore_eos:
+            assert len(res.token_ids) == params.max_tokens
+    if singles:
+        for i, prompt in enumerate(prompts):
+            res = engine.generate([prompt], params)[0]
+            want, _ = reference(prompt, params)
+            assert res.token_ids == want, f"{where}: alone prompt {i} {prompt[:8]}: got {res.token_ids}, AR {want}"
+    return batched
+
+
+def pooled_hit_rate(results) -> float:
+    """Hit rate over all lookups of a batch (per-sequence rates weighted by lookups)."""
+    rates = [r.stats["cache_hit_rate"] for r in results]
+    assert all(x is not None for x in rates)
+    return sum(rates) / len(rates)
+
+
+# --------------------------------------------------------------------- AR itself
+
+
+def test_ar_reference_is_transformers_greedy(models, ref):
+    """Anchor: the AR reference equals transformers' greedy decoding."""
+    hf = load_hf_model(models["target"])
+    for prompt in (PROMPTS[0], PROMPTS[5]):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
+                              min_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
+        assert ref["target"](prompt, greedy())[0] == out[0, len(prompt):].tolist()
+
+
+def test_ar_batched_equals_alone(ref):
+    eng = ref["target"].engine
+    batched = eng.generate(PROMPTS, greedy())
+    assert [r.token_ids for r in batched] == [ref["target"](p, greedy())[0] for p in PROMPTS]
+    # the outputs are varied enough to be a real test (not one repeated token)
+    assert all(len(set(r.token_ids)) >= 5 for r in batched)
+
+
+# ----------------------------------------------------------------------------- SD
+
+
+@pytest.mark.parametrize("draft", ["bad", "fair", "good", "perfect"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_sd_matches_ar(models, ref, k, draft):
+    eng = make_engine(models, "sd", draft, k=k)
+    try:
+        res = check_exact(eng, ref["target"], greedy())
+        if draft == "perfect":
+            assert all(r.stats["mean_accepted"] >= k - 0.5 for r in res)
+    finally:
+        eng.close()
+
+
+# ---------------------------------------------------------------------------- SSD
+
+
+def fanouts(k: int) -> dict[str, dict]:
+    """Named fan-out settings for speculation length ``k``."""
+    mixed = {1: (3, 1), 3: (4, 2, 1, 1), 5: (4, 2, 1, 0, 1, 1)}[k]
+    return {
+        "budget1": dict(fanout=(1,) + (0,) * k),
+        "mixed": dict(fanout=mixed),
+        "last_only": dict(fanout=(0,) * k + (1,)),
+        "auto1": dict(fanout="auto", budget=1),
+        "auto4": dict(fanout="auto", budget=4),
+        "auto16": dict(fanout="auto", budget=16),
+    }
+
+
+SSD_GRID = [
+    (k, fo, backup, draft, c)
+    for k in (1, 3, 5)
+    for fo in ("budget1", "mixed", "last_only", "auto1", "auto4", "auto16")
+    for backup, draft, c in (("neural", "good", 1.0), ("fast", "fair", 0.5), ("auto", "good", 0.5))
+]
+
+
+@pytest.mark.parametrize("k, fo, backup, draft, c", SSD_GRID)
+def test_ssd_matches_ar(models, ref, k, fo, backup, draft, c):
+    eng = make_engine(models, "ssd", draft, k=k, backup=backup, saguaro_c=c, **fanouts(k)[fo])
+    try:
+        res = check_exact(eng, ref["target"], greedy(), singles=(fo in ("mixed", "auto4")))
+        assert all(0.0 <= r.stats["cache_hit_rate"] <= 1.0 for r in res)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("backup", ["neural", "fast", "auto"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ssd_forced_all_miss(models, ref, k, backup):
+    """Budget 1 with an unrelated draft: (almost) every lookup misses, every
+    round is served by the backup — and the tokens are still AR's."""
+    eng = make_engine(models, "ssd", "bad", k=k, backup=backup, fanout="auto", budget=1)
+    try:
+        res = check_exact(eng, ref["target"], greedy(), singles=False)
+        assert pooled_hit_rate(res) <= 0.15, [r.stats for r in res]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("draft", ["perfect", "good"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_ssd_zero_fanout_never_hits(models, ref, k, draft):
+    """An all-zero fan-out builds nothing: every lookup misses (even with the
+    target as draft), and the neural backup still reproduces AR."""
+    eng = make_engine(models, "ssd", draft, k=k, fanout=(0,) * (k + 1), backup="neural")
+    try:
+        res = check_exact(eng, ref["target"], greedy(), singles=False)
+        assert all(r.stats["cache_hit_rate"] == 0.0 for r in res)
+        if draft == "perfect":
+            assert all(r.stats["mean_accepted"] >= k - 0.5 for r in res)
+    finally:
+        eng.close()
+
+
+def _perfect_mean_accepted(k: int, max_tokens: int) -> float:
+    """Mean accepted length when every proposed token is accepted: the first
+    round samples one token, then rounds propose min(K, tokens left - 1)."""
+    out, accepted = 1, []
+    while out < max_tokens:
+        n = min(k, max_tokens - out - 1)
+        if n > 0:
+            accepted.append(n)
+        out += n + 1
+    return sum(accepted) / len(accepted)
+
+
+@pytest.mark.parametrize(
+    "fo, backup",
+    # (an explicit last-only fan-out with fast backups would never hit: a fast
+    # guess is rejected at k = 0, where that fan-out caches nothing)
+    [("last_only", "neural"), ("auto4", "neural"), ("auto16", "neural"), ("auto4", "fast"), ("auto16", "fast")],
+)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ssd_mostly_hit(models, ref, k, fo, backup):
+    """Draft = target: the real outcome (all K accepted, bonus = the draft's own
+    argmax) is always cached, so lookups hit and every proposal is accepted."""
+    # long enough that the forced miss of the first round (and, with fast
+    # backups, the miss after a partly accepted point-mass guess) is diluted
+    max_tokens = 64
+    eng = make_engine(models, "ssd", "perfect", k=k, backup=backup, **fanouts(k)[fo])
+    try:
+        res = check_exact(eng, ref["target"], greedy(max_tokens), singles=False)
+        for r in res:
+            assert r.stats["cache_hit_rate"] >= 0.9, (k, fo, backup, r.stats)
+            if backup == "neural":  # every speculation comes from the target itself
+                assert r.stats["mean_accepted"] == pytest.approx(_perfect_mean_accepted(k, max_tokens)), r.stats
+            assert r.stats["mean_accepted"] >= (k - 0.5 if backup == "neural" else k - 1.5), r.stats
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------------ pyramid
+
+
+PYRAMID_GRID = [
+    (stage1, lq, ld, draft, qualifier)
+    for stage1 in ("exact", "assisted")
+    for lq, ld in ((4, 2), (3, 5), (1, 1), (5, 3))
+    for draft, qualifier in (("bad", "good"), ("fair", "good"), ("good", "perfect"))
+]
+
+
+@pytest.mark.parametrize("stage1, lq, ld, draft, qualifier", PYRAMID_GRID)
+def test_pyramid_matches_ar(models, ref, stage1, lq, ld, draft, qualifier):
+    eng = make_engine(models, "pyramid", draft, qualifier, stage1=stage1, stage2="exact", lq=lq, ld=ld)
+    try:
+        res = check_exact(eng, ref["target"], greedy(), singles=(lq, ld) == (4, 2))
+        assert all(r.stats["lossy"] is False for r in res)
+    finally:
+        eng.close()
+
+
+# ----------------------------------------------------------- another architecture
+
+
+@pytest.mark.parametrize(
+    "mode, spec",
+    [
+        ("sd", dict(k=3)),
+        ("ssd", dict(k=3, fanout="auto", budget=4, backup="neural")),
+        ("ssd", dict(k=2, fanout=(2, 1, 1), backup="fast", saguaro_c=0.5)),
+        ("ssd", dict(k=4, fanout="auto", budget=16, backup="auto")),
+        ("pyramid", dict(stage1="exact", lq=4, ld=2)),
+        ("pyramid", dict(stage1="assisted", lq=3, ld=2)),
+    ],
+)
+def test_qwen3_pair_matches_ar(models, ref, mode, spec):
+    eng = make_engine(models, mode, "qwen_draft", "qwen_qualifier", target="qwen_target", **spec)
+    try:
+        res = check_exact(eng, ref["qwen_target"], greedy())
+        if mode != "pyramid":
+            assert any(r.stats["mean_accepted"] > 0 for r in res)  # the pair really speculates
+    finally:
+        eng.close()
+
+
+# -------------------------------------------------------------------- lengths, EOS
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 17, 23])
+@pytest.mark.parametrize(
+    "mode, spec, draft",
+    [
+        ("sd", dict(k=3), "good"),
+        ("ssd", dict(k=3, fanout=(4, 2, 1, 1)), "good"),
+        ("ssd", dict(k=5, fanout="auto", budget=4, backup="fast"), "perfect"),
+        ("ssd", dict(k=3, fanout="auto", budget=4), "perfect"),
+        ("pyramid", dict(lq=4, ld=3), "fair"),
+    ],
+)
+def test_lengths_not_multiple_of_k_plus_1(models, ref, mode, spec, draft, max_tokens):
+    """With ignore_eos the output has exactly max_tokens tokens, also when a
+    round's K + 1 would overshoot (speculation is clipped, not truncated late)."""
+    eng = make_engine(models, mode, draft, "good", **spec)
+    try:
+        check_exact(eng, ref["target"], greedy(max_tokens), singles=False)
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def eos_models(models, ref, tmp_path_factory):
+    """The same target weights with a second EOS id: a token that AR emits in
+    the middle of several outputs, so generation stops inside a round."""
+    counts = Counter()
+    for p in PROMPTS:
+        counts.update(ref["target"](p, greedy())[0][2:-3])
+    eos = next(t for t, _ in counts.most_common() if t != 2)
+    root = tmp_path_factory.mktemp("eos_models")
+    target = save_tiny_checkpoint(root, "llama", seed=3, eos_token_id=[2, eos])
+    return {
+        "target": target,
+        "perfect": target,
+        "good": perturbed_checkpoint(target, root / "good", 0.05, seed=7),
+        "bad": save_tiny_checkpoint(root, "llama", seed=11, eos_token_id=[2, eos]),
+        "eos": eos,
+    }
+
+
+@pytest.mark.parametrize(
+    "mode, spec, draft",
+    [
+        ("sd", dict(k=3), "good"),
+        ("sd", dict(k=5), "perfect"),
+        ("ssd", dict(k=3, fanout=(4, 2, 1, 1)), "good"),
+        ("ssd", dict(k=5, fanout="auto", budget=8), "perfect"),
+        ("ssd", dict(k=3, fanout="auto", budget=1, backup="fast"), "bad"),
+        ("pyramid", dict(lq=4, ld=2), "good"),
+        ("pyramid", dict(lq=3, ld=3, stage1="assisted"), "bad"),
+    ],
+)
+def test_stops_at_eos_like_ar(eos_models, mode, spec, draft):
+    reference = Reference(eos_models["target"])
+    eng = make_engine(eos_models, mode, draft, "good", **spec)
+    try:
+        params = greedy(ignore_eos=False)
+        res = check_exact(eng, reference, params, prompts=PROMPTS)
+        stopped = [r for r in res if r.finish_reason == "stop"]
+        assert len(stopped) >= 2, "the EOS variant should stop several prompts early"
+        for r in stopped:
+            assert r.token_ids[-1] == eos_models["eos"] or r.token_ids[-1] == 2
+            assert len(r.token_ids) < MAX_TOKENS
+    finally:
+        eng.close()
+        reference.engine.close()
+
+
+def test_engine_reuse_across_calls_stays_exact(models, ref):
+    """Several generate calls on one SSD engine (stale cache entries and
+    sequence ids from earlier calls must never leak into later ones)."""
+    eng = make_engine(models, "ssd", "good", k=3, fanout="auto", budget=4)
+    try:
+        for _ in range(2):
+            check_exact(eng, ref["target"], greedy(), prompts=PROMPTS)
+            check_exact(eng, ref["target"], greedy(11), prompts=PROMPTS[::-1], singles=False)
+    finally:
+        eng.close()

@@ -1,0 +1,316 @@
+"""Exactness at T > 0, end to end (DESIGN §8(b)).
+
+For every exact mode the empirical law of the first M generated tokens over N
+seeded samples (sample i uses seed + i) must match the target's exact law of
+those M tokens, computed by enumerating every prefix in the support with the
+target run through ``transformers`` and processed by
+:func:`saguaro_ray.algorithms.sampling.process_logits` (temperature, top-k).
+With ``top_k = 2`` and M = 6 the support has 2^6 = 64 sequences; cells with an
+expected count below 5 are merged and a chi-square test at α = 0.001 decides.
+
+M is long enough that several verification rounds (and, for SSD, rounds fed
+from the speculation cache) contribute to the measured tokens. Seeds are
+fixed, so every test is deterministic. All modes draw the verifier's uniforms
+from the same (seed, position) streams, so their statistics are correlated:
+one seed range is either comfortable for all of them or marginal for all. The
+range used here puts plain AR (the ground truth sampler) at p ≈ 0.4; with
+20,000 samples on two other ranges every mode gave p between 0.46 and 0.99.
+
+The sensitivity tests show the statistic has power: against a wrong law (the
+target at another temperature, the draft's law) and against three deliberately
+broken engines (recovery token drawn from p instead of the residual; draft and
+verifier sharing one random stream; Saguaro-sampled tokens verified with the
+unscaled q instead of q') it rejects with p-values far below α.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_hf_model, save_tiny_checkpoint, torch_threads
+from scipy.stats import chi2
+
+from saguaro_ray.algorithms.sampling import process_logits
+from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+
+PROMPT = [5, 6, 7]
+M = 6  # generated tokens whose joint law is tested
+TOP_K = 2
+TEMPERATURE = 1.0
+N = 3000  # samples per law test
+N_MUTANT = 1500  # samples per sensitivity run (their bias is gross)
+SEED = 50_000  # samples use SEED .. SEED + N - 1
+ALPHA = 1e-3
+REJECT = 1e-6  # sensitivity checks must reject far below ALPHA
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
+    """A copy of checkpoint ``src`` with Gaussian noise (``scale`` × each
+    tensor's std) on every weight: a draft that partly agrees with the target."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {
+        name: (w + scale * w.std() * torch.randn(w.shape, generator=gen)).contiguous() if w.numel() > 1 else w
+        for name, w in weights.items()
+    }
+    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sampling_models")
+    target = save_tiny_checkpoint(root, "llama", seed=3)
+    return {
+        "target": target,
+        "draft": perturbed_checkpoint(target, root / "draft", 0.1, seed=7),  # accepts ~half its tokens
+        "weak": perturbed_checkpoint(target, root / "weak", 0.3, seed=8),  # PyramidSD's draft
+    }
+
+
+# ------------------------------------------------------------------ exact law
+
+
+def exact_law(path: Path, m: int = M, temperature: float = TEMPERATURE, top_k: int = TOP_K) -> dict[tuple[int, ...], float]:
+    """P(first m generated tokens = x) for every x with positive probability,
+    by enumeration: one forward per prefix in the support."""
+    hf = load_hf_model(path)
+    law: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(m):
+        nxt: dict[tuple[int, ...], float] = {}
+        for prefix, pr in law.items():
+            with torch.no_grad():
+                logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:].float()
+            p = process_logits(logits, [temperature], [top_k])[0].double()
+            p = p / p.sum()  # fp32 softmax rows sum to 1 only within ~1e-7
+            for tok in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (tok,)] = pr * float(p[tok])
+        law = nxt
+    assert abs(sum(law.values()) - 1.0) < 1e-9
+    return law
+
+
+@pytest.fixture(scope="module")
+def target_law(models):
+    law = exact_law(models["target"])
+    assert len(law) == TOP_K**M
+    return law
+
+
+def chi_square(counts: Counter, law: dict[tuple[int, ...], float]) -> tuple[float, int, float, int]:
+    """Pearson's statistic of ``counts`` against ``law``: (stat, df, p-value,
+    number of samples outside the law's support). Cells are merged in order of
+    increasing expected count until every merged cell expects at least 5."""
+    n = sum(counts.values())
+    outside = sum(c for x, c in counts.items() if x not in law)
+    cells = sorted(law, key=lambda x: law[x])
+    expected, observed = [], []
+    acc_e, acc_o = 0.0, 0
+    for x in cells:
+        acc_e += law[x] * n
+        acc_o += counts.get(x, 0)
+        if acc_e >= 5:
+            expected.append(acc_e)
+            observed.append(acc_o)
+            acc_e, acc_o = 0.0, 0
+    if acc_e > 0:  # the leftover (largest cells come last, so this is rare)
+        expected[-1] += acc_e
+        observed[-1] += acc_o
+    # samples outside the support count against the smallest cell (a wrong law
+    # must be rejected, not silently ignored)
+    observed[0] += outside
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(expected) - 1
+    return stat, df, float(chi2.sf(stat, df)), outside
+
+
+def run(models, mode: str, *, n: int = N, top_k: int = TOP_K, m: int = M, draft: str = "draft", qualifier: str | None = None, **spec):
+    eng = LocalEngine(
+        LocalEngineConfig(
+            target=str(models["target"]),
+            draft=str(models[draft]) if mode != "ar" else None,
+            qualifier=str(models[qualifier]) if qualifier else None,
+            spec=SpeculationConfig(mode=mode, **spec),
+            num_threads=1,
+            max_batch_size=n,
+            max_kv_tokens=32 * n,
+        )
+    )
+    try:
+        params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=m, ignore_eos=True, seed=SEED)
+        res = eng.generate([PROMPT], params, n=n)
+    finally:
+        eng.close()
+    assert all(len(r.token_ids) == m for r in res)
+    return res
+
+
+def counts_of(results) -> Counter:
+    return Counter(tuple(r.token_ids) for r in results)
+
+
+def assert_law(results, law, what: str) -> None:
+    stat, df, pval, outside = chi_square(counts_of(results), law)
+    assert outside == 0, f"{what}: {outside} samples have probability 0 under the target's law"
+    assert pval >= ALPHA, f"{what}: chi-square {stat:.1f} on {df} df, p = {pval:.2e} < {ALPHA}"
+
+
+def mean_stat(results, key: str) -> float:
+    vals = [r.stats[key] for r in results if r.stats[key] is not None]
+    return sum(vals) / len(vals)
+
+
+# Results are shared between the law tests and the SD/SSD identity test.
+@pytest.fixture(scope="module")
+def sd_results(models):
+    return run(models, "sd", k=2)
+
+
+@pytest.fixture(scope="module")
+def ssd_results(models):
+    return run(models, "ssd", k=2, fanout="auto", budget=4, backup="neural")
+
+
+# ------------------------------------------------------------------ the modes
+
+
+def test_ar_matches_exact_law(models, target_law):
+    assert_law(run(models, "ar"), target_law, "ar")
+
+
+def test_sd_matches_exact_law(sd_results, target_law):
+    assert 0.3 < mean_stat(sd_results, "mean_accepted") < 1.9  # a mix of acceptances and rejections
+    assert_law(sd_results, target_law, "sd k=2")
+
+
+def test_ssd_matches_exact_law(ssd_results, target_law):
+    assert mean_stat(ssd_results, "cache_hit_rate") > 0.3  # cached speculations feed the measured tokens
+    assert_law(ssd_results, target_law, "ssd k=2 auto budget 4")
+
+
+def test_ssd_k1_mostly_cache_fed_matches_exact_law(models, target_law):
+    """K = 1: after the first (backup) round every round's proposal comes from
+    the cache when it hits, so most of the M tokens follow cached speculations."""
+    res = run(models, "ssd", k=1, fanout="auto", budget=2, backup="auto")
+    assert mean_stat(res, "cache_hit_rate") > 0.3
+    assert_law(res, target_law, "ssd k=1 auto budget 2 backup auto")
+
+
+def test_ssd_all_miss_fast_backup_matches_exact_law(models, target_law):
+    """A zero fan-out caches nothing: every round verifies a point-mass guess
+    from the fast backup (accepted with probability p(x), else a draw from p
+    with x removed)."""
+    res = run(models, "ssd", k=3, fanout=(0, 0, 0, 0), backup="fast")
+    assert all(r.stats["cache_hit_rate"] == 0.0 for r in res)
+    assert_law(res, target_law, "ssd all-miss fast")
+
+
+def test_ssd_bad_budget1_fast_matches_exact_law(models, target_law):
+    res = run(models, "ssd", k=2, fanout="auto", budget=1, backup="fast", draft="weak")
+    assert mean_stat(res, "cache_hit_rate") < 0.5
+    assert_law(res, target_law, "ssd weak draft, budget 1, fast")
+
+
+@pytest.mark.parametrize(
+    "k, fanout, top_k, m",
+    [
+        # F = 0 rows: Saguaro scales the top-1 of the two-token support
+        (1, (0, 1), 2, M),
+        (2, (0, 0, 2), 2, M),
+        # top-3 support, F = 1: the top two of three tokens are scaled
+        (1, (1, 1), 3, 5),
+    ],
+)
+def test_ssd_saguaro_matches_exact_law(models, k, fanout, top_k, m):
+    """Saguaro sampling with C = 0.5 changes which tokens the cache holds, and
+    verification with the rescaled q' keeps the law exact."""
+    res = run(models, "ssd", k=k, fanout=fanout, saguaro_c=0.5, top_k=top_k, m=m)
+    plain = run(models, "ssd", k=k, fanout=fanout, saguaro_c=1.0, top_k=top_k, m=m, n=400)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(res, plain)) > 20, "C = 0.5 should change the draws"
+    law = exact_law(models["target"], m=m, top_k=top_k)
+    assert_law(res, law, f"ssd saguaro C=0.5 k={k} fanout={fanout} top_k={top_k}")
+
+
+@pytest.mark.parametrize("stage1", ["exact", "assisted"])
+def test_pyramid_exact_stage2_matches_exact_law(models, target_law, stage1):
+    res = run(models, "pyramid", draft="weak", qualifier="draft", stage1=stage1, stage2="exact", lq=3, ld=2)
+    assert all(r.stats["lossy"] is False for r in res)
+    assert_law(res, target_law, f"pyramid stage1={stage1}")
+
+
+def test_ssd_hits_reproduce_sd_tokens(sd_results, ssd_results):
+    """The draft's random stream is keyed by (seed, output position), so a
+    cache hit proposes what SD's drafting (and the neural backup) would have
+    drawn for the same outcome: with C = 1, SSD emits SD's tokens sample by
+    sample."""
+    differ = [i for i, (a, b) in enumerate(zip(sd_results, ssd_results)) if a.token_ids != b.token_ids]
+    assert not differ, f"{len(differ)} samples differ, e.g. seed {SEED + differ[0]}: sd {sd_results[differ[0]].token_ids} ssd {ssd_results[differ[0]].token_ids}"
+
+
+# ------------------------------------------------------------ sensitivity
+
+
+def test_statistic_rejects_wrong_laws(models, sd_results, target_law):
+    """Power against wrong laws: the target at another temperature, and the
+    draft's own law."""
+    counts = counts_of(sd_results)
+    for temperature in (0.7, 2.0):
+        _, _, pval, _ = chi_square(counts, exact_law(models["target"], temperature=temperature))
+        assert pval < REJECT, f"T={temperature}: p = {pval:.2e}"
+    _, _, pval, _ = chi_square(counts, exact_law(models["draft"]))
+    assert pval < REJECT
+    # and the right law on the same counts passes (the control)
+    assert chi_square(counts, target_law)[2] >= ALPHA
+
+
+def test_statistic_rejects_recovery_from_p(models, target_law, monkeypatch):
+    """A classic bug: at a rejection, draw the recovery token from p instead of
+    norm(max(0, p − q))."""
+    from saguaro_ray.algorithms import verification
+
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
+    res = run(models, "ssd", k=2, fanout="auto", budget=4, n=N_MUTANT)
+    assert chi_square(counts_of(res), target_law)[2] < REJECT
+
+
+def test_statistic_rejects_shared_random_stream(models, target_law, monkeypatch):
+    """A random-stream keying bug: the draft draws with the verifier's uniforms."""
+    from saguaro_ray.workers import draft
+
+    from saguaro_ray.algorithms import sampling
+
+    monkeypatch.setattr(draft, "STREAM_DRAFT", sampling.STREAM_TARGET)
+    res = run(models, "ssd", k=2, fanout="auto", budget=4, n=N_MUTANT)
+    assert chi_square(counts_of(res), target_law)[2] < REJECT
+
+
+def test_statistic_rejects_saguaro_verified_with_unscaled_q(models, target_law, monkeypatch):
+    """Saguaro's trap (DESIGN §4): sampling from q' but verifying with q."""
+    from saguaro_ray.workers import draft
+
+    real_draw = draft._draw
+
+    def draw_reporting_unscaled_q(logits, params, seeds, positions, fanouts, saguaro_c):
+        tokens, q = real_draw(logits, params, seeds, positions, fanouts, saguaro_c)
+        if q is None:
+            return tokens, q
+        return tokens, process_logits(logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+
+    monkeypatch.setattr(draft, "_draw", draw_reporting_unscaled_q)
+    res = run(models, "ssd", k=1, fanout=(0, 1), saguaro_c=0.5)  # the subtlest of the three: all N samples
+    assert chi_square(counts_of(res), target_law)[2] < REJECT
