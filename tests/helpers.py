@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import string
 from contextlib import contextmanager
+import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -179,3 +180,21 @@ def hf_logits(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     ids = torch.tensor([list(tokens)], dtype=torch.long)
     with torch.no_grad():
         return model(ids).logits[0].float()
+
+
+def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
+    """A copy of checkpoint ``src`` with Gaussian noise (``scale`` × each
+    tensor's std) on every weight: a draft that partly agrees with the target."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {
+        name: (w + scale * w.std() * torch.randn(w.shape, generator=gen)).contiguous() if w.numel() > 1 else w
+        for name, w in weights.items()
+    }
+    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst

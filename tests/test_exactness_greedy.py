@@ -13,14 +13,12 @@ the middle of a round and lengths that are not a multiple of K + 1.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_hf_model, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint, torch_threads
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine, LocalEngineConfig
@@ -42,23 +40,6 @@ BATCH = PROMPTS[:5]  # the batch-size-5 call
 def _one_thread():
     with torch_threads(1):
         yield
-
-
-def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
-    """A copy of checkpoint ``src`` with Gaussian noise (``scale`` × each
-    tensor's std) added to every weight: a draft that agrees with the target
-    part of the time, so runs mix cache hits, misses and partial acceptance."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    noisy = {
-        name: (w + scale * w.std() * torch.randn(w.shape, generator=gen)).contiguous() if w.numel() > 1 else w
-        for name, w in weights.items()
-    }
-    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")

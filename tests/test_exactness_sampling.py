@@ -25,14 +25,12 @@ unscaled q instead of q') it rejects with p-values far below α.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_hf_model, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint, torch_threads
 from scipy.stats import chi2
 
 from saguaro_ray.algorithms.sampling import process_logits
@@ -54,22 +52,6 @@ REJECT = 1e-6  # sensitivity checks must reject far below ALPHA
 def _one_thread():
     with torch_threads(1):
         yield
-
-
-def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
-    """A copy of checkpoint ``src`` with Gaussian noise (``scale`` × each
-    tensor's std) on every weight: a draft that partly agrees with the target."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    noisy = {
-        name: (w + scale * w.std() * torch.randn(w.shape, generator=gen)).contiguous() if w.numel() > 1 else w
-        for name, w in weights.items()
-    }
-    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")

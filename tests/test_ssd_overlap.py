@@ -10,13 +10,9 @@ how long anything took.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
-from helpers import save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine, LocalEngineConfig
@@ -28,22 +24,6 @@ PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [3], [44, 45, 46, 47, 48, 49
 def _one_thread():
     with torch_threads(1):
         yield
-
-
-def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
-    """A copy of checkpoint ``src`` with Gaussian noise (``scale`` × each
-    tensor's std) on every weight: a draft that partly agrees with the target."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    noisy = {
-        name: (w + scale * w.std() * torch.randn(w.shape, generator=gen)).contiguous() if w.numel() > 1 else w
-        for name, w in weights.items()
-    }
-    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")

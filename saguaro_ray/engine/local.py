@@ -104,7 +104,8 @@ class LocalEngine:
 
     @property
     def timeline(self) -> list:
-        return self.loop.timeline
+        """Every round so far (most recent last), as :class:`RoundRecord` objects."""
+        return list(self.loop.timeline)
 
     def close(self) -> None:
         self.scheduler.shutdown()
