@@ -95,7 +95,12 @@ class LocalEngine:
             draft=self.workers.get("draft"),
             qualifier=self.workers.get("qualifier"),
         )
-        self.scheduler = Scheduler(self.loop, config.max_batch_size)
+        self.scheduler = Scheduler(
+            self.loop,
+            config.max_batch_size,
+            kv_tokens=min(r.kv.num_blocks * r.kv.block_size for r in runners.values()),
+            block_size=max(r.kv.block_size for r in runners.values()),
+        )
         self.frontend = Frontend(self.tokenizer, self.vocab_size, self.max_context, spec.mode, self.scheduler)
 
     @property

@@ -211,6 +211,11 @@ class RoundLoop:
         recent = ids[max(0, committed - RECENT_TOKENS) : committed]
         return SeqStep(s.seq_id, committed, ids[committed:], s.params, s.seed, len(s.output_ids), recent)
 
+    @property
+    def speculation_margin(self) -> int:
+        """KV tokens a round may hold beyond the emitted ones (proposal + pending token)."""
+        return max(self.spec.k, self.spec.lq + self.spec.ld) + 1
+
     def spec_len(self, s: SequenceState, k: int) -> int:
         """Draft tokens worth proposing: never past max_tokens or the context."""
         remaining = s.params.max_tokens - len(s.output_ids) - 1

@@ -23,6 +23,7 @@ from typing import Callable
 
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
+from saguaro_ray.errors import OutOfKVBlocksError
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,16 @@ class _Request:
 
 
 class Scheduler:
-    def __init__(self, loop: RoundLoop, max_batch_size: int = 64, name: str = "saguaro-scheduler") -> None:
+    """``kv_tokens``: the smallest KV capacity (tokens) among the workers; a
+    request is admitted only when the worst-case KV of everything running plus
+    it fits, and one that could never fit is refused at once."""
+
+    def __init__(self, loop: RoundLoop, max_batch_size: int = 64, kv_tokens: int | None = None, block_size: int = 16, name: str = "saguaro-scheduler") -> None:
         self.loop = loop
         self.max_batch_size = max_batch_size
-        self._queue: deque[_Request] = deque()
+        self.kv_tokens = kv_tokens
+        self.block_size = block_size
+        self._queue: deque[tuple[_Request, SequenceState]] = deque()  # samples wait individually
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -51,10 +58,20 @@ class Scheduler:
     def submit(self, seqs: list[SequenceState], listener: TokenListener | None = None) -> "Future[list[SequenceState]]":
         """Queue one request (its samples); the future resolves when all finish."""
         fut: Future[list[SequenceState]] = Future()
+        need = max(self._kv_need([s]) for s in seqs)
+        if self.kv_tokens is not None and need > self.kv_tokens:
+            fut.set_exception(
+                OutOfKVBlocksError(
+                    f"one sample needs up to {need} KV tokens (prompt + max_tokens + speculation) but the "
+                    f"engine holds {self.kv_tokens}; lower max_tokens or raise max_kv_tokens"
+                )
+            )
+            return fut
+        req = _Request(seqs, fut, listener, {s.seq_id: 0 for s in seqs})
         with self._cv:
             if self._stop:
                 raise RuntimeError("scheduler is shut down")
-            self._queue.append(_Request(seqs, fut, listener, {s.seq_id: 0 for s in seqs}))
+            self._queue.extend((req, s) for s in seqs)
             self._cv.notify()
         return fut
 
@@ -66,6 +83,7 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
+        """Samples waiting for admission."""
         with self._cv:
             return len(self._queue)
 
@@ -79,18 +97,20 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     break
-                admitted: list[_Request] = []
+                new: list[SequenceState] = []
                 room = self.max_batch_size - len(running)
-                # admit while the next request fits; an idle engine always takes
-                # the head, even a request with more samples than the batch size
-                while self._queue and (len(self._queue[0].seqs) <= room or not (running or admitted)):
-                    req = self._queue.popleft()
-                    admitted.append(req)
-                    room -= len(req.seqs)
-            for req in admitted:
-                for s in req.seqs:
-                    owners[s.seq_id] = req
-            new = [s for req in admitted for s in req.seqs]
+                kv_room = None if self.kv_tokens is None else self.kv_tokens - self._kv_need(running)
+                # admit samples in arrival order while they fit the batch and the KV
+                while self._queue and len(new) < room:
+                    req, seq = self._queue[0]
+                    need = self._kv_need([seq])
+                    if kv_room is not None and need > kv_room and (running or new):
+                        break
+                    self._queue.popleft()
+                    new.append(seq)
+                    owners[seq.seq_id] = req
+                    if kv_room is not None:
+                        kv_room -= need
             try:
                 if new:
                     running += self.loop.admit(new)
@@ -108,6 +128,8 @@ class Scheduler:
                         req.future.set_exception(exc)
                     for s in req.seqs:
                         owners.pop(s.seq_id, None)
+                with self._cv:  # their samples still waiting will not run
+                    self._queue = deque((r, q) for r, q in self._queue if id(r) not in touched)
                 running = []
                 continue
             self._publish(owners)
@@ -123,7 +145,15 @@ class Scheduler:
                 req.future.set_exception(err)
         with self._cv:
             while self._queue:
-                self._queue.popleft().future.set_exception(err)
+                req, _ = self._queue.popleft()
+                if not req.future.done():
+                    req.future.set_exception(err)
+
+    def _kv_need(self, seqs: list[SequenceState]) -> int:
+        """Worst-case KV tokens of ``seqs``, rounded up to whole blocks."""
+        margin = self.loop.speculation_margin
+        bs = self.block_size
+        return sum(-(-(len(s.prompt_ids) + s.params.max_tokens + margin) // bs) * bs for s in seqs)
 
     def _publish(self, owners: dict[int, _Request]) -> None:
         """Stream new tokens; complete requests whose samples are all done."""

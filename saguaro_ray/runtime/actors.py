@@ -26,7 +26,7 @@ from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.runtime.control import CommandServer
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.ray_transport import RayWorkerHandle
+from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
@@ -73,6 +73,8 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
             "threads": torch.get_num_threads(),
+            "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
+            "block_size": self.logic.runner.kv.block_size,
             "dropped_frames": self.server.dropped_frames,
         }
 
@@ -104,7 +106,13 @@ class CoordinatorActor:
             draft=self.clients.get("draft0"),
             qualifier=self.clients.get("qualifier"),
         )
-        self.scheduler = Scheduler(self.loop, config.max_batch_size)
+        infos = [actor_info(a) for a in workers.values()]
+        self.scheduler = Scheduler(
+            self.loop,
+            config.max_batch_size,
+            kv_tokens=min(i["kv_tokens"] for i in infos),
+            block_size=max(i["block_size"] for i in infos),
+        )
         self.frontend = Frontend(tokenizer, target_cfg.vocab_size, max_context, config.spec.mode, self.scheduler)
 
     def ready(self) -> bool:
