@@ -225,9 +225,11 @@ class RoundLoop:
     def _fanout_for(self, proposal: Proposal) -> list[int]:
         """F_k for the outcomes of verifying ``proposal`` (its source sets the
         acceptance regime: a backup speculation is accepted differently)."""
-        k = len(proposal.tokens)
+        return self._fanout(len(proposal.tokens), _regime(proposal))
+
+    def _fanout(self, k: int, regime: bool | str) -> list[int]:
         if self.spec.fanout == "auto":
-            return self.fanout.allocation(self.spec.budget, k, after_backup=_regime(proposal))
+            return self.fanout.allocation(self.spec.budget, k, after_backup=regime)
         return list(self.spec.fanout[: k + 1])
 
     def _emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
@@ -390,8 +392,10 @@ class RoundLoop:
         t0 = time.perf_counter()
         got = None
         if kind == "neural":
+            # Saguaro sampling applies to backup drafts too: F_j of the round that will verify them
+            fanouts = [self._fanout(k, "neural") for k in ks]
             got = self._draft_value(
-                self._draft_call("propose", lambda full: ([self.step(s, full) for s in seqs], ks, self.spec.saguaro_c))
+                self._draft_call("propose", lambda full: ([self.step(s, full) for s in seqs], ks, self.spec.saguaro_c, fanouts))
             )
         if got is None:
             kind = "fast"
