@@ -11,7 +11,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     from saguaro_ray.config import SpeculationConfig
@@ -217,12 +217,87 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r.same_as_ar for r in rows) else 1
 
 
+def _csv(kind: type) -> "Callable[[str], list]":
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+
+    return parse
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark modes side by side (JSON + plot)")
+    p.add_argument("--target", default="zoo:small/target")
+    p.add_argument("--draft", default="zoo:small/draft")
+    p.add_argument("--qualifier", default=None)
+    p.add_argument("--modes", type=_csv(str), default=["ar", "sd", "ssd"])
+    p.add_argument("--num-drafts", type=_csv(int), default=[1])
+    p.add_argument("--prompts", default="code", help="code | text | FILE.jsonl")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", type=_csv(int), default=[1])
+    p.add_argument("--temperatures", type=_csv(float), default=[0.0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--runtimes", type=_csv(str), default=["ray"], help="ray,inprocess")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--backup", default="auto")
+    p.add_argument("--saguaro-c", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--address", default=None)
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write the PNG here")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from saguaro_ray.bench import BenchArgs, format_table, plot, run_bench
+
+    if "pyramid" in args.modes and not args.qualifier:
+        raise ConfigError("--modes includes pyramid: pass --qualifier")
+    unknown = set(args.runtimes) - {"ray", "inprocess"}
+    if unknown:
+        raise ConfigError(f"--runtimes takes ray and/or inprocess, got {sorted(unknown)}")
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
+        raise ConfigError("--repeats and --batch-sizes must be positive")
+    report = run_bench(
+        BenchArgs(
+            target=args.target,
+            draft=args.draft,
+            qualifier=args.qualifier,
+            modes=args.modes,
+            num_drafts=args.num_drafts,
+            prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            batch_sizes=args.batch_sizes,
+            temperatures=args.temperatures,
+            repeats=args.repeats,
+            runtimes=args.runtimes,
+            k=args.k,
+            budget=args.budget,
+            backup=args.backup,
+            saguaro_c=args.saguaro_c,
+            threads=args.threads,
+            address=args.address,
+        )
+    )
+    print(format_table(report))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro-ray", description="Exact speculative decoding on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_demo(sub)
+    _add_bench(sub)
     _add_zoo(sub)
     return parser
 

@@ -1,0 +1,400 @@
+"""Side-by-side benchmarks: every mode on the same models, prompts and machine.
+
+Conventions (Spec-Bench style): the same prompts for every mode, modes run
+interleaved (A B C A B C …) so a drifting machine affects all alike, medians
+and min–max over repeats, speedups taken against ``ar`` and ``sd`` *from the
+same run*. Per setting it reports decode tokens/s, mean accepted length, the
+SSD cache hit rate, and a per-round breakdown from the engine's timeline —
+verify time, draft busy time, drafting exposed on the critical path, control
+plane (everything in a round that is neither verification, exposed drafting
+nor the cache lookup), and SSD's ideal (mean accepted + 1 tokens per verify
+time per sequence) with efficiency = achieved / ideal.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PROMPT_SETS = ("code", "text")
+
+
+# ----------------------------------------------------------------- prompts
+def load_prompts(source: str, count: int, chars: int = 200) -> list[str]:
+    """``code``: slices of the zoo's held-out source files; ``text``: docstrings
+    of those same held-out files (prose, never training text); or a JSONL file
+    of ``{"prompt": ...}`` objects."""
+    from saguaro_ray.zoo import heldout_texts
+
+    if source == "code":
+        texts = [t for t in heldout_texts() if len(t) > 2 * chars]
+        step = max(1, len(texts) // max(count, 1))
+        return [texts[(i * step) % len(texts)][:chars] for i in range(count)]
+    if source == "text":
+        docs: list[str] = []
+        for src in heldout_texts():
+            try:
+                tree = ast.parse(src)
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) > chars // 2:
+                        docs.append(doc[:chars])
+        if not docs:
+            raise ConfigError("no docstrings found in the held-out files for the 'text' prompt set")
+        step = max(1, len(docs) // max(count, 1))
+        return [docs[(i * step) % len(docs)] for i in range(count)]
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SETS)} or a JSONL file; {source!r} is neither")
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{source}: no prompts")
+    return (prompts * (count // len(prompts) + 1))[:count]
+
+
+# ----------------------------------------------------------------- analysis
+def _span(x: Any) -> tuple[float, float] | None:
+    return None if x is None else (float(x[0]), float(x[1]))
+
+
+def round_breakdown(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Sum the per-round components over decode (non-prefill) rounds, seconds."""
+    out = {"rounds": 0, "wall": 0.0, "verify": 0.0, "draft_busy": 0.0, "draft_exposed": 0.0, "lookup": 0.0, "control": 0.0}
+    for r in rounds:
+        if r.get("prefill"):
+            continue
+        wall = r["end"] - r["start"]
+        verify = _span(r.get("verify"))
+        build = _span(r.get("build"))
+        draft = _span(r.get("draft"))
+        lookup = _span(r.get("lookup"))
+        v = verify[1] - verify[0] if verify else 0.0
+        busy = (build[1] - build[0] if build else 0.0) + (draft[1] - draft[0] if draft else 0.0)
+        exposed = draft[1] - draft[0] if draft else 0.0  # sequential drafting before verification
+        if build and verify:
+            exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
+        lk = lookup[1] - lookup[0] if lookup else 0.0
+        out["rounds"] += 1
+        out["wall"] += wall
+        out["verify"] += v
+        out["draft_busy"] += busy
+        out["draft_exposed"] += exposed
+        out["lookup"] += lk
+        out["control"] += max(0.0, wall - v - exposed - lk)
+    return out
+
+
+@dataclass
+class RunResult:
+    mode: str
+    runtime: str
+    num_drafts: int
+    batch_size: int
+    temperature: float
+    seconds: float
+    tokens: int
+    decode_tokens: int
+    decode_seconds: float
+    accepted: int
+    spec_rounds: int
+    hits: int
+    lookups: int
+    breakdown: dict[str, float]
+    rounds: list[dict[str, Any]] = field(repr=False, default_factory=list)
+
+
+class _Runner:
+    """One engine (mode × runtime × drafts), reused across settings."""
+
+    def __init__(self, mode: str, runtime: str, num_drafts: int, args: "BenchArgs") -> None:
+        self.mode, self.runtime, self.num_drafts = mode, runtime, num_drafts
+        spec = SpeculationConfig(mode=mode, k=args.k, budget=args.budget, backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2)
+        if runtime == "inprocess":
+            from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+
+            self.engine = LocalEngine(
+                LocalEngineConfig(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, num_threads=args.threads)
+            )
+            self._timeline = lambda: [r.to_json() for r in self.engine.timeline]
+            self.close = self.engine.close
+        else:
+            from saguaro_ray.runtime.engine import Engine
+            from saguaro_ray.runtime.engine_config import EngineConfig
+
+            self.engine = Engine.launch(
+                EngineConfig(
+                    target=args.target,
+                    draft=args.draft,
+                    qualifier=args.qualifier,
+                    spec=spec,
+                    num_drafts=num_drafts,
+                    threads_per_worker=args.threads,
+                    address=args.address,
+                )
+            )
+            self._timeline = lambda: self.engine.timeline()
+            self.close = self.engine.shutdown
+
+    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int) -> RunResult:
+        params = SamplingParams(temperature=temperature, top_k=0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+        before = len(self._timeline())
+        t0 = time.perf_counter()
+        results = self.engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        rounds = self._timeline()[before:]
+        tokens = sum(len(r.token_ids) for r in results)
+        prefill = [r for r in rounds if r.get("prefill")]
+        prefill_tokens = sum(r["batch"] for r in prefill)
+        prefill_seconds = sum(r["end"] - r["start"] for r in prefill)
+        decode = [r for r in rounds if not r.get("prefill")]
+        return RunResult(
+            mode=self.mode,
+            runtime=self.runtime,
+            num_drafts=self.num_drafts,
+            batch_size=len(prompts),
+            temperature=temperature,
+            seconds=seconds,
+            tokens=tokens,
+            decode_tokens=tokens - prefill_tokens,
+            decode_seconds=max(seconds - prefill_seconds, 1e-9),
+            accepted=sum(sum(r["accepted"]) for r in decode),
+            spec_rounds=sum(len(r["accepted"]) for r in decode) if self.mode != "ar" else 0,
+            hits=sum(r["hits"] for r in decode),
+            lookups=sum(r["hits"] + r["misses"] for r in decode),
+            breakdown=round_breakdown(rounds),
+            rounds=rounds,
+        )
+
+
+@dataclass
+class BenchArgs:
+    target: str
+    draft: str | None
+    qualifier: str | None
+    modes: list[str]
+    num_drafts: list[int]
+    prompts: str
+    max_tokens: int
+    batch_sizes: list[int]
+    temperatures: list[float]
+    repeats: int
+    runtimes: list[str] = field(default_factory=lambda: ["ray"])
+    k: int = 4
+    budget: int = 8
+    backup: str = "auto"
+    saguaro_c: float = 1.0
+    threads: int = 1
+    address: str | None = None
+    progress: bool = True
+
+
+def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
+    """One result entry per (mode, runtime, drafts, batch, temperature)."""
+    groups: dict[tuple, list[RunResult]] = {}
+    for r in runs:
+        groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature), []).append(r)
+    entries = []
+    for (mode, runtime, nd, b, t), rs in groups.items():
+        tps = [r.decode_tokens / r.decode_seconds for r in rs]
+        med, lo, hi = _median_min_max(tps)
+        spec_rounds = sum(r.spec_rounds for r in rs)
+        mean_acc = sum(r.accepted for r in rs) / spec_rounds if spec_rounds else None
+        lookups = sum(r.lookups for r in rs)
+        bd = {k: sum(r.breakdown[k] for r in rs) for k in rs[0].breakdown}
+        n_rounds = max(bd["rounds"], 1)
+        per_round_ms = {k: 1000 * bd[k] / n_rounds for k in ("wall", "verify", "draft_busy", "draft_exposed", "lookup", "control")}
+        efficiency = None
+        if mode == "ssd" and mean_acc is not None and bd["verify"] > 0:
+            ideal = b * (mean_acc + 1) / (bd["verify"] / n_rounds)
+            efficiency = med / ideal
+        entries.append(
+            {
+                "mode": mode,
+                "runtime": runtime,
+                "num_drafts": nd,
+                "batch_size": b,
+                "temperature": t,
+                "tokens_per_s": med,
+                "tokens_per_s_min": lo,
+                "tokens_per_s_max": hi,
+                "mean_accepted": mean_acc,
+                "cache_hit_rate": (sum(r.hits for r in rs) / lookups) if (mode == "ssd" and lookups) else None,
+                "efficiency": efficiency,
+                "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
+                "per_round_ms": per_round_ms,
+                "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
+                "repeats": len(rs),
+            }
+        )
+    for e in entries:
+        for base in ("ar", "sd"):
+            ref = [x for x in entries if x["mode"] == base and x["runtime"] == e["runtime"] and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
+            e[f"speedup_vs_{base}"] = e["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
+    return entries
+
+
+def _hidden_fraction(rs: Iterable[RunResult]) -> float | None:
+    """Share of SSD rounds whose drafting cost nothing on the critical path:
+    served from the cache (no backup drafting) and the build done in time."""
+    total = hidden = 0
+    for r in rs:
+        for rd in r.rounds:
+            if rd.get("prefill") or rd.get("build") is None:
+                continue
+            total += 1
+            build, verify = rd["build"], rd["verify"]
+            hidden += int(rd.get("backup") is None and build[1] <= verify[1])
+    return hidden / total if total else None
+
+
+def machine_info(args: BenchArgs) -> dict[str, Any]:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    try:
+        import ray
+
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = None
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray_version,
+        "threads_per_worker": args.threads,
+        "cuda": torch.cuda.is_available(),
+        "git_commit": commit,
+    }
+
+
+def run_bench(args: BenchArgs) -> dict[str, Any]:
+    """Run every mode interleaved over every setting; returns the report dict."""
+    from tqdm import tqdm
+
+    prompts = load_prompts(args.prompts, max(args.batch_sizes))
+    runners: list[_Runner] = []
+    try:
+        for runtime in args.runtimes:
+            for mode in args.modes:
+                drafts = args.num_drafts if (mode == "ssd" and runtime == "ray") else [1]
+                for nd in drafts:
+                    runners.append(_Runner(mode, runtime, nd, args))
+        for r in runners:  # warm-up: first-call allocations and lazy imports
+            r.run(prompts[:1], 0.0, 8, 0)
+        total = len(args.batch_sizes) * len(args.temperatures) * args.repeats * len(runners)
+        runs: list[RunResult] = []
+        with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
+            for b in args.batch_sizes:
+                for t in args.temperatures:
+                    for rep in range(args.repeats):
+                        for r in runners:  # interleaved: A B C A B C ...
+                            runs.append(r.run(prompts[:b], t, args.max_tokens, seed=rep))
+                            bar.update(1)
+    finally:
+        for r in runners:
+            r.close()
+    return {
+        "machine": machine_info(args),
+        "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
+        "results": summarise(runs),
+        "timeline_sample": _timeline_sample(runs),
+    }
+
+
+def _timeline_sample(runs: list[RunResult], rounds: int = 10) -> dict[str, list[dict[str, Any]]]:
+    """A few rounds of the first batch-size-1 run per mode, for the Gantt plot."""
+    sample: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        key = f"{r.mode}/{r.runtime}/d{r.num_drafts}"
+        if key not in sample and r.batch_size == min(x.batch_size for x in runs):
+            decode = [x for x in r.rounds if not x.get("prefill")]
+            sample[key] = decode[:rounds]
+    return sample
+
+
+# ------------------------------------------------------------------- output
+def format_table(report: dict[str, Any]) -> str:
+    head = f"{'mode':<8}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ctrl':>7}"
+    lines = [head]
+    for e in report["results"]:
+        f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+        lines.append(
+            f"{e['mode']:<8}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{e['temperature']:>5.1f}"
+            f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], '>6.2f')}x{f(e['speedup_vs_sd'], '>6.2f')}x"
+            f"{f(e['mean_accepted'], '>8.2f')}{f(e['cache_hit_rate'], '>6.0%')}{f(e['efficiency'], '>6.2f')}"
+            f"{f(e['control_plane_fraction'], '>7.1%')}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str | os.PathLike) -> None:
+    """Gantt of target and draft work over a few rounds per mode, and tokens/s bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sample = report["timeline_sample"]
+    keys = [k for k in sample if sample[k]]
+    fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(11, 2.2 * (len(keys) + 1) + 1))
+    axes = list(axes) if len(keys) + 1 > 1 else [axes]
+    colors = {"verify": "#1f77b4", "build": "#2ca02c", "draft": "#ff7f0e", "lookup": "#9467bd"}
+    for ax, key in zip(axes, keys):
+        rounds = sample[key]
+        t0 = rounds[0]["start"]
+        for rd in rounds:
+            for lane, part in ((1, "verify"), (0, "build"), (0, "draft"), (0, "lookup")):
+                span = rd.get(part)
+                if span:
+                    ax.barh(lane, (span[1] - span[0]) * 1000, left=(span[0] - t0) * 1000, color=colors[part], height=0.6)
+            ax.axvline((rd["start"] - t0) * 1000, color="#cccccc", linewidth=0.5)
+        ax.set_yticks([0, 1], ["draft", "target"])
+        ax.set_title(key, fontsize=9, loc="left")
+        ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    if keys:
+        axes[0].legend(handles, list(colors), loc="upper right", fontsize=7, ncols=4)
+    ax = axes[-1]
+    res = [e for e in report["results"] if e["temperature"] == min(x["temperature"] for x in report["results"])]
+    labels = [f"{e['mode']}/{e['runtime'][:2]}/d{e['num_drafts']}\nb={e['batch_size']}" for e in res]
+    ax.bar(range(len(res)), [e["tokens_per_s"] for e in res], color="#1f77b4")
+    ax.errorbar(
+        range(len(res)),
+        [e["tokens_per_s"] for e in res],
+        yerr=[[e["tokens_per_s"] - e["tokens_per_s_min"] for e in res], [e["tokens_per_s_max"] - e["tokens_per_s"] for e in res]],
+        fmt="none",
+        color="black",
+        capsize=2,
+    )
+    ax.set_xticks(range(len(res)), labels, fontsize=7)
+    ax.set_ylabel("decode tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

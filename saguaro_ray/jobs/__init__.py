@@ -1,0 +1,1 @@
+"""Entry points for ``ray job submit -- python -m saguaro_ray.jobs.<name> ...``."""
