@@ -10,6 +10,7 @@ hanging.
 
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -57,6 +58,10 @@ def test_killing_the_draft_keeps_tokens_and_ssd_resumes(ray_instance, target, mo
         assert handle.metrics()["draft_failures"] == 1
         # the draft comes back as a new process and speculation resumes
         assert handle.worker_info()["draft0"]["pid"] != old_pid
+        deadline = time.monotonic() + 120
+        while not handle.metrics()["draft_up"]:  # the coordinator reconnects in the background
+            assert time.monotonic() < deadline, "draft never came back"
+            time.sleep(0.2)
         again = handle.generate([PROMPT], PARAMS)[0]
         assert again.token_ids == reference
         assert again.stats["mean_accepted"] > 2  # draft == target: nearly everything accepted again

@@ -135,6 +135,7 @@ class CoordinatorActor:
             "dropped_frames": {role: c.client.dropped_frames for role, c in self.clients.items()},
             "restarts": {role: c.restarts for role, c in self.clients.items()},
             "draft_failures": self.loop.draft_failures,
+            "draft_up": self.loop.draft_up,
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
         }
