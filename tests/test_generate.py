@@ -62,7 +62,7 @@ def test_result_fields(engine):
 
 
 def test_prompt_beyond_context_is_refused_before_any_work(engine):
-    long_prompt = list(range(5, 5 + engine.max_context))
+    long_prompt = [5 + i % 100 for i in range(engine.max_context)]
     with pytest.raises(PromptTooLongError, match="context window"):
         engine.generate([long_prompt], SamplingParams(max_tokens=1))
     assert engine.workers["target"].logic.runner.kv.seqs == {}
@@ -81,15 +81,27 @@ def _cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "saguaro_ray", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_generate_json(zoo_tiny, tmp_path):
+# "--address local": a private Ray instance, whatever else runs on this machine
+@pytest.mark.parametrize("runtime", [["--address", "local"], ["--in-process"]], ids=["ray", "in-process"])
+def test_cli_generate_json(zoo_tiny, tmp_path, runtime):
     pf = tmp_path / "prompts.jsonl"
     pf.write_text('{"prompt": "def f("}\n{"prompt": "import sys\\n"}\n')
     out = _cli("generate", "--target", str(zoo_tiny / "target"), "--prompts-file", str(pf), "--max-tokens", "8",
-               "--temperature", "0.8", "--seed", "3", "--n", "2", "--json")
+               "--temperature", "0.8", "--seed", "3", "--n", "2", "--json", *runtime)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["mode"] == "ar" and 1 <= len(r["token_ids"]) <= 8 for r in rows)
+
+
+def test_cli_runtimes_agree(zoo_tiny, tmp_path):
+    """The Ray runtime and the in-process engine emit the same samples."""
+    args = ["generate", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"), "--mode", "ssd",
+            "--prompt", "class A:", "--max-tokens", "12", "--temperature", "0.7", "--seed", "1", "--json"]
+    ray_out = _cli(*args, "--address", "local")
+    local_out = _cli(*args, "--in-process")
+    assert ray_out.returncode == 0 and local_out.returncode == 0, ray_out.stderr + local_out.stderr
+    assert json.loads(ray_out.stdout)["token_ids"] == json.loads(local_out.stdout)["token_ids"]
 
 
 @pytest.mark.parametrize(
