@@ -268,6 +268,47 @@ def _hidden_fraction(rs: Iterable[RunResult]) -> float | None:
     return hidden / total if total else None
 
 
+def step_costs(models: dict[str, str], threads: int = 1, context: int = 128, repeats: int = 30, branches: int = 8) -> dict[str, dict[str, float]]:
+    """Median milliseconds of the runner's basic steps per model, on ``threads``
+    torch threads: a 1-token decode, an 8-token verify, and one tree-decode
+    step of ``branches`` branches — the costs that decide whether speculation
+    pays (on CPU a draft step must cost ≲ 1/10 of a target verify)."""
+    import torch
+
+    from saguaro_ray.workers.runner import ModelRunner
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for role, path in models.items():
+            runner = ModelRunner(path)
+            runner.add_sequence(0)
+            prompt = [(7 * i) % runner.vocab_size for i in range(context)]
+            runner.forward([0], [prompt])
+
+            def timed(fn: Any) -> float:
+                samples = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - t0)
+                return 1000 * statistics.median(samples)
+
+            def decode(n: int) -> None:
+                runner.forward([0], [prompt[:n]], num_logits=[n])
+                runner.truncate(0, context)
+
+            def tree() -> None:
+                t = runner.tree_start([0] * branches, [context - (i % 4) for i in range(branches)], depth=4)
+                runner.tree_forward(t, [[1]] * branches)
+
+            out[role] = {"decode_1": timed(lambda: decode(1)), "verify_8": timed(lambda: decode(8)), f"tree_step_{branches}": timed(tree)}
+    finally:
+        torch.set_num_threads(old)
+    return out
+
+
 def machine_info(args: BenchArgs) -> dict[str, Any]:
     import torch
 
@@ -320,8 +361,10 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     finally:
         for r in runners:
             r.close()
+    models = {"target": args.target, "draft": args.draft} | ({"qualifier": args.qualifier} if args.qualifier else {})
     return {
         "machine": machine_info(args),
+        "step_costs_ms": step_costs({k: v for k, v in models.items() if v}, threads=args.threads),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
         "results": summarise(runs),
         "timeline_sample": _timeline_sample(runs),
@@ -341,8 +384,13 @@ def _timeline_sample(runs: list[RunResult], rounds: int = 10) -> dict[str, list[
 
 # ------------------------------------------------------------------- output
 def format_table(report: dict[str, Any]) -> str:
+    costs = report.get("step_costs_ms", {})
+    pre = [
+        f"{role}: decode {c['decode_1']:.2f} ms, 8-token verify {c['verify_8']:.2f} ms, tree step {c[[k for k in c if k.startswith('tree')][0]]:.2f} ms"
+        for role, c in costs.items()
+    ]
     head = f"{'mode':<8}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ctrl':>7}"
-    lines = [head]
+    lines = pre + [head]
     for e in report["results"]:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         lines.append(
