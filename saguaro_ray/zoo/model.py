@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from saguaro_ray.workers.decoder import RMSNorm  # one RMSNorm for training and inference
+from saguaro_ray.workers.rope import inverse_frequencies
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -40,22 +43,9 @@ class ModelShape:
         return self.hidden_size // self.num_heads
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [seq_len, head_dim], HF's (non-interleaved) layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = inverse_frequencies(head_dim, theta, None)
     pos = torch.arange(seq_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
