@@ -74,30 +74,32 @@ def _span(x: Any) -> tuple[float, float] | None:
     return None if x is None else (float(x[0]), float(x[1]))
 
 
+def round_components(r: dict[str, Any]) -> dict[str, float]:
+    """One decode round split into verify, drafting (busy and exposed on the
+    critical path), cache lookup, and control plane (the rest of the round)."""
+    wall = r["end"] - r["start"]
+    verify = _span(r.get("verify"))
+    build = _span(r.get("build"))
+    draft = _span(r.get("draft"))
+    lookup = _span(r.get("lookup"))
+    v = verify[1] - verify[0] if verify else 0.0
+    busy = (build[1] - build[0] if build else 0.0) + (draft[1] - draft[0] if draft else 0.0)
+    exposed = draft[1] - draft[0] if draft else 0.0  # sequential drafting before verification
+    if build and verify:
+        exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
+    lk = lookup[1] - lookup[0] if lookup else 0.0
+    return {"wall": wall, "verify": v, "draft_busy": busy, "draft_exposed": exposed, "lookup": lk, "control": max(0.0, wall - v - exposed - lk)}
+
+
 def round_breakdown(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Sum the per-round components over decode (non-prefill) rounds, seconds."""
     out = {"rounds": 0, "wall": 0.0, "verify": 0.0, "draft_busy": 0.0, "draft_exposed": 0.0, "lookup": 0.0, "control": 0.0}
     for r in rounds:
         if r.get("prefill"):
             continue
-        wall = r["end"] - r["start"]
-        verify = _span(r.get("verify"))
-        build = _span(r.get("build"))
-        draft = _span(r.get("draft"))
-        lookup = _span(r.get("lookup"))
-        v = verify[1] - verify[0] if verify else 0.0
-        busy = (build[1] - build[0] if build else 0.0) + (draft[1] - draft[0] if draft else 0.0)
-        exposed = draft[1] - draft[0] if draft else 0.0  # sequential drafting before verification
-        if build and verify:
-            exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
-        lk = lookup[1] - lookup[0] if lookup else 0.0
         out["rounds"] += 1
-        out["wall"] += wall
-        out["verify"] += v
-        out["draft_busy"] += busy
-        out["draft_exposed"] += exposed
-        out["lookup"] += lk
-        out["control"] += max(0.0, wall - v - exposed - lk)
+        for key, value in round_components(r).items():
+            out[key] += value
     return out
 
 
@@ -244,6 +246,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
+                **_control_quantiles(rs),
                 "repeats": len(rs),
             }
         )
@@ -252,6 +255,14 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
             ref = [x for x in entries if x["mode"] == base and x["runtime"] == e["runtime"] and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
             e[f"speedup_vs_{base}"] = e["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
     return entries
+
+
+def _control_quantiles(rs: Iterable[RunResult]) -> dict[str, float | None]:
+    """Median and p99 of the control-plane time per decode round, microseconds."""
+    xs = sorted(1e6 * round_components(rd)["control"] for r in rs for rd in r.rounds if not rd.get("prefill"))
+    if not xs:
+        return {"control_us_median": None, "control_us_p99": None}
+    return {"control_us_median": statistics.median(xs), "control_us_p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
 
 def _hidden_fraction(rs: Iterable[RunResult]) -> float | None:

@@ -204,15 +204,17 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--budget", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (in-process engine)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--in-process", action="store_true", help="run the workers in this process instead of Ray actors")
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from saguaro_ray.demo import format_rows, run_demo
 
-    rows = run_demo(args.preset, args.prompts, args.max_tokens, args.k, args.budget, args.threads)
-    print(f"saguaro-ray demo: zoo:{args.preset} family, {args.prompts} held-out prompts, temperature 0")
+    rows = run_demo(args.preset, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process)
+    where = "in process" if args.in_process else "Ray actors"
+    print(f"saguaro-ray demo: zoo:{args.preset} family, {args.prompts} held-out prompts, temperature 0, {where}")
     print(format_rows(rows))
     return 0 if all(r.same_as_ar for r in rows) else 1
 
@@ -291,6 +293,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    def run(args: argparse.Namespace) -> int:
+        # Ray Serve is imported only when this command runs
+        from saguaro_ray.serve.runner import cmd_serve
+
+        return cmd_serve(args)
+
+    p = sub.add_parser("serve", help="run an OpenAI-compatible Ray Serve deployment from a Serve config YAML")
+    p.add_argument("--config", required=True, help="Serve config YAML, e.g. deploy/serve/zoo-cpu.yaml")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
+    p.add_argument("--detach", action="store_true", help="return once the applications are RUNNING (needs a running cluster)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the applications to start")
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro-ray", description="Exact speculative decoding on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -299,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_zoo(sub)
+    _add_serve(sub)
     return parser
 
 

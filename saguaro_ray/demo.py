@@ -1,7 +1,8 @@
 """``saguaro-ray demo``: the built-in model family, every mode side by side.
 
 Runs the same held-out prompts at temperature 0 through ``ar``, ``sd``,
-``ssd`` and ``pyramid`` on one engine configuration and prints throughput,
+``ssd`` and ``pyramid`` — as Ray actors on the embedded local Ray instance
+(or in process with ``--in-process``) — and prints throughput,
 mean accepted length, cache hit rate and whether each mode's tokens equal
 AR's (they must: exactness is the contract).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 
@@ -37,9 +39,25 @@ def demo_prompts(count: int, chars: int = 160) -> list[str]:
     return [texts[i * step][:chars] for i in range(count)]
 
 
-def run_demo(preset: str = "tiny", prompts: int = 4, max_tokens: int = 48, k: int = 4, budget: int = 8, threads: int = 1) -> list[DemoRow]:
-    """Generate with every mode in process; returns one row per mode."""
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+def _engine(spec: SpeculationConfig, preset: str, threads: int, in_process: bool) -> tuple[Any, Any]:
+    """An engine for ``spec`` on the zoo family and its close function."""
+    models = dict(target=f"zoo:{preset}/target", draft=f"zoo:{preset}/draft", qualifier=f"zoo:{preset}/qualifier")
+    if in_process:
+        from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+
+        engine = LocalEngine(LocalEngineConfig(**models, spec=spec, num_threads=threads))
+        return engine, engine.close
+    from saguaro_ray.runtime.engine import Engine
+    from saguaro_ray.runtime.engine_config import EngineConfig
+
+    handle = Engine.launch(EngineConfig(**models, spec=spec, threads_per_worker=threads))
+    return handle, handle.shutdown
+
+
+def run_demo(
+    preset: str = "tiny", prompts: int = 4, max_tokens: int = 48, k: int = 4, budget: int = 8, threads: int = 1, in_process: bool = False
+) -> list[DemoRow]:
+    """Generate with every mode (Ray actors by default); returns one row per mode."""
     from saguaro_ray.zoo import build_family
 
     build_family(preset)
@@ -54,22 +72,14 @@ def run_demo(preset: str = "tiny", prompts: int = 4, max_tokens: int = 48, k: in
     rows: list[DemoRow] = []
     reference: list[list[int]] | None = None
     for spec in specs:
-        engine = LocalEngine(
-            LocalEngineConfig(
-                target=f"zoo:{preset}/target",
-                draft=f"zoo:{preset}/draft",
-                qualifier=f"zoo:{preset}/qualifier",
-                spec=spec,
-                num_threads=threads,
-            )
-        )
+        engine, close = _engine(spec, preset, threads, in_process)
         try:
             engine.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
             t0 = time.perf_counter()
             results = engine.generate(texts, params)
             seconds = time.perf_counter() - t0
         finally:
-            engine.close()
+            close()
         tokens = [r.token_ids for r in results]
         if reference is None:
             reference = tokens
