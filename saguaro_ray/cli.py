@@ -216,6 +216,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     where = "in process" if args.in_process else "Ray actors"
     print(f"saguaro-ray demo: zoo:{args.preset} family, {args.prompts} held-out prompts, temperature 0, {where}")
     print(format_rows(rows))
+    if args.preset == "tiny":
+        print("(the tiny family is overhead-bound: speculation pays on larger models — "
+              "`saguaro-ray zoo build --preset small` then `saguaro-ray bench` shows it)")
     return 0 if all(r.same_as_ar for r in rows) else 1
 
 
