@@ -253,16 +253,6 @@ class RoundLoop:
                 log.info("release on %s skipped: its state is already gone", w.name)
 
     # -------------------------------------------------------------- run
-    def run(self, seqs: list[SequenceState]) -> None:
-        """Generate until every sequence in ``seqs`` has finished (static batch)."""
-        running: list[SequenceState] = []
-        try:
-            running = self.admit([s for s in seqs if not s.finished])
-            while running:
-                running = self.advance(running)
-        finally:
-            self.release(running)
-
     def admit(self, new: list[SequenceState]) -> list[SequenceState]:
         """Prefill new sequences on every worker concurrently (the target samples
         their first token) — they join the running batch at a round boundary.
@@ -343,7 +333,7 @@ class RoundLoop:
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
         need = [s for s in running if s.proposal is None]
         if need:  # the first round, or misses: the backup speculator serves them
-            self._backup(need, rec)
+            self._backup(need, rec, batch_size=len(running))
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
         call_v = self._verify(running, proposals)
@@ -386,8 +376,10 @@ class RoundLoop:
             rec.misses += int(not hit)
             s.proposal = cached
 
-    def _backup(self, seqs: list[SequenceState], rec: RoundRecord) -> None:
-        kind = self.backup_policy.choose(len(seqs), self.backup_stats) if self.draft_up else "fast"
+    def _backup(self, seqs: list[SequenceState], rec: RoundRecord, batch_size: int) -> None:
+        """Serve misses; ``auto`` weighs the backups at the live batch size
+        (a batch of b hits fully only with probability p_hit^b)."""
+        kind = self.backup_policy.choose(batch_size, self.backup_stats) if self.draft_up else "fast"
         ks = [self.spec_len(s, self.spec.k) for s in seqs]
         t0 = time.perf_counter()
         got = None
