@@ -387,3 +387,56 @@ def test_engine_reuse_across_calls_stays_exact(models, ref):
             check_exact(eng, ref["target"], greedy(11), prompts=PROMPTS[::-1], singles=False)
     finally:
         eng.close()
+
+
+def test_mixed_greedy_and_sampled_batch_in_ssd(tmp_path):
+    """One batch holding T = 0 and T > 0 samples: greedy ones still equal AR
+    (their proposals are point masses, sampled ones carry q rows)."""
+    from saguaro_ray.config import SamplingParams, SpeculationConfig
+    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+
+    target = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
+    draft = perturbed_checkpoint(target, tmp_path / "draft", 0.1, seed=3)
+    prompts = [[3, 5, 7], [9, 1], [4, 4, 2, 8]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    # the sampled one ends sooner, so its speculation shrinks while the greedy ones keep K
+    sampled = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=4)
+    ar = LocalEngine(LocalEngineConfig(target=str(target), num_threads=1))
+    ssd = LocalEngine(LocalEngineConfig(target=str(target), draft=str(draft), spec=SpeculationConfig(mode="ssd", k=3, budget=4), num_threads=1))
+    try:
+        mixed = ssd.generate(prompts, [greedy, sampled, greedy])
+        ref = ar.generate(prompts, greedy)
+        assert mixed[0].token_ids == ref[0].token_ids and mixed[2].token_ids == ref[2].token_ids
+        assert len(mixed[1].token_ids) == 7
+    finally:
+        ar.close()
+        ssd.close()
+
+
+def test_draft_records_q_rows_only_for_sampled_sequences(tmp_path):
+    """A proposal's q is the law each token was drawn from: greedy proposals are
+    point masses (q None) even when the batch also drafts sampled sequences with
+    a different speculation depth; sampled ones carry one row per token."""
+    from saguaro_ray.config import SamplingParams
+    from saguaro_ray.workers.draft import DraftLogic
+    from saguaro_ray.workers.messages import BuildItem, Proposal, SeqStep
+    from saguaro_ray.workers.runner import ModelRunner
+
+    ckpt = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
+    draft = DraftLogic(ModelRunner(str(ckpt)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=50)
+    sampled = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
+    steps = [SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0), SeqStep(2, 0, [4, 6, 8], sampled, 1, 0)]
+    proposals = draft.propose(steps, [3, 1])  # different depths: step 2 drafts only the greedy one
+    assert proposals[0].q is None and len(proposals[0].tokens) == 3
+    assert proposals[1].q is not None and proposals[1].q.shape[0] == 1
+    draft.build([
+        BuildItem(SeqStep(1, 4, [proposals[0].tokens[0]], greedy, 0, 1), Proposal(proposals[0].tokens[1:]), [2, 1, 1], 3),
+        BuildItem(SeqStep(2, 3, [proposals[1].tokens[0]], sampled, 1, 1), Proposal([]), [2], 1),
+    ])
+    for (seq, k, t) in [(1, k, t) for (k, t) in draft.cache.keys(1)] + [(2, k, t) for (k, t) in draft.cache.keys(2)]:
+        spec = draft.cache.lookup(seq, k, t)
+        if seq == 1:
+            assert spec.q is None and len(spec.tokens) == 3
+        else:
+            assert spec.q is not None and spec.q.shape[0] == len(spec.tokens) == 1

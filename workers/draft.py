@@ -46,8 +46,8 @@ def _draw(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per row; returns (tokens, q rows or None when all greedy).
 
-    Greedy rows propose the argmax (a point mass: q row = None semantics, we
-    return a one-hot row so mixed batches stay uniform). Stochastic rows draw
+    Greedy rows propose the argmax — a point mass, so callers keep no q row for
+    them (their returned row is one-hot in a mixed batch). Stochastic rows draw
     from the processed draft law, Saguaro-rescaled with the row's fan-out."""
     greedy = [p.greedy for p in params]
     if all(greedy):
@@ -92,7 +92,7 @@ class DraftLogic(RunnerLogic):
             )
             for r, i in enumerate(active):
                 tokens[i].append(int(toks[r]))
-                if q is not None:
+                if q is not None and not steps[i].params.greedy:  # greedy proposals are point masses
                     qrows[i].append(q[r])
             j += 1
             active = [i for i in active if len(tokens[i]) < ks[i]]
@@ -149,7 +149,7 @@ class DraftLogic(RunnerLogic):
             nxt = cur.clone()
             for pos, r in enumerate(live):
                 out_tokens[r].append(int(toks[pos]))
-                if q is not None:
+                if q is not None and not items[branches[r][0]].step.params.greedy:  # greedy: point masses
                     out_q[r].append(q[pos])
                 nxt[r, 0] = toks[pos]
             cur = nxt

@@ -1,0 +1,299 @@
+"""``python -m saguaro_ray.jobs.generate --input prompts.jsonl --output results.jsonl [...]``
+
+Offline batch generation through the distributed engine, meant for ``ray job
+submit``::
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python -m saguaro_ray.jobs.generate --input prompts.jsonl --output /data/results.jsonl \\
+        --target zoo:tiny/target --draft zoo:tiny/draft --mode ssd --k 4 --temperature 0 --max-tokens 64
+
+Input: JSONL, one object a line with ``"prompt"`` (a string or a list of token
+ids) and optionally per-prompt ``max_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``seed``, ``ignore_eos`` overriding the flags. Blank lines are
+skipped; a prompt's ``index`` is its position among the prompts (0-based).
+
+Output: JSONL, one object per sample: ``index``, ``prompt``, and the fields
+of ``saguaro-ray generate --json`` (``prompt_index`` = ``index``,
+``sample_index``, ``mode``, ``token_ids``, ``text``, ``finish_reason``,
+``prompt_tokens``, ``stats``). A prompt that cannot be served (too long for
+the context, ...) gets one line ``{"index", "prompt", "error"}`` and the job
+exits with status 1 after finishing the rest.
+
+Resumable: lines are written (and flushed) as each prompt completes, in
+completion order; a rerun reads the output first and skips every prompt whose
+``n`` samples are all there (error lines do not count, so they are retried).
+A torn last line from a killed run is cut off before appending.
+
+Paths are opened by the job's driver process: with ``ray job submit`` give
+absolute paths on the head node (or a shared filesystem), or paths relative to
+``--working-dir``, whose copy is the job's current directory (files written
+there are discarded with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("saguaro_ray.jobs.generate")
+
+_PER_PROMPT = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_WAIT_S = 600.0  # longest wait for one prompt's results before the job gives up
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from saguaro_ray.config import MODES
+
+    p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.generate", description="batch generation from JSONL (resumable)")
+    p.add_argument("--input", required=True, help="JSONL, one {\"prompt\": ...} object a line")
+    p.add_argument("--output", required=True, help="JSONL results (appended to; existing results are skipped)")
+    m = p.add_argument_group("models")
+    m.add_argument("--target", help="target model directory, zoo:<preset>/target or hf:<org>/<name>")
+    m.add_argument("--draft", default=None)
+    m.add_argument("--qualifier", default=None)
+    m.add_argument("--connect", default=None, help="use a running named engine (EngineConfig(name=...)) instead of launching one")
+    m.add_argument("--namespace", default="saguaro-ray", help="namespace of the --connect engine")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--ignore-eos", action="store_true")
+    spec = p.add_argument_group("speculation (same flags as `saguaro-ray generate`)")
+    spec.add_argument("--mode", default="ar", choices=MODES)
+    spec.add_argument("--k", type=int, default=4)
+    spec.add_argument("--fan-out", default="auto")
+    spec.add_argument("--budget", type=int, default=8)
+    spec.add_argument("--saguaro-c", type=float, default=1.0)
+    spec.add_argument("--backup", default="neural")
+    spec.add_argument("--stage1", default="exact")
+    spec.add_argument("--stage2", default="exact")
+    spec.add_argument("--tau-q", type=float, default=0.0)
+    spec.add_argument("--tau-t", type=float, default=0.0)
+    spec.add_argument("--div", default="reverse_kl")
+    spec.add_argument("--lq", type=int, default=4)
+    spec.add_argument("--ld", type=int, default=2)
+    spec.add_argument("--allow-lossy", action="store_true")
+    rt = p.add_argument_group("runtime")
+    rt.add_argument("--address", default=None, help="Ray address (default: the job's cluster, RAY_ADDRESS)")
+    rt.add_argument("--device", default="cpu")
+    rt.add_argument("--dtype", default=None)
+    rt.add_argument("--attention-backend", default=None)
+    rt.add_argument("--num-drafts", type=int, default=1)
+    rt.add_argument("--worker-cpus", type=float, default=0.5)
+    rt.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    rt.add_argument("--max-batch-size", type=int, default=64)
+    rt.add_argument("--placement-strategy", default="PACK", help="PACK | SPREAD | STRICT_PACK | STRICT_SPREAD")
+    rt.add_argument("--in-flight", type=int, default=32, help="prompts submitted to the engine at once")
+    return p
+
+
+# ------------------------------------------------------------------ files
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    from saguaro_ray.errors import ConfigError
+
+    rows: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                prompt = obj.get("prompt") if isinstance(obj, dict) else None
+                if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+                    raise ConfigError(f"{path}:{lineno}: expected an object with a \"prompt\" string (or list of token ids)")
+                unknown = set(obj) - {"prompt", "id", *_PER_PROMPT}
+                if unknown:
+                    raise ConfigError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}; per-prompt fields: {', '.join(_PER_PROMPT)}")
+                rows.append(obj)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path!r}: {exc.strerror}") from None
+    return rows
+
+
+def completed(path: str, n: int) -> set[int]:
+    """Indices of prompts whose ``n`` samples are all in ``path``; trims a torn
+    (unterminated) last line left by a killed run so appending stays valid JSONL."""
+    p = Path(path)
+    if not p.exists():
+        return set()
+    data = p.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log.warning("%s: dropping a torn last line (%d bytes) from an interrupted run", path, len(data) - cut)
+        with open(p, "r+b") as f:
+            f.truncate(cut)
+        data = data[:cut]
+    samples: dict[int, set[int]] = {}
+    for line in data.decode("utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and "error" not in obj and isinstance(obj.get("index"), int):
+            samples.setdefault(obj["index"], set()).add(int(obj.get("sample_index", 0)))
+    return {i for i, s in samples.items() if len(s) >= n}
+
+
+# ------------------------------------------------------------------ engine
+
+
+def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, str]]:
+    """(handle, owned, role → model path) — launched, or attached by name."""
+    from saguaro_ray.cli import speculation_from_args
+    from saguaro_ray.errors import ConfigError
+    from saguaro_ray.runtime.engine import Engine, connect
+    from saguaro_ray.runtime.engine_config import EngineConfig
+    from saguaro_ray.serve.config import resolve_model
+
+    if not args.target:
+        raise ConfigError("--target is required (the tokenizer and context length come from it, also with --connect)")
+    spec = speculation_from_args(args)
+    models = {"target": resolve_model(args.target)}
+    if spec.needs_draft:
+        if not args.draft:
+            raise ConfigError(f"--mode {args.mode} needs --draft")
+        models["draft"] = resolve_model(args.draft)
+    if spec.mode == "pyramid":
+        if not args.qualifier:
+            raise ConfigError("--mode pyramid needs --qualifier")
+        models["qualifier"] = resolve_model(args.qualifier)
+    if args.connect:
+        return connect(args.connect, address=args.address or "auto", namespace=args.namespace), False, models
+    config = EngineConfig(
+        target=models["target"],
+        draft=models.get("draft"),
+        qualifier=models.get("qualifier"),
+        spec=spec,
+        num_drafts=args.num_drafts,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_batch_size=args.max_batch_size,
+        worker_cpus=args.worker_cpus,
+        threads_per_worker=args.threads,
+        placement_strategy=args.placement_strategy,
+        address=args.address,
+    )
+    return Engine.launch(config), True, models
+
+
+def _params(args: argparse.Namespace, row: dict[str, Any]) -> Any:
+    from saguaro_ray.config import SamplingParams
+
+    base = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+    }
+    base.update({k: row[k] for k in _PER_PROMPT if k in row})
+    return SamplingParams(**base)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from saguaro_ray.engine.frontend import Frontend, open_models
+    from saguaro_ray.errors import ConfigError, SaguaroError
+
+    if args.n <= 0 or args.in_flight <= 0:
+        raise ConfigError("--n and --in-flight must be positive")
+    rows = read_prompts(args.input)
+    done = completed(args.output, args.n)
+    todo = [i for i in range(len(rows)) if i not in done]
+    print(f"generate: {len(rows)} prompts, {len(done)} already in {args.output}, {len(todo)} to run", flush=True)
+    if not todo:
+        return 0
+    # validate every remaining prompt up front, per prompt (one bad line must not sink the job)
+    params = {i: _params(args, rows[i]) for i in todo}
+    handle, owned, models = _engine(args)
+    ckpts, tokenizer = open_models(models)
+    max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
+    frontend = Frontend(tokenizer, ckpts["target"].config.vocab_size, max_context, args.mode, None)
+    failures = 0
+    t0 = time.perf_counter()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    try:
+        with open(args.output, "a", encoding="utf-8") as out:
+
+            def write(obj: dict[str, Any]) -> None:
+                out.write(json.dumps(obj) + "\n")
+                out.flush()
+
+            pending: dict[Any, int] = {}
+            queue = list(todo)
+            finished = 0
+            while queue or pending:
+                while queue and len(pending) < args.in_flight:
+                    i = queue.pop(0)
+                    try:
+                        frontend.make_sequences([rows[i]["prompt"]], params[i], args.n)
+                    except SaguaroError as exc:
+                        write({"index": i, "prompt": rows[i]["prompt"], "error": str(exc)})
+                        failures += 1
+                        continue
+                    ref = handle.coordinator.generate.remote([rows[i]["prompt"]], params[i], args.n)
+                    pending[ref] = i
+                if not pending:
+                    continue
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=_WAIT_S)
+                if not ready:
+                    raise TimeoutError(f"no prompt finished within {_WAIT_S:.0f} s; {len(pending)} in flight")
+                for ref in ready:
+                    i = pending.pop(ref)
+                    try:
+                        results = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = getattr(exc, "cause", None)
+                        if not isinstance(cause, SaguaroError):
+                            raise
+                        write({"index": i, "prompt": rows[i]["prompt"], "error": str(cause)})
+                        failures += 1
+                        continue
+                    for r in results:
+                        obj = r.to_json()
+                        obj["prompt_index"] = i
+                        write({"index": i, "prompt": rows[i]["prompt"], **obj})
+                    finished += 1
+                    if finished % 10 == 0 or not (queue or pending):
+                        print(f"generate: {finished}/{len(todo)} prompts done ({time.perf_counter() - t0:.1f} s)", flush=True)
+    finally:
+        if owned:
+            handle.shutdown()
+    print(f"generate: wrote {args.output}; {failures} prompt(s) failed", flush=True)
+    return 1 if failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from saguaro_ray.errors import SaguaroError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except SaguaroError as exc:
+        print(f"saguaro_ray.jobs.generate: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The OpenAI-compatible Ray Serve application.
+
+``build_app(config)`` returns a Serve application: one deployment
+(:class:`SaguaroDeployment`, ``serve.ingress`` of a FastAPI app) whose replica
+launches one engine per configured speculation mode — or attaches to a named,
+already running engine — and serves
+
+* ``POST /v1/completions``       (``prompt``: string, strings, token ids)
+* ``POST /v1/chat/completions``  (the tokenizer's chat template, else a plain fallback)
+* ``GET  /v1/models``
+* ``GET  /health``               (no API key needed; 503 when an engine is down)
+* ``GET  /v1/saguaro/metrics``   (this replica's metric snapshot, JSON)
+
+``stream: true`` answers Server-Sent Events (``data: {...}`` chunks, then
+``data: [DONE]``). Extensions: ``speculation`` (object) picks the engine,
+``top_k`` and ``ignore_eos`` sampling fields, and every response carries a
+``saguaro`` object (engine, mode, rounds, mean accepted length, cache hit
+rate, lossy flag; round statistics are reported on non-streaming responses —
+the engine's stream carries tokens only). Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
+requests, 401 for a missing/invalid API key, 500 for internal errors.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI must see the route
+# parameters' real types (``Request``, the body models) through Serve's
+# class-based-view wrappers. And no logic in the decorated class: its methods
+# are pickled by value during this module's import (see replica.py).
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from saguaro_ray.serve.config import ServeAppConfig, parse_config
+from saguaro_ray.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from saguaro_ray.serve.replica import ReplicaCore
+
+api = FastAPI(title="saguaro-ray", description="OpenAI-compatible API over the saguaro-ray engine")
+
+
+def _error_response(err: APIError, route: str = "other") -> JSONResponse:
+    core = ReplicaCore.current
+    if core is not None:
+        core.metrics.request(route, "-", err.status)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _route_of(request: Request) -> str:
+    path = request.url.path
+    return "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else "other"
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(exc, _route_of(request))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        msg, param = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    elif not loc:  # the body is missing, or not a JSON object
+        msg, param = "request body must be a JSON object (sent with Content-Type: application/json)", None
+    else:
+        param = ".".join(loc)
+        msg = f"{param}: {first['msg']}"
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more error(s))"
+    return _error_response(APIError(400, msg, param=param, code="invalid_request"), _route_of(request))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=str(exc.status_code)), _route_of(request))
+
+
+@serve.ingress(api)
+class SaguaroDeployment:
+    """One replica: routes delegate to a :class:`ReplicaCore`."""
+
+    async def __init__(self, config: dict) -> None:
+        self.core = ReplicaCore()
+        await self.core.start(config)
+
+    async def check_health(self) -> None:
+        await self.core.check_health()
+
+    def __del__(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.close()
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        return await self.core.completions(body, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        return await self.core.chat_completions(body, request)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Any:
+        return await self.core.models(request)
+
+    @api.get("/health")
+    async def health(self) -> Any:
+        return await self.core.health()
+
+    @api.get("/v1/saguaro/metrics")
+    async def metrics_snapshot(self, request: Request) -> Any:
+        return await self.core.metrics_snapshot(request)
+
+
+def build_app(config: dict | ServeAppConfig) -> Any:
+    """The Serve application for ``config`` (a dict — a Serve YAML's ``args`` —
+    or a :class:`ServeAppConfig`). Validates everything that can be checked
+    without starting engines (a :class:`~saguaro_ray.errors.ConfigError` names
+    the field), then binds the deployment."""
+    cfg = parse_config(config)
+    deployment = serve.deployment(
+        SaguaroDeployment,
+        name="saguaro",
+        num_replicas=cfg.num_replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        ray_actor_options=dict(cfg.ray_actor_options),
+        health_check_period_s=10,
+        health_check_timeout_s=cfg.health_check_timeout_s + 10,
+    )
+    return deployment.bind(cfg.model_dump())
+
+
+__all__ = ["ReplicaCore", "SaguaroDeployment", "ServeAppConfig", "build_app", "parse_config"]

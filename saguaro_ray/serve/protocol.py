@@ -1,0 +1,236 @@
+"""OpenAI-compatible request bodies, error bodies and response builders.
+
+Request models only check *types*; values (temperature, top_p, max_tokens,
+seed ...) are validated by :class:`~saguaro_ray.config.SamplingParams`, so the
+HTTP server rejects exactly what the CLI and the Python API reject, with the
+same message. Unknown fields are ignored (clients send ``user`` and the like);
+fields that would change the output in ways the engine cannot honour
+(``logprobs``, ``echo``, ``best_of > 1``, penalties, ``logit_bias``, tools)
+are refused with a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from saguaro_ray.errors import ConfigError, PromptTooLongError, SaguaroError
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-shaped body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# fields a ConfigError message starts with -> the request parameter to blame
+_PARAM_OF = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "max_tokens": "max_tokens",
+    "seed": "seed",
+    "n must": "n",
+    "speculation": "speculation",
+    "no engine": "speculation",
+    "prompt": "prompt",
+}
+
+
+def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError:
+    """Map an engine/config exception to the HTTP error a client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    msg = str(exc)
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, ConfigError):
+        param = next((p for key, p in _PARAM_OF.items() if msg.startswith(key)), None)
+        if param == "prompt":
+            param = prompt_param
+        return APIError(400, msg, param=param, code="invalid_value")
+    if isinstance(exc, SaguaroError):
+        # e.g. OutOfKVBlocksError: the request can never fit this deployment
+        return APIError(400, msg, code=type(exc).__name__)
+    return APIError(500, f"internal error: {type(exc).__name__}: {msg}", type="server_error", code="internal_error")
+
+
+# ------------------------------------------------------------------ requests
+
+StopT = str | list[str] | None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM-style)
+    seed: int | None = None
+    stop: StopT = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False  # extension
+    speculation: dict[str, Any] | str | None = None  # extension: selects the engine
+    # accepted, but only at their neutral values
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (it would change the sampled law)", param=name, code="unsupported")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+
+    def stop_list(self, limit: int) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > limit:
+            raise APIError(400, f"stop takes at most {limit} sequences, got {len(stops)}", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+        return stops
+
+    def speculation_dict(self) -> dict[str, Any] | None:
+        if isinstance(self.speculation, str):  # shorthand: "speculation": "ssd"
+            return {"mode": self.speculation}
+        return self.speculation
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of", code="unsupported")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one prompt as token ids
+        return list(p)  # several prompts (strings or token-id lists)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"message content parts of type {part.get('type')!r} are not supported; send text", param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format", code="unsupported")
+        if self.top_logprobs:
+            raise APIError(400, "logprobs are not supported by this server", param="top_logprobs", code="unsupported")
+
+
+# ------------------------------------------------------------------ responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def saguaro_summary(engine: str, mode: str, k: int | None, stats: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The ``saguaro`` extension of a response: engine, mode, and the round
+    statistics aggregated over the choices (``None`` where unknown)."""
+    known = [s for s in stats if s]
+    rounds = sum(int(s.get("rounds") or 0) for s in known) if known else None
+    acc = [s["mean_accepted"] for s in known if s.get("mean_accepted") is not None]
+    hit = [s["cache_hit_rate"] for s in known if s.get("cache_hit_rate") is not None]
+    return {
+        "engine": engine,
+        "mode": mode,
+        "k": k,
+        "rounds": rounds,
+        "mean_accepted": sum(acc) / len(acc) if acc else None,
+        "cache_hit_rate": sum(hit) / len(hit) if hit else None,
+        "lossy": any(bool(s.get("lossy")) for s in known),
+        "seconds": max((s.get("seconds") or 0.0 for s in known), default=None),
+    }
+
+
+def choice_stats(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not stats:
+        return None
+    return {k: stats.get(k) for k in ("rounds", "mean_accepted", "cache_hit_rate", "lossy")}
+

@@ -1,0 +1,174 @@
+"""``saguaro-ray serve --config FILE.yaml``: run a Serve config file.
+
+The file is an ordinary Ray Serve config (``ServeDeploySchema``: ``http_options``,
+``applications: [{name, route_prefix, import_path, args, runtime_env,
+deployments}]``), so ``serve run FILE.yaml`` works on it just as well. This
+command adds what a user of the engine expects: it joins a running cluster
+(or starts a local Ray instance with enough logical CPUs for the engines'
+fractional asks), deploys the applications the same way ``serve run`` does,
+waits (bounded) until every application is RUNNING — or reports why one
+failed — prints the URLs, and then blocks until Ctrl-C (``--detach``: returns
+at once and leaves the applications running on the cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from saguaro_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+OUR_BUILDERS = ("saguaro_ray.serve:build_app", "saguaro_ray.serve.app:build_app", "saguaro_ray.serve.build_app")
+
+
+def load_serve_config(path: str | os.PathLike) -> Any:
+    """Read and validate a Serve config YAML; returns a ``ServeDeploySchema``."""
+    import yaml
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read serve config {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict) or "applications" not in raw:
+        raise ConfigError(f"{path}: expected a Serve config with an `applications:` list")
+    try:
+        return ServeDeploySchema.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{path}: invalid Serve config at {loc}: {first['msg']}") from None
+
+
+def validate_app_args(config: Any) -> None:
+    """Build every application that uses our builder, so a bad ``args`` block
+    fails here in milliseconds with the field named, not later in a replica."""
+    from saguaro_ray.serve.config import parse_config
+
+    for app in config.applications:
+        if app.import_path in OUR_BUILDERS:
+            try:
+                parse_config(app.args or {})
+            except ConfigError as exc:
+                raise ConfigError(f"application {app.name!r}: {exc}") from None
+
+
+def _connect_or_start(address: str | None, detach: bool) -> bool:
+    """Join a cluster (or start a local instance); True when we started it."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    if ray.is_initialized():
+        return False
+    if detach or (address not in (None, "local")):
+        try:
+            ray.init(address=address or "auto", namespace=SERVE_NAMESPACE, log_to_driver=False)
+        except ConnectionError:
+            hint = "--detach needs a running Ray cluster to leave the applications on" if detach else "no Ray cluster"
+            raise ConfigError(f"{hint} at {address or 'auto'}; start one with `ray start --head` or pass --address") from None
+        return False
+    if address is None:
+        try:
+            ray.init(address="auto", namespace=SERVE_NAMESPACE, log_to_driver=False)
+            return False
+        except ConnectionError:
+            pass
+    # engines ask for fractional CPUs: give a small machine enough logical CPUs
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False)
+    return True
+
+
+def run_config(
+    path: str | os.PathLike,
+    address: str | None = None,
+    detach: bool = False,
+    ready_timeout_s: float = 900.0,
+    block: bool = True,
+) -> dict[str, str]:
+    """Deploy the Serve config at ``path``; returns ``{app name: URL}`` once
+    every application is RUNNING. Blocks until Ctrl-C unless ``detach`` or
+    ``block=False``."""
+    import ray
+    from ray import serve
+    from ray.serve._private import api as serve_api
+
+    config = load_serve_config(path)
+    validate_app_args(config)
+    started = _connect_or_start(address, detach)
+    try:
+        # exactly what `serve run FILE.yaml` does
+        client = serve_api.serve_start(
+            http_options=config.http_options.model_dump(),
+            proxy_location=config.proxy_location,
+            grpc_options=_grpc_options(config),
+        )
+        client.deploy_apps(config, _blocking=False)
+        urls = _wait_running(config, ready_timeout_s)
+        host, port = config.http_options.host, config.http_options.port
+        for name, prefix in urls.items():
+            print(f"saguaro-ray serve: application {name!r} is RUNNING at http://{host}:{port}{prefix}", flush=True)
+        if detach or not block:
+            return urls
+        print("saguaro-ray serve: serving; press Ctrl-C to stop", flush=True)
+        try:
+            while True:
+                time.sleep(5)
+        except KeyboardInterrupt:
+            print("saguaro-ray serve: shutting down", flush=True)
+        serve.shutdown()
+        return urls
+    except BaseException:
+        if not detach:
+            try:
+                serve.shutdown()
+            except Exception:
+                log.debug("serve shutdown failed", exc_info=True)
+        raise
+    finally:
+        if started and block and not detach:
+            ray.shutdown()
+
+
+def cmd_serve(args: Any) -> int:
+    """The ``saguaro-ray serve`` command (flags: config, address, detach, timeout)."""
+    run_config(args.config, address=args.address, detach=args.detach, ready_timeout_s=args.timeout)
+    return 0
+
+
+def _grpc_options(config: Any) -> Any:
+    from ray.serve.config import gRPCOptions
+
+    return gRPCOptions(**config.grpc_options.model_dump())
+
+
+def _wait_running(config: Any, timeout_s: float) -> dict[str, str]:
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    names = {app.name: app.route_prefix or "/" for app in config.applications}
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        status = serve.status().applications
+        states = {n: status[n].status if n in status else "NOT_STARTED" for n in names}
+        failed = {n: status[n].message for n, s in states.items() if s in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)}
+        if failed:
+            name, message = next(iter(failed.items()))
+            raise ConfigError(f"application {name!r} failed to deploy: {message.strip()[-2000:]}")
+        if all(s == ApplicationStatus.RUNNING for s in states.values()):
+            return names
+        now = ", ".join(f"{n}: {s}" for n, s in states.items())
+        if now != last:
+            log.info("waiting for applications: %s", now)
+            last = now
+        if time.monotonic() > deadline:
+            raise ConfigError(f"applications not RUNNING after {timeout_s:.0f} s ({now}); see `serve status`")
+        time.sleep(1.0)

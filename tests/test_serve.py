@@ -1,0 +1,508 @@
+"""The OpenAI-compatible Ray Serve application, driven by the official ``openai`` client.
+
+One local Ray instance and one Serve application serve the whole module, on
+the built-in tiny model family (``zoo:tiny``; its tokenizer has a chat
+template — the plain fallback is tested on a template-less tokenizer). The
+application holds two engines: ``ssd`` *attached by name* to an engine this
+module launches itself (so the test can ask that very engine directly through
+its :class:`EngineHandle` and compare), and ``ar`` launched by the replica. At
+temperature 0 both must give the handle's text token for token (DESIGN §4, §6).
+API keys are on, so every client call carries one. The pure helpers (chat
+template fallback, stop strings, config validation, request routing) are
+tested without Ray at the bottom.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from helpers import save_tiny_checkpoint
+
+from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.serve.chat import (
+    StopMatcher,
+    chat_prompt_ids,
+    first_stop,
+    render_fallback,
+)
+from saguaro_ray.serve.config import ServeAppConfig, parse_config
+
+KEY = "sk-test-" + uuid.uuid4().hex[:8]
+MODEL = "saguaro-test"
+PROMPT = "def add(a, b):\n    return"
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+TIMEOUT_S = 120.0
+LONG = " ".join(f"w{i}" for i in range(3000))
+
+
+def bounded(fn: Callable[..., Any], *args: Any, timeout: float = TIMEOUT_S, **kwargs: Any) -> Any:
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def models(zoo_tiny) -> dict[str, str]:
+    """The built-in tiny family (its tokenizer carries a chat template)."""
+    return {"target": str(zoo_tiny / "target"), "draft": str(zoo_tiny / "draft")}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    metrics_port = free_port()
+    before = os.environ.get("RAY_metrics_report_interval_ms")
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # export metrics quickly (this instance only)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
+    try:
+        yield {"metrics_port": metrics_port}
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("RAY_metrics_report_interval_ms", None)
+        else:
+            os.environ["RAY_metrics_report_interval_ms"] = before
+
+
+@pytest.fixture(scope="module")
+def handle(ray_cluster, models):
+    """A named SSD engine: the Serve app attaches to it, the tests ask it directly."""
+    from saguaro_ray import Engine, EngineConfig
+
+    name = f"serve-test-{uuid.uuid4().hex[:8]}"
+    h = bounded(
+        Engine.launch,
+        EngineConfig(
+            target=models["target"],
+            draft=models["draft"],
+            spec=SpeculationConfig(mode="ssd", k=3, budget=4),
+            worker_cpus=0.25,
+            name=name,
+        ),
+    )
+    h.name = name
+    try:
+        yield h
+    finally:
+        h.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, models, handle):
+    from ray import serve
+
+    from saguaro_ray.serve import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app(
+        {
+            "model_name": MODEL,
+            "target": models["target"],
+            "draft": models["draft"],
+            "engines": [
+                {"name": "ssd", "mode": "ssd", "k": 3, "budget": 4, "connect": handle.name},
+                {"mode": "ar"},
+            ],
+            "engine_options": {"worker_cpus": 0.25},
+            "api_keys": [KEY],
+            "max_n": 4,
+            "metrics_interval_s": 1.0,
+        }
+    )
+    bounded(serve.run, app, name="saguaro-test", route_prefix="/", blocking=False, timeout=300)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        bounded(serve.shutdown, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models):
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    return load_tokenizer(models["target"])
+
+
+def greedy(max_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def raw_post(server: str, path: str, body: Any = None, content: bytes | None = None, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+        return httpx.post(server + path, content=content, headers=headers, timeout=TIMEOUT_S)
+    return httpx.post(server + path, json=body, headers=headers, timeout=TIMEOUT_S)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None = "?") -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "?":
+        assert err["param"] == param, err
+    return err
+
+
+# ------------------------------------------------------------------ endpoints
+
+
+def test_health_and_models(server, client):
+    health = httpx.get(server + "/health", timeout=TIMEOUT_S)  # no key needed
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "engines": {"ssd": "ok", "ar": "ok"}}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    engines = models.data[0].saguaro["engines"]
+    assert [(e["name"], e["mode"], e["attached"]) for e in engines] == [("ssd", "ssd", True), ("ar", "ar", False)]
+
+
+def test_completion_equals_engine_output(client, handle, tokenizer):
+    [ref] = handle.generate([PROMPT], greedy(16))
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    [choice] = resp.choices
+    assert choice.text == ref.text
+    assert choice.finish_reason == "length"
+    assert resp.usage.prompt_tokens == ref.prompt_tokens
+    assert resp.usage.completion_tokens == 16
+    assert resp.usage.total_tokens == ref.prompt_tokens + 16
+    ext = resp.model_extra["saguaro"]
+    assert ext["engine"] == "ssd" and ext["mode"] == "ssd" and ext["k"] == 3
+    assert ext["rounds"] >= 1 and ext["mean_accepted"] is not None and 0 <= ext["cache_hit_rate"] <= 1
+    assert ext["lossy"] is False
+    # the other engine, picked per request, decodes the same tokens (exactness at T = 0)
+    ar = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, "speculation": {"mode": "ar"}}
+    )
+    assert ar.choices[0].text == ref.text
+    assert ar.model_extra["saguaro"]["mode"] == "ar"
+    # token-id prompts and several prompts in one request
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert len(ids) == ref.prompt_tokens
+    both = client.completions.create(model=MODEL, prompt=[PROMPT, "x = 1"], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    refs = handle.generate([PROMPT, "x = 1"], greedy(8))
+    assert [c.text for c in both.choices] == [r.text for r in refs]
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert as_ids.choices[0].text == refs[0].text
+
+
+def test_chat_equals_engine_output(client, handle, tokenizer):
+    assert tokenizer.chat_template  # the zoo tokenizer's own template is used
+    ids = chat_prompt_ids(tokenizer, MESSAGES)
+    assert tokenizer.decode(ids) == "<|system|>\nYou write Python.\n<|user|>\nSort a list.\n<|assistant|>\n"
+    [ref] = handle.generate([ids], greedy(12))
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    [choice] = resp.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.text
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 12
+    assert resp.model_extra["saguaro"]["mode"] == "ssd"
+
+
+def test_streaming_completion_and_chat(client, handle, tokenizer):
+    [ref] = handle.generate([PROMPT], greedy(20))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) >= 2  # tokens arrive as rounds complete, not all at once
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == ref.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+    ids = chat_prompt_ids(tokenizer, MESSAGES)
+    [cref] = handle.generate([ids], greedy(10))
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chat_chunks = list(stream)
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == cref.text
+    assert chat_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chat_chunks)
+
+
+def test_raw_sse_format(server):
+    with httpx.stream(
+        "POST", server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S,
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True},
+    ) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        body = resp.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_client_disconnect_mid_stream(server, client):
+    # the abandoned samples keep decoding in the engine for a while; they sample at T > 0 so that
+    # the next test's sampled requests do not share a batch with greedy ones (the SSD engine
+    # currently fails batches that mix T = 0 and T > 0 samples: see the serve report)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "stream": True, "n": 2}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S) as resp:
+        assert resp.status_code == 200
+        next(resp.iter_lines())  # one event, then hang up
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert ok.choices[0].text is not None
+
+
+def test_n_samples_and_seeds(client, handle):
+    # T = 0: every sample is the greedy text
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    [ref] = handle.generate([PROMPT], greedy(8))
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [ref.text] * 3
+    assert resp.usage.completion_tokens == 24
+    # T > 0 with a seed on the AR engine: reproducible, and streaming gives sample i seed + i too
+    kw: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "n": 3, "max_tokens": 10, "temperature": 1.0, "seed": 11}
+    extra = {"ignore_eos": True, "speculation": {"mode": "ar"}}
+    a = client.completions.create(**kw, extra_body=extra)
+    b = client.completions.create(**kw, extra_body=extra)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # different seeds per sample
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(**kw, stream=True, extra_body=extra):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in a.choices]
+    # chat n > 1, streamed: choices interleave and each ends once
+    finishes: dict[int, int] = {}
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=2, max_tokens=5, temperature=0.7, seed=3, stream=True
+    ):
+        for c in chunk.choices:
+            if c.finish_reason:
+                finishes[c.index] = finishes.get(c.index, 0) + 1
+    assert finishes == {0: 1, 1: 1}
+
+
+def test_stop_strings(client, handle):
+    [ref] = handle.generate([PROMPT], greedy(24))
+    stop = ref.text[5:7]
+    cut = ref.text.index(stop)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@never@@"], extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == ref.text[:cut]
+    assert resp.choices[0].finish_reason == "stop"
+    assert 0 < resp.usage.completion_tokens < 24
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True, extra_body={"ignore_eos": True})
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_invalid_requests_are_400_with_openai_shape(server, client, tokenizer):
+    assert len(tokenizer.encode(LONG, add_special_tokens=False)) > 2048  # beyond the zoo's context
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    err = assert_openai_error(raw_post(server, "/v1/completions", content=b'{"model": "x", "prompt": '), 400, None)
+    assert "JSON" in err["message"]
+    assert_openai_error(raw_post(server, "/v1/completions", content=b"[1, 2]"), 400, None)
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "model": "gpt-4"}), 400, "model")
+    assert err["code"] == "model_not_found"
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "max_tokens": 0}), 400, "max_tokens")
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "temperature": -0.5}), 400, "temperature")
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "prompt": LONG}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "prompt": [5] * 2100}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    err = assert_openai_error(raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}), 400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "warp"}}), 400, "speculation")
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "ssd", "k": 7}}), 400, "speculation")
+    assert "available" in err["message"]
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "sd"}}), 400, "speculation")
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "n": 99}), 400, "n")
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "top_p": 0}), 400, "top_p")
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "logprobs": 2}), 400, "logprobs")
+    assert_openai_error(raw_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "stream": True, "max_tokens": -1}), 400, "max_tokens")
+    assert_openai_error(raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
+    assert_openai_error(raw_post(server, "/v1/nowhere", base), 404)
+    # the official client raises its own typed error from our body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    # nothing crashed: a valid request still works
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    assert httpx.get(server + "/health", timeout=TIMEOUT_S).status_code == 200
+
+
+def test_api_keys(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    err = assert_openai_error(raw_post(server, "/v1/completions", body, key=None), 401)
+    assert err["code"] == "invalid_api_key"
+    assert_openai_error(raw_post(server, "/v1/completions", body, key="sk-wrong"), 401)
+    assert httpx.get(server + "/v1/models", timeout=TIMEOUT_S).status_code == 401
+    assert raw_post(server, "/v1/completions", body).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def test_metrics_recorded(server, client, ray_cluster):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True))
+    assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}).status_code == 400
+    assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT}, key=None).status_code == 401
+    snap = httpx.get(server + "/v1/saguaro/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S).json()
+    for name in (
+        "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_time_to_first_token_s",
+        "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted", "saguaro_serve_cache_hit_rate",
+        "saguaro_serve_dropped_frames",
+    ):  # fmt: skip
+        assert name in snap["metrics"]
+    counters = snap["counters"]
+    assert counters["requests_total"] >= 4
+    assert counters["generated_tokens"] > 0
+    assert any(k.startswith("requests{") and "status=400" in k for k in counters)
+    assert any(k.startswith("requests{") and "status=401" in k for k in counters)
+    hist = snap["histograms"]
+    for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "cache_hit_rate", "request_latency_s"):
+        assert hist[name]["count"] > 0, name
+    assert any(k.startswith("dropped_frames{engine=ssd") for k in snap["gauges"])
+
+    # and Ray exports them for Prometheus (bounded wait: metrics are pushed every second here)
+    url = f"http://127.0.0.1:{ray_cluster['metrics_port']}/metrics"
+    wanted = ("ray_saguaro_serve_requests_total", "ray_saguaro_serve_generated_tokens_total", "ray_saguaro_serve_time_to_first_token_s")
+    deadline = time.monotonic() + 60
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(url, timeout=10).text
+            seen = {w for w in wanted if w in text}
+        except httpx.HTTPError:
+            pass
+        if len(seen) == len(wanted):
+            break
+        time.sleep(1)
+    assert seen == set(wanted), f"exported: {seen}"
+
+
+# ------------------------------------------------------------------ helpers, no Ray
+
+
+def test_fallback_chat_template():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    assert render_fallback(msgs) == "System: Be brief.\nUser: Hi\nAssistant: Hello\nUser: Bye\nAssistant:"
+
+
+def test_tokenizer_without_template_uses_the_fallback(tmp_path):
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(save_tiny_checkpoint(tmp_path, "llama"))  # character-level, no chat template
+    assert not getattr(tok, "chat_template", None)
+    ids = chat_prompt_ids(tok, MESSAGES)
+    assert tok.decode(ids) == "System: You write Python.\nUser: Sort a list.\nAssistant:"
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": "hi"}], template)
+    assert tok.decode(ids) == "[user]hi[assistant]"
+    tok.chat_template = template
+    assert chat_prompt_ids(tok, [{"role": "user", "content": "hi"}]) == ids
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["END", "##"])
+    out = "".join(m.push(c) for c in ["ab", "cE", "N", "xyz#", "#tail"])
+    assert out == "abcENxyz" and m.stopped and m.flush() == ""
+    m = StopMatcher(["END"])
+    assert m.push("abcE") == "ab" and m.push("N") == "c" and m.flush() == "EN" and not m.stopped
+    assert StopMatcher([]).push("anything") == "anything"
+    assert first_stop("hello world", ["o w", "l"]) == 2 and first_stop("abc", ["x"]) is None
+
+
+def test_config_validation_and_routing():
+    cfg = parse_config(
+        {
+            "target": "zoo:tiny/target",
+            "draft": "zoo:tiny/draft",
+            "engines": [{"mode": "ssd", "k": 4}, {"mode": "ar"}, {"name": "sd6", "mode": "sd", "k": 6}],
+        }
+    )
+    assert isinstance(cfg, ServeAppConfig)
+    assert cfg.match(None).name == "ssd"
+    assert cfg.match({"mode": "sd", "k": 6}).name == "sd6"
+    assert cfg.match({"engine": "ar"}).name == "ar"
+    assert cfg.match({"mode": "ssd", "k": 4, "budget": 8}).name == "ssd"
+    for bad in ({"mode": "ssd", "k": 5}, {"mode": "pyramid"}, {"mode": "nope"}, {"kk": 1}, {"engine": "missing"}):
+        with pytest.raises(ConfigError):
+            cfg.match(bad)
+    ec = cfg.engine_config(cfg.engines[0])
+    assert ec.spec.mode == "ssd" and ec.spec.k == 4 and ec.draft == "zoo:tiny/draft"
+    assert cfg.engine_config(cfg.engines[1]).draft is None
+    for bad_cfg, needle in (
+        ({"target": "t", "engines": [{"mode": "ssd"}]}, "needs a draft"),
+        ({"target": "t", "engines": [{"mode": "ar", "k": 0}]}, "k must be"),
+        ({"target": "t", "engines": [{"mode": "ar"}, {"mode": "ar"}]}, "unique"),
+        ({"target": "t", "engine_options": {"gpus": 1}}, "unknown engine option"),
+        ({"target": "t", "engine_options": {"worker_cpus": -1}}, "worker_cpus"),
+        ({"target": "t", "engine_options": {"target_tp": 0}}, "target_tp"),
+        ({"target": "t", "bogus": 1}, "bogus"),
+        ({}, "target"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            parse_config(bad_cfg)
+
+
+def test_target_tp_is_accepted_but_refused_at_launch_until_implemented():
+    from saguaro_ray.serve.config import engine_config_fields
+
+    cfg = parse_config({"target": "t", "engine_options": {"target_tp": 4, "device": "cuda"}})
+    if "target_tp" in engine_config_fields():  # a later engine implements it: passed through
+        assert cfg.launch_config(cfg.engines[0]).target_tp == 4
+    else:
+        with pytest.raises(ConfigError, match="tensor-parallel"):
+            cfg.launch_config(cfg.engines[0])
+    assert parse_config({"target": "t", "engine_options": {"target_tp": 1}}).launch_config(cfg.engines[0]).target == "t"
+
+
+def test_api_keys_from_config_and_environment(monkeypatch):
+    monkeypatch.setenv("SAGUARO_TEST_KEYS", " k2, k3 ,,")
+    cfg = parse_config({"target": "t", "api_keys": ["k1"], "api_keys_env": "SAGUARO_TEST_KEYS"})
+    assert cfg.resolved_api_keys() == ["k1", "k2", "k3"]
+    monkeypatch.delenv("SAGUARO_TEST_KEYS")
+    assert parse_config({"target": "t", "api_keys_env": "SAGUARO_TEST_KEYS"}).resolved_api_keys() == []
+    assert parse_config({"target": "t"}).resolved_api_keys() == []  # off by default
