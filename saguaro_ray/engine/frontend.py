@@ -59,11 +59,13 @@ def preflight(
 @dataclass
 class StreamChunk:
     """Newly emitted tokens of one sample and their text (may be empty while a
-    multi-byte character is incomplete); ``finish_reason`` on the last chunk."""
+    multi-byte character is incomplete); ``finish_reason`` and ``stats`` on the
+    last chunk."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # the sample's stats, on the last chunk
 
 
 class Frontend:
@@ -149,7 +151,7 @@ class Frontend:
         while (toks := chunks.get()) is not None:
             yield StreamChunk(toks, decoder.push(toks))
         fut.result()  # re-raise a failure
-        yield StreamChunk([], decoder.flush(), seq.finish_reason or "length")
+        yield StreamChunk([], decoder.flush(), seq.finish_reason or "length", dict(seq.stats))
 
     def _result(self, s: SequenceState) -> GenerationResult:
         return GenerationResult(

@@ -123,7 +123,7 @@ class CoordinatorActor:
 
     def stream(self, prompt: Any, params: SamplingParams) -> Iterator[dict[str, Any]]:
         for chunk in self.frontend.stream(prompt, params):
-            yield {"token_ids": chunk.token_ids, "text": chunk.text, "finish_reason": chunk.finish_reason}
+            yield {"token_ids": chunk.token_ids, "text": chunk.text, "finish_reason": chunk.finish_reason, "stats": chunk.stats}
 
     def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
         recs = list(self.loop.timeline)

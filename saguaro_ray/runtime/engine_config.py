@@ -62,8 +62,10 @@ class EngineConfig:
             raise ConfigError("mode 'pyramid' needs a qualifier model")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
-        if self.num_drafts > 1 and self.spec.mode != "ssd":
-            raise ConfigError("num_drafts > 1 only applies to mode 'ssd' (drafts share the outcome set)")
+        if self.num_drafts > 1:
+            # Partitioning the outcome set across drafts (with KV deltas between
+            # them) is not built yet; refuse rather than start idle actors.
+            raise ConfigError("num_drafts > 1 is not supported yet; use num_drafts=1")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.placement_strategy not in STRATEGIES:

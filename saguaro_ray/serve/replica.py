@@ -442,15 +442,16 @@ class ReplicaCore:
             payload = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, **extra}
             return f"data: {json.dumps(payload)}\n\n"
 
-        def choice(index: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        def choice(index: int, text: str | None, finish: str | None, role: bool = False, stats: dict | None = None) -> dict[str, Any]:
+            extra = {} if stats is None else {"saguaro": choice_stats(stats)}
             if chat:
                 delta: dict[str, Any] = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish, **extra}
 
         status = 200
         try:
@@ -490,7 +491,7 @@ class ReplicaCore:
                     yield chunk([choice(index, text, None)])
                 if finish is not None:
                     done[index] = True
-                    yield chunk([choice(index, None if chat else "", finish)])
+                    yield chunk([choice(index, None if chat else "", finish, stats=payload.get("stats"))])
             prompt_tokens = sum(prompt_lens) if not chat else prompt_lens[0]
             completion_tokens = sum(ntokens)
             self.metrics.tokens(route, name, prompt_tokens, completion_tokens)
