@@ -279,7 +279,9 @@ def _hidden_fraction(rs: Iterable[RunResult]) -> float | None:
     return hidden / total if total else None
 
 
-def step_costs(models: dict[str, str], threads: int = 1, context: int = 128, repeats: int = 30, branches: int = 8) -> dict[str, dict[str, float]]:
+def step_costs(
+    models: dict[str, str], threads: int = 1, context: int = 128, repeats: int = 30, branches: int = 8, device: str = "cpu", dtype: str | None = None
+) -> dict[str, dict[str, float]]:
     """Median milliseconds of the runner's basic steps per model, on ``threads``
     torch threads: a 1-token decode, an 8-token verify, and one tree-decode
     step of ``branches`` branches — the costs that decide whether speculation
@@ -293,7 +295,7 @@ def step_costs(models: dict[str, str], threads: int = 1, context: int = 128, rep
     out: dict[str, dict[str, float]] = {}
     try:
         for role, path in models.items():
-            runner = ModelRunner(path)
+            runner = ModelRunner(path, device=device, dtype=dtype)
             runner.add_sequence(0)
             prompt = [(7 * i) % runner.vocab_size for i in range(context)]
             runner.forward([0], [prompt])
@@ -303,6 +305,8 @@ def step_costs(models: dict[str, str], threads: int = 1, context: int = 128, rep
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     fn()
+                    if device != "cpu":
+                        torch.cuda.synchronize()
                     samples.append(time.perf_counter() - t0)
                 return 1000 * statistics.median(samples)
 

@@ -45,3 +45,13 @@ def test_text_prompts_come_from_heldout_docstrings(zoo_tiny):
     held = "\n".join(heldout_texts())
     # get_docstring dedents, so compare the first line (verbatim in the source)
     assert len(prompts) == 3 and all(p and p.splitlines()[0][:30] in held for p in prompts)
+
+
+def test_gpu_check_skips_cleanly_without_cuda():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_check really runs there")
+    proc = subprocess.run([sys.executable, "-m", "saguaro_ray.jobs.gpu_check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "skipped" in proc.stdout
