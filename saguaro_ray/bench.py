@@ -355,13 +355,18 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     from tqdm import tqdm
 
     prompts = load_prompts(args.prompts, max(args.batch_sizes))
+    plan = [
+        (runtime, mode, nd)
+        for runtime in args.runtimes
+        for mode in args.modes
+        for nd in (args.num_drafts if (mode == "ssd" and runtime == "ray") else [1])
+    ]
+    if "ray" in args.runtimes:
+        _start_ray_for(args, [(mode, nd) for runtime, mode, nd in plan if runtime == "ray"])
     runners: list[_Runner] = []
     try:
-        for runtime in args.runtimes:
-            for mode in args.modes:
-                drafts = args.num_drafts if (mode == "ssd" and runtime == "ray") else [1]
-                for nd in drafts:
-                    runners.append(_Runner(mode, runtime, nd, args))
+        for runtime, mode, nd in plan:
+            runners.append(_Runner(mode, runtime, nd, args))
         for r in runners:  # warm-up: first-call allocations and lazy imports
             r.run(prompts[:1], 0.0, 8, 0)
         total = len(args.batch_sizes) * len(args.temperatures) * args.repeats * len(runners)
@@ -384,6 +389,19 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         "results": summarise(runs),
         "timeline_sample": _timeline_sample(runs),
     }
+
+
+def _start_ray_for(args: BenchArgs, engines: list[tuple[str, int]]) -> None:
+    """One Ray instance hosts every engine of the run at once: give an embedded
+    one enough logical CPUs for all their placement groups."""
+    from saguaro_ray.runtime.engine import ensure_ray
+    from saguaro_ray.runtime.engine_config import EngineConfig
+
+    need = 0.0
+    for mode, nd in engines:
+        cfg = EngineConfig(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=SpeculationConfig(mode=mode), num_drafts=nd)
+        need += cfg.coordinator_cpus + cfg.worker_cpus * len(cfg.roles)
+    ensure_ray(EngineConfig(target=args.target, address=args.address), logical_cpus=need)
 
 
 def _timeline_sample(runs: list[RunResult], rounds: int = 10) -> dict[str, list[dict[str, Any]]]:

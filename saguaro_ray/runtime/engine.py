@@ -130,7 +130,7 @@ class Engine:
     def launch(config: EngineConfig) -> EngineHandle:
         """Validate, place and start an engine; returns its handle."""
         models = _resolve_models(config)
-        _ensure_ray(config)
+        ensure_ray(config)
         bundles, roles = _bundles(config)
         pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{config.name}-pg" if config.name else "")  # unnamed engines must not collide
         try:
@@ -191,7 +191,9 @@ def _resolve_models(config: EngineConfig) -> dict[str, str]:
     return paths
 
 
-def _ensure_ray(config: EngineConfig) -> None:
+def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:
+    """Connect to Ray per ``config.address``; an embedded instance gets at least
+    ``logical_cpus`` logical CPUs (default: what this one engine reserves)."""
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"namespace": config.namespace, "log_to_driver": False}
@@ -203,7 +205,7 @@ def _ensure_ray(config: EngineConfig) -> None:
             except (ConnectionError, RuntimeError):
                 pass
         # embedded instance: logical CPUs enough for every actor even on a small machine
-        need = config.coordinator_cpus + config.worker_cpus * len(config.roles)
+        need = logical_cpus or config.coordinator_cpus + config.worker_cpus * len(config.roles)
         ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 1)), include_dashboard=False, **kwargs)
     else:
         ray.init(address=config.address, **kwargs)
