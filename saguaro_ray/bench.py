@@ -154,11 +154,13 @@ class _Runner:
             self._timeline = lambda: self.engine.timeline()
             self.close = self.engine.shutdown
 
-    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int) -> RunResult:
+    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
+        """Generate every prompt, ``batch_size`` at a time (default: all at once)."""
         params = SamplingParams(temperature=temperature, top_k=0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+        b = batch_size or len(prompts)
         before = len(self._timeline())
         t0 = time.perf_counter()
-        results = self.engine.generate(prompts, params)
+        results = [r for i in range(0, len(prompts), b) for r in self.engine.generate(prompts[i : i + b], params)]
         seconds = time.perf_counter() - t0
         rounds = self._timeline()[before:]
         tokens = sum(len(r.token_ids) for r in results)
@@ -170,7 +172,7 @@ class _Runner:
             mode=self.mode,
             runtime=self.runtime,
             num_drafts=self.num_drafts,
-            batch_size=len(prompts),
+            batch_size=b,
             temperature=temperature,
             seconds=seconds,
             tokens=tokens,
@@ -204,6 +206,7 @@ class BenchArgs:
     saguaro_c: float = 1.0
     threads: int = 1
     address: str | None = None
+    num_prompts: int = 8
     progress: bool = True
 
 
@@ -228,7 +231,9 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         per_round_ms = {k: 1000 * bd[k] / n_rounds for k in ("wall", "verify", "draft_busy", "draft_exposed", "lookup", "control")}
         efficiency = None
         if mode == "ssd" and mean_acc is not None and bd["verify"] > 0:
-            ideal = b * (mean_acc + 1) / (bd["verify"] / n_rounds)
+            # ideal: every round emits (mean accepted + 1) tokens per sequence in one verify time
+            batch = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill")) / n_rounds
+            ideal = batch * (mean_acc + 1) / (bd["verify"] / n_rounds)
             efficiency = med / ideal
         entries.append(
             {
@@ -354,7 +359,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     """Run every mode interleaved over every setting; returns the report dict."""
     from tqdm import tqdm
 
-    prompts = load_prompts(args.prompts, max(args.batch_sizes))
+    prompts = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts))
     plan = [
         (runtime, mode, nd)
         for runtime in args.runtimes
@@ -376,7 +381,8 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
                 for t in args.temperatures:
                     for rep in range(args.repeats):
                         for r in runners:  # interleaved: A B C A B C ...
-                            runs.append(r.run(prompts[:b], t, args.max_tokens, seed=rep))
+                            # every batch size sees the same prompts: ceil(P / b) generate calls of b
+                            runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
                             bar.update(1)
     finally:
         for r in runners:

@@ -240,6 +240,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", type=_csv(str), default=["ar", "sd", "ssd"])
     p.add_argument("--num-drafts", type=_csv(int), default=[1])
     p.add_argument("--prompts", default="code", help="code | text | FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per setting (each batch size runs all of them)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=_csv(int), default=[1])
     p.add_argument("--temperatures", type=_csv(float), default=[0.0])
@@ -285,6 +286,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             saguaro_c=args.saguaro_c,
             threads=args.threads,
             address=args.address,
+            num_prompts=args.num_prompts,
         )
     )
     print(format_table(report))
