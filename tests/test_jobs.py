@@ -201,6 +201,55 @@ def test_read_prompts_validates(tmp_path):
             read_prompts(str(bad))
 
 
+def test_rays_own_serve_run_starts_our_config(cluster, ckpt, tmp_path):
+    """Ray's `serve run CONFIG.yaml` (not our CLI) deploys the app from a Serve config."""
+    import signal
+    import time
+
+    import httpx
+    import yaml
+
+    port = free_port()
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "serve-run",
+                "route_prefix": "/",
+                "import_path": "saguaro_ray.serve:build_app",
+                "args": {"model_name": "tiny", "target": ckpt, "engines": [{"mode": "ar"}], "engine_options": {"worker_cpus": 0.25}},
+            }
+        ],
+    }
+    path = tmp_path / "serve-run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "serve"), "run", "--address", cluster["address"], str(path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        resp = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3}, timeout=30)
+                if resp.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert resp is not None and resp.status_code == 200, proc.stdout.read()[-3000:] if proc.poll() is not None else "timed out"
+        assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    finally:
+        proc.send_signal(signal.SIGINT)  # serve run tears the app down on Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# after serve run's Ctrl-C tore Serve down: a detached deployment starts afresh
 def test_cli_serve_detach_leaves_the_app_on_the_cluster(cluster, ckpt, tmp_path):
     """`saguaro-ray serve --config ... --detach` returns once RUNNING; the app keeps serving."""
     import httpx
@@ -228,3 +277,4 @@ def test_cli_serve_detach_leaves_the_app_on_the_cluster(cluster, ckpt, tmp_path)
     # the command has exited; the application is still there
     resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3}, timeout=120)
     assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
