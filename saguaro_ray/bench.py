@@ -14,7 +14,6 @@ time per sequence) with efficiency = achieved / ideal.
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import os
 import platform
@@ -27,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.prompt_file import read_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ def load_prompts(source: str, count: int, chars: int = 200) -> list[str]:
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SETS)} or a JSONL file; {source!r} is neither")
-    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ConfigError(f"{source}: no prompts")
+    prompts = [row["prompt"] for row in read_prompt_file(source)]
     return (prompts * (count // len(prompts) + 1))[:count]
 
 

@@ -66,27 +66,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
+def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if args.prompt:
         return list(args.prompt)
-    prompts = []
-    try:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{args.prompts_file}:{lineno}: not valid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                    raise ConfigError(f"{args.prompts_file}:{lineno}: expected an object with a \"prompt\" string")
-                prompts.append(obj["prompt"])
-    except OSError as exc:
-        raise ConfigError(f"cannot read prompts file {args.prompts_file!r}: {exc.strerror}") from None
-    if not prompts:
-        raise ConfigError(f"{args.prompts_file}: no prompts")
-    return prompts
+    from saguaro_ray.prompt_file import read_prompt_file
+
+    return [row["prompt"] for row in read_prompt_file(args.prompts_file)]
 
 
 def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":

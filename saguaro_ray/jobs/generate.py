@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from saguaro_ray.prompt_file import read_prompt_file
+
 log = logging.getLogger("saguaro_ray.jobs.generate")
 
 _PER_PROMPT = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
@@ -101,28 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(path: str) -> list[dict[str, Any]]:
-    from saguaro_ray.errors import ConfigError
-
-    rows: list[dict[str, Any]] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                prompt = obj.get("prompt") if isinstance(obj, dict) else None
-                if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
-                    raise ConfigError(f"{path}:{lineno}: expected an object with a \"prompt\" string (or list of token ids)")
-                unknown = set(obj) - {"prompt", "id", *_PER_PROMPT}
-                if unknown:
-                    raise ConfigError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}; per-prompt fields: {', '.join(_PER_PROMPT)}")
-                rows.append(obj)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path!r}: {exc.strerror}") from None
-    return rows
+    """The job's input: prompts with optional ``id`` and per-prompt sampling fields."""
+    return read_prompt_file(path, ("id", *_PER_PROMPT))
 
 
 def completed(path: str, n: int) -> set[int]:
