@@ -22,6 +22,34 @@ from saguaro_ray.errors import ConfigError, SaguaroError
 EXIT_USAGE = 2
 
 
+def add_sampling_args(group: argparse._ActionsContainer) -> None:
+    """The sampling flags, shared by ``generate`` and the generate job."""
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
+    group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
+    group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def add_speculation_args(group: argparse._ActionsContainer) -> None:
+    """The speculation flags read by :func:`speculation_from_args` (``--mode`` is the caller's)."""
+    group.add_argument("--k", type=int, default=4, help="draft tokens per round (sd, ssd)")
+    group.add_argument("--fan-out", default="auto", help="'auto' or K+1 comma-separated counts (ssd)")
+    group.add_argument("--budget", type=int, default=8, help="speculations cached per sequence (ssd, auto fan-out)")
+    group.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling down-weighting C in (0, 1]")
+    group.add_argument("--backup", default="neural", help="auto | neural | fast (ssd cache misses)")
+    group.add_argument("--stage1", default="exact", help="pyramid qualifier rule: exact | assisted | fuzzy")
+    group.add_argument("--stage2", default="exact", help="pyramid target rule: exact | fuzzy")
+    group.add_argument("--tau-q", type=float, default=0.0, help="fuzzy threshold of stage 1 (lossy when > 0)")
+    group.add_argument("--tau-t", type=float, default=0.0, help="fuzzy threshold of stage 2 (lossy when > 0)")
+    group.add_argument("--div", default="reverse_kl", help="fuzzy divergence: reverse_kl | kl | js | tv")
+    group.add_argument("--lq", type=int, default=4, help="pyramid: qualified tokens per target verification")
+    group.add_argument("--ld", type=int, default=2, help="pyramid: draft tokens per qualifier check")
+    group.add_argument("--allow-lossy", action="store_true", help="accept fuzzy stages with tau > 0 (not exact)")
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
@@ -31,31 +59,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts-file", help="JSONL file, one {\"prompt\": ...} object a line")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
-    p.add_argument("--n", type=int, default=1, help="independent samples per prompt")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    add_sampling_args(p.add_argument_group("sampling"))
     p.add_argument("--json", action="store_true", help="one JSON object per sample per line")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
-    spec = p.add_argument_group("speculation")
-    spec.add_argument("--k", type=int, default=4, help="draft tokens per round (sd, ssd)")
-    spec.add_argument("--fan-out", default="auto", help="'auto' or K+1 comma-separated counts (ssd)")
-    spec.add_argument("--budget", type=int, default=8, help="speculations cached per sequence (ssd, auto fan-out)")
-    spec.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling down-weighting C in (0, 1]")
-    spec.add_argument("--backup", default="neural", help="auto | neural | fast (ssd cache misses)")
-    spec.add_argument("--stage1", default="exact", help="pyramid qualifier rule: exact | assisted | fuzzy")
-    spec.add_argument("--stage2", default="exact", help="pyramid target rule: exact | fuzzy")
-    spec.add_argument("--tau-q", type=float, default=0.0, help="fuzzy threshold of stage 1 (lossy when > 0)")
-    spec.add_argument("--tau-t", type=float, default=0.0, help="fuzzy threshold of stage 2 (lossy when > 0)")
-    spec.add_argument("--div", default="reverse_kl", help="fuzzy divergence: reverse_kl | kl | js | tv")
-    spec.add_argument("--lq", type=int, default=4, help="pyramid: qualified tokens per target verification")
-    spec.add_argument("--ld", type=int, default=2, help="pyramid: draft tokens per qualifier check")
-    spec.add_argument("--allow-lossy", action="store_true", help="accept fuzzy stages with tau > 0 (not exact)")
+    add_speculation_args(p.add_argument_group("speculation"))
     rt = p.add_argument_group("runtime")
     rt.add_argument("--in-process", action="store_true", help="run every worker in this process instead of Ray actors")
     rt.add_argument("--num-drafts", type=int, default=1, help="draft actors sharing the SSD outcome set")

@@ -51,6 +51,7 @@ _WAIT_S = 600.0  # longest wait for one prompt's results before the job gives up
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from saguaro_ray.cli import add_sampling_args, add_speculation_args
     from saguaro_ray.config import MODES
 
     p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.generate", description="batch generation from JSONL (resumable)")
@@ -62,29 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--qualifier", default=None)
     m.add_argument("--connect", default=None, help="use a running named engine (EngineConfig(name=...)) instead of launching one")
     m.add_argument("--namespace", default="saguaro-ray", help="namespace of the --connect engine")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
-    s.add_argument("--n", type=int, default=1, help="samples per prompt")
-    s.add_argument("--ignore-eos", action="store_true")
+    add_sampling_args(p.add_argument_group("sampling"))
     spec = p.add_argument_group("speculation (same flags as `saguaro-ray generate`)")
     spec.add_argument("--mode", default="ar", choices=MODES)
-    spec.add_argument("--k", type=int, default=4)
-    spec.add_argument("--fan-out", default="auto")
-    spec.add_argument("--budget", type=int, default=8)
-    spec.add_argument("--saguaro-c", type=float, default=1.0)
-    spec.add_argument("--backup", default="neural")
-    spec.add_argument("--stage1", default="exact")
-    spec.add_argument("--stage2", default="exact")
-    spec.add_argument("--tau-q", type=float, default=0.0)
-    spec.add_argument("--tau-t", type=float, default=0.0)
-    spec.add_argument("--div", default="reverse_kl")
-    spec.add_argument("--lq", type=int, default=4)
-    spec.add_argument("--ld", type=int, default=2)
-    spec.add_argument("--allow-lossy", action="store_true")
+    add_speculation_args(spec)
     rt = p.add_argument_group("runtime")
     rt.add_argument("--address", default=None, help="Ray address (default: the job's cluster, RAY_ADDRESS)")
     rt.add_argument("--device", default="cpu")
