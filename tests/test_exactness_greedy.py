@@ -86,7 +86,9 @@ def ref(models):
         r.engine.close()
 
 
-def make_engine(models, mode: str, draft: str | None = None, qualifier: str | None = None, target: str = "target", **spec) -> LocalEngine:
+def make_engine(
+    models, mode: str, draft: str | None = None, qualifier: str | None = None, target: str = "target", num_drafts: int = 1, **spec
+) -> LocalEngine:
     return LocalEngine(
         LocalEngineConfig(
             target=str(models[target]),
@@ -94,6 +96,7 @@ def make_engine(models, mode: str, draft: str | None = None, qualifier: str | No
             qualifier=None if qualifier is None else str(models[qualifier]),
             spec=SpeculationConfig(mode=mode, **spec),
             num_threads=1,
+            num_drafts=num_drafts,
         )
     )
 
@@ -194,6 +197,40 @@ def test_ssd_matches_ar(models, ref, k, fo, backup, draft, c):
         assert all(0.0 <= r.stats["cache_hit_rate"] <= 1.0 for r in res)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("num_drafts", [2, 3])
+@pytest.mark.parametrize("k, fo, draft", [(1, "mixed", "good"), (3, "auto4", "fair"), (5, "mixed", "good"), (3, "budget1", "bad")])
+def test_ssd_several_drafts_match_ar(models, ref, num_drafts, k, fo, draft):
+    """D drafts deal the outcome set out between them and pass each hit's KV
+    delta to the others: still exactly AR, at any speculation length."""
+    eng = make_engine(models, "ssd", draft, k=k, backup="neural", num_drafts=num_drafts, **fanouts(k)[fo])
+    try:
+        check_exact(eng, ref["target"], greedy(), singles=False)
+    finally:
+        eng.close()
+
+
+def test_several_drafts_raise_hit_rate_and_share_kv(models, ref):
+    """Same per-draft budget: two drafts cover twice the outcomes, so more
+    lookups hit; hits hand their KV delta to the peer, so the drafts forward
+    far fewer glue tokens per build than without deltas."""
+    rates, glue = {}, {}
+    for d in (1, 2):
+        eng = make_engine(models, "ssd", "fair", k=3, backup="neural", fanout="auto", budget=2, num_drafts=d)
+        try:
+            res = check_exact(eng, ref["target"], greedy(), singles=False)
+            rates[d] = pooled_hit_rate(res)
+            drafts = [w.logic for role, w in eng.workers.items() if role.startswith("draft")]
+            builds = sum(1 for r in eng.timeline if r.build is not None)
+            glue[d] = sum(x.glue_tokens for x in drafts) / (builds * d * len(BATCH))
+        finally:
+            eng.close()
+    assert rates[2] > rates[1] + 0.05, rates
+    # without deltas every build forwards all k+1 = 4 glue tokens of a sequence;
+    # after a hit (the owner's, or a peer's delta) it forwards at most one
+    for d in (1, 2):
+        assert glue[d] <= (1 - rates[d]) * 4 + rates[d] + 0.1, (d, rates, glue)
 
 
 @pytest.mark.parametrize("backup", ["neural", "fast", "auto"])

@@ -121,7 +121,9 @@ def chi_square(counts: Counter, law: dict[tuple[int, ...], float]) -> tuple[floa
     return stat, df, float(chi2.sf(stat, df)), outside
 
 
-def run(models, mode: str, *, n: int = N, top_k: int = TOP_K, m: int = M, draft: str = "draft", qualifier: str | None = None, **spec):
+def run(
+    models, mode: str, *, n: int = N, top_k: int = TOP_K, m: int = M, draft: str = "draft", qualifier: str | None = None, num_drafts: int = 1, **spec
+):
     eng = LocalEngine(
         LocalEngineConfig(
             target=str(models["target"]),
@@ -131,6 +133,7 @@ def run(models, mode: str, *, n: int = N, top_k: int = TOP_K, m: int = M, draft:
             num_threads=1,
             max_batch_size=n,
             max_kv_tokens=32 * n,
+            num_drafts=num_drafts,
         )
     )
     try:
@@ -183,6 +186,14 @@ def test_sd_matches_exact_law(sd_results, target_law):
 def test_ssd_matches_exact_law(ssd_results, target_law):
     assert mean_stat(ssd_results, "cache_hit_rate") > 0.3  # cached speculations feed the measured tokens
     assert_law(ssd_results, target_law, "ssd k=2 auto budget 4")
+
+
+def test_ssd_two_drafts_matches_exact_law(models, target_law):
+    """Two drafts, each building half the outcome set with its own sampled
+    speculations (and taking the other's KV deltas): the law is unchanged."""
+    res = run(models, "ssd", k=2, fanout="auto", budget=2, backup="neural", num_drafts=2)
+    assert mean_stat(res, "cache_hit_rate") > 0.3
+    assert_law(res, target_law, "ssd k=2 auto budget 2x2 drafts")
 
 
 def test_ssd_k1_mostly_cache_fed_matches_exact_law(models, target_law):

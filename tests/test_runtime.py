@@ -159,6 +159,32 @@ def test_ssd_unrelated_draft_matches_ar(ray_instance, ckpts, ar_tokens):
         h.shutdown()
 
 
+def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_tokens):
+    """Two draft actors split the outcome set; T = 0 is token-exact, and with
+    the target as draft (q = p, every proposal accepted) sampled outputs are a
+    function of the seed alone — identical to the in-process engine."""
+    spec = SpeculationConfig(mode="ssd", k=3, budget=2, saguaro_c=1.0)
+    h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["other"], spec=spec, num_drafts=2))
+    try:
+        assert sorted(h.worker_info()) == ["draft0", "draft1", "target"]
+        res = bounded(h.generate, PROMPTS[:4], GREEDY)
+        assert tokens(res) == [ar_tokens[tuple(p)] for p in PROMPTS[:4]]
+        _check_stats(res)
+    finally:
+        h.shutdown()
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=5)
+    h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, num_drafts=2))
+    local = LocalEngine(LocalEngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, num_threads=1))
+    try:
+        got = bounded(h.generate, PROMPTS[:3], sampled)
+        want = local.generate(PROMPTS[:3], sampled)
+        assert tokens(got) == tokens(want)
+        assert all(r.stats["cache_hit_rate"] > 0 for r in got)  # cached q rows were verified
+    finally:
+        h.shutdown()
+        local.close()
+
+
 # ------------------------------------------------------ 2. stream / async API
 
 

@@ -23,6 +23,7 @@ outcome.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -31,8 +32,9 @@ from saguaro_ray.algorithms.cache import SpeculationCache, Speculation
 from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, position_uniforms, process_logits, sample_from
 from saguaro_ray.config import SamplingParams
-from saguaro_ray.workers.messages import BuildItem, Proposal, SeqStep
-from saguaro_ray.workers.runner import ModelRunner
+from saguaro_ray.algorithms.fanout import deal_candidates
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, Proposal, SeqStep
+from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
 
 
@@ -63,12 +65,24 @@ def _draw(
 RANK_DEPTH = 64  # how far down each glue row we remember the draft's ranking (for fitting r)
 
 
+def top_order(logits: torch.Tensor) -> torch.Tensor:
+    """Token ids of each row by descending logit, the first ``RANK_DEPTH + 1``
+    (one more than kept, since the drafted token is excluded from a row)."""
+    return torch.topk(logits, min(RANK_DEPTH + 1, logits.shape[-1]), dim=-1, sorted=True).indices
+
+
 class DraftLogic(RunnerLogic):
     def __init__(self, runner: ModelRunner) -> None:
         super().__init__(runner)
         self.cache = SpeculationCache()
         # per sequence, per k: the draft's candidate ranking of row k (s_{k+1} excluded)
         self._rankings: dict[int, list[list[int]]] = {}
+        # the latest build's tree and each branch's top-token order per step [N, depth, R+1]
+        self._tree: TreeState | None = None
+        self._tree_orders: torch.Tensor | None = None
+        # per sequence: the KV delta of the hit this draft served (already in its cache)
+        self._own: dict[int, Extension] = {}
+        self.glue_tokens = 0  # tokens forwarded to build glue rows (recomputation avoided by KV deltas is not counted)
 
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
@@ -101,27 +115,68 @@ class DraftLogic(RunnerLogic):
         return [Proposal(t, torch.stack(q) if q else None, "draft") for t, q in zip(tokens, qrows)]
 
     # -------------------------------------------------------------- build
+    def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[list[int]]]:
+        """How to get the glue rows (the draft's law after each token of
+        ``new_tokens + proposal``) for one item: rows already known from a KV
+        delta (this draft's own hit, or a peer's ``it.extension``), and the
+        step that forwards the rest (None when nothing is left to forward)."""
+        st, seq = it.step, it.step.seq_id
+        glue = list(st.new_tokens) + list(it.proposal.tokens)
+        ext = self._own.pop(seq, None) or it.extension
+        usable = (
+            ext is not None
+            and ext.seq_id == seq
+            and ext.start == st.start
+            and len(st.new_tokens) == 1
+            and self.runner.has_sequence(seq)
+            and ext.start <= self.runner.seq_len(seq)
+        )
+        if usable and ext is it.extension:  # a peer's delta: append it in place of the stale glue
+            if ext.kv is None:
+                usable = False
+            else:
+                self.runner.truncate(seq, ext.start)
+                self.runner.append_kv(seq, ext.kv)
+        m = 0
+        if usable and self.runner.seq_len(seq) >= ext.start + len(ext.tokens):
+            while m < min(len(glue), len(ext.tokens)) and glue[m] == ext.tokens[m]:
+                m += 1
+        n_rows = len(it.proposal.tokens) + 1
+        if m == 0:
+            return replace(st, new_tokens=glue), []
+        known = ext.rankings[: min(m, n_rows)]
+        self.runner.truncate(seq, ext.start + m)
+        if m == len(glue):
+            return None, known
+        return SeqStep(seq, ext.start + m, glue[m:], st.params, st.seed, st.output_pos, []), known
+
     def build(self, items: Sequence[BuildItem]) -> dict[str, int]:
         """Pre-compute next round's speculation for the likely outcomes (SSD)."""
-        lens = [len(it.proposal.tokens) for it in items]
-        glue = feed(self.runner, [it.step for it in items], [it.proposal.tokens for it in items], [n + 1 for n in lens])
+        plans = [self._glue_plan(it) for it in items]
+        fwd = [(i, st) for i, (st, _) in enumerate(plans) if st is not None]
+        n_rows = [len(it.proposal.tokens) + 1 for it in items]
+        orders: list[list[list[int]]] = [list(known) for _, known in plans]
+        if fwd:
+            want = [min(len(st.new_tokens), n_rows[i]) for i, st in fwd]
+            self.glue_tokens += sum(len(st.new_tokens) for _, st in fwd)
+            glue = feed(self.runner, [st for _, st in fwd], [[]] * len(fwd), want)
+            top = top_order(glue).tolist()
+            offset = 0
+            for (i, _), w in zip(fwd, want):
+                orders[i].extend(top[offset : offset + w])
+                offset += w
         # -- choose branches: (sequence index, k, first token)
         branches: list[tuple[int, int, int]] = []
-        offset = 0
-        for i, (it, n) in enumerate(zip(items, lens)):
-            rows = glue[offset : offset + n + 1]
-            offset += n + 1
-            order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, : RANK_DEPTH + 1].tolist()
-            ranking = []
-            for k in range(n + 1):
-                exclude = it.proposal.tokens[k] if k < n else None  # s_{k+1} cannot be the recovery token
-                ranking.append([t for t in order[k] if t != exclude][:RANK_DEPTH])
-                want = it.fanout[k] if k < len(it.fanout) else 0
-                if want > 0 and it.k_next > 0:
-                    branches.extend((i, k, t) for t in ranking[k][:want])
+        for i, it in enumerate(items):
+            toks = it.proposal.tokens
+            ranking = [[t for t in row if t != (toks[k] if k < len(toks) else None)][:RANK_DEPTH] for k, row in enumerate(orders[i])]
             self._rankings[it.step.seq_id] = ranking
-        for it in items:
             self.cache.put_round(it.step.seq_id, {})
+            if it.k_next > 0:
+                for k, j in deal_candidates(it.fanout, n_rows[i], it.shard, it.num_shards):
+                    if j < len(ranking[k]):
+                        branches.append((i, k, ranking[k][j]))
+        self._tree, self._tree_orders = None, None
         if not branches:
             return {"branches": 0}
         # -- one batched shared-prefix tree decode over all branches
@@ -131,54 +186,83 @@ class DraftLogic(RunnerLogic):
             [items[i].step.start + len(items[i].step.new_tokens) + k for i, k, _ in branches],
             depth=depth,
         )
+        b_item = [items[i] for i, _, _ in branches]
+        b_len = [it.k_next for it in b_item]
+        greedy = [it.step.params.greedy for it in b_item]
         cur = torch.tensor([[t] for _, _, t in branches])
-        out_tokens: list[list[int]] = [[] for _ in branches]
+        out = torch.zeros(len(branches), depth, dtype=torch.long)
         out_q: list[list[torch.Tensor]] = [[] for _ in branches]
+        step_orders = []
         for j in range(depth):
             logits = self.runner.tree_forward(tree, cur)[:, 0]
-            live = [r for r, (i, _, _) in enumerate(branches) if j < items[i].k_next]
+            step_orders.append(top_order(logits))
+            live = [r for r, n in enumerate(b_len) if j < n]
             toks, q = _draw(
                 logits[live] if len(live) < len(branches) else logits,
-                [items[branches[r][0]].step.params for r in live],
-                [items[branches[r][0]].step.seed for r in live],
+                [b_item[r].step.params for r in live],
+                [b_item[r].step.seed for r in live],
                 # branch (k, t): t sits at output_pos + k, its j-th successor at output_pos + k + 1 + j
-                [items[branches[r][0]].step.output_pos + branches[r][1] + 1 + j for r in live],
-                [items[branches[r][0]].fanout[j] if j < len(items[branches[r][0]].fanout) else 0 for r in live],
-                min(items[branches[r][0]].saguaro_c for r in live),
+                [b_item[r].step.output_pos + branches[r][1] + 1 + j for r in live],
+                [b_item[r].fanout[j] if j < len(b_item[r].fanout) else 0 for r in live],
+                min(b_item[r].saguaro_c for r in live),
             )
-            nxt = cur.clone()
-            for pos, r in enumerate(live):
-                out_tokens[r].append(int(toks[pos]))
-                if q is not None and not items[branches[r][0]].step.params.greedy:  # greedy: point masses
-                    out_q[r].append(q[pos])
-                nxt[r, 0] = toks[pos]
-            cur = nxt
+            idx = torch.tensor(live)
+            out[idx, j] = toks
+            cur = cur.clone()
+            cur[idx, 0] = toks
+            if q is not None:
+                for pos, r in enumerate(live):
+                    if not greedy[r]:  # greedy rows are point masses
+                        out_q[r].append(q[pos])
+        self._tree, self._tree_orders = tree, torch.stack(step_orders, dim=1)
+        tokens = out.tolist()
         per_seq: dict[int, dict[tuple[int, int], Speculation]] = {}
         for r, (i, k, t) in enumerate(branches):
-            spec = Speculation(tokens=out_tokens[r], q=torch.stack(out_q[r]) if out_q[r] else None, branch=r)
+            spec = Speculation(tokens=tokens[r][: b_len[r]], q=torch.stack(out_q[r]) if out_q[r] else None, branch=r)
             per_seq.setdefault(items[i].step.seq_id, {})[(k, t)] = spec
         for seq_id, entries in per_seq.items():
             self.cache.put_round(seq_id, entries)
         return {"branches": len(branches)}
 
     # ------------------------------------------------------------- lookup
-    def lookup(self, keys: Sequence[tuple[int, int, int]]) -> list[tuple[Proposal | None, int | None]]:
+    def lookup(self, keys: Sequence[tuple[int, int, int]], share_kv: bool = False) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
 
-        Returns, per key, the proposal (None on a miss) and the 1-based rank of
-        t* in the draft's ranking of row k (None if beyond what was kept) —
-        the observation the fan-out estimator fits its power law to."""
-        out: list[tuple[Proposal | None, int | None]] = []
+        Per key: the proposal (None on a miss), the 1-based rank of t* in the
+        draft's ranking of row k (None if beyond what was kept) — the
+        observation the fan-out estimator fits its power law to — and, on a
+        hit, the KV delta: the branch's K/V becomes part of this draft's cache
+        at once (so the next build forwards at most one glue token), and with
+        ``share_kv`` a copy is returned for peer drafts."""
+        out: list[LookupResult] = []
         for seq_id, k, t in keys:
             spec = self.cache.lookup(seq_id, k, t)
             ranking = self._rankings.get(seq_id, [])
             row = ranking[k] if k < len(ranking) else []
             rank = row.index(t) + 1 if t in row else None
-            out.append((None if spec is None else Proposal(list(spec.tokens), spec.q, "cache"), rank))
+            if spec is None:
+                out.append(LookupResult(None, rank))
+                continue
+            ext = self._commit_hit(seq_id, t, spec, share_kv)
+            out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext if share_kv else None))
         return out
+
+    def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> Extension | None:
+        """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's cache."""
+        tree, n = self._tree, len(spec.tokens)
+        if tree is None or n == 0 or not self.runner.has_sequence(seq_id):
+            return None
+        start = tree.prefix_lens[spec.branch]
+        kv = self.runner.tree_export(tree, spec.branch, n) if share_kv else None
+        self.runner.tree_commit(tree, spec.branch, n)
+        rankings = self._tree_orders[spec.branch, :n].tolist()
+        ext = Extension(seq_id, start, [t] + list(spec.tokens[: n - 1]), rankings)
+        self._own[seq_id] = ext
+        return replace(ext, kv=kv)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         super().release(seq_ids)
         for s in seq_ids:
             self.cache.drop(s)
             self._rankings.pop(s, None)
+            self._own.pop(s, None)

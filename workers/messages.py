@@ -91,15 +91,55 @@ class Outcome:
 
 
 @dataclass
+class Extension:
+    """A cache hit's *KV delta*: what the owning draft already computed along
+    the speculation it served, so no draft recomputes it.
+
+    ``tokens`` = [t*, x_1, .., x_{K-1}] sit at positions ``start``, ``start+1``,
+    … of sequence ``seq_id``; ``rankings[j]`` is the draft's top-token order
+    after ``tokens[: j + 1]`` (the glue rows the next build needs);
+    ``kv`` is the draft model's per-layer (K, V) rows ``[len(tokens), Hkv, D]``
+    for those tokens — tensors in process, a data-plane descriptor between
+    actors, or ``None`` where the receiver already holds them (the owner).
+    """
+
+    seq_id: int
+    start: int
+    tokens: list[int]
+    rankings: list[list[int]]
+    kv: Any = None
+
+
+@dataclass
 class BuildItem:
     """Ask a draft to pre-compute next round's speculations for the most likely
-    outcomes of verifying ``proposal`` (SSD)."""
+    outcomes of verifying ``proposal`` (SSD).
+
+    With several drafts the candidate outcomes (k, t) of the fan-out are dealt
+    out in a fixed order; this draft builds every ``num_shards``-th one from
+    ``shard``. ``extension``: a peer draft's KV delta for this sequence (the
+    hit that produced ``proposal``), appended instead of recomputed."""
 
     step: SeqStep
     proposal: Proposal
     fanout: list[int]  # F_k for k = 0..len(proposal.tokens)
     k_next: int  # speculation length of the next round
     saguaro_c: float = 1.0
+    shard: int = 0
+    num_shards: int = 1
+    extension: Extension | None = None
+
+
+@dataclass
+class LookupResult:
+    """A draft's answer for one real outcome: the cached speculation (None on
+    a miss here), the rank of t* in the draft's ranking of row k (for fitting
+    the fan-out; None if not within the kept depth), and on a hit the KV
+    delta peers append (see :class:`Extension`)."""
+
+    proposal: Proposal | None
+    rank: int | None
+    extension: Extension | None = None
 
 
 @dataclass

@@ -268,3 +268,20 @@ def _regime(after_backup: bool | str) -> str:
     if after_backup in ("neural", "fast", "backup"):
         return str(after_backup)
     raise ValueError(f"after_backup must be a bool, 'neural' or 'fast', got {after_backup!r}")
+
+
+def deal_candidates(fanout: list[int], rows: int, shard: int = 0, num_shards: int = 1) -> list[tuple[int, int]]:
+    """The predicted outcomes one of ``num_shards`` drafts pre-computes.
+
+    A fan-out F_k names the candidates (k, j): the j-th ranked recovery token
+    of row k, j < F_k. Listed rank-major — (0,0), (1,0), …, (0,1), (1,1), … —
+    so consecutive candidates have similar hit probability, and dealt out
+    round-robin, every draft gets an equal share of the budget and of the
+    likely outcomes. Every draft ranks rows with the same model, so the shares
+    are disjoint and together cover the whole fan-out.
+    """
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
+    f = [fanout[k] if k < len(fanout) else 0 for k in range(rows)]
+    cands = [(k, j) for j in range(max(f, default=0)) for k in range(rows) if j < f[k]]
+    return cands[shard::num_shards]

@@ -45,6 +45,7 @@ class LocalEngineConfig:
     max_kv_tokens: int | None = None
     max_batch_size: int = 64
     num_threads: int | None = None
+    num_drafts: int = 1  # SSD: drafts that share the outcome set (each its own model copy and thread)
 
     def __post_init__(self) -> None:
         if self.spec.needs_draft and not self.draft:
@@ -53,6 +54,8 @@ class LocalEngineConfig:
             raise ConfigError("mode 'pyramid' needs a qualifier model (--qualifier)")
         if self.max_batch_size <= 0:
             raise ConfigError(f"max_batch_size must be positive, got {self.max_batch_size}")
+        if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
+            raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"num_threads must be positive, got {self.num_threads}")
 
@@ -81,8 +84,17 @@ class LocalEngine:
             )
             for role, ck in ckpts.items()
         }
+        if spec.needs_draft:
+            for i in range(1, config.num_drafts):  # further drafts: their own copy of the draft model
+                runners[f"draft{i}"] = ModelRunner(
+                    ckpts["draft"],
+                    device=config.device,
+                    dtype=config.dtype,
+                    attention_backend=config.attention_backend,
+                    max_kv_tokens=config.max_kv_tokens,
+                )
         logic = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
-        self.workers = {role: InProcessWorker(role, logic[role](r)) for role, r in runners.items()}
+        self.workers = {role: InProcessWorker(role, logic[role.rstrip("0123456789")](r)) for role, r in runners.items()}
         target = runners["target"]
         self.eos_ids = target.eos_token_ids or tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         self.vocab_size = target.vocab_size
@@ -92,7 +104,7 @@ class LocalEngine:
             self.workers["target"],
             self.eos_ids,
             self.max_context,
-            draft=self.workers.get("draft"),
+            draft=[w for role, w in self.workers.items() if role.startswith("draft")],
             qualifier=self.workers.get("qualifier"),
         )
         self.scheduler = Scheduler(

@@ -22,7 +22,6 @@ authoritative token history of every sequence (:class:`SequenceState`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -34,9 +33,21 @@ from saguaro_ray.algorithms.backup import BackupPolicy, BackupStats
 from saguaro_ray.algorithms.fanout import FanoutEstimator
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.config import SpeculationConfig
+from saguaro_ray.engine.drafts import DraftPool
 from saguaro_ray.engine.sequence import SequenceState
-from saguaro_ray.engine.transport import WorkerGone, WorkerHandle, WorkerLost
-from saguaro_ray.workers.messages import BuildItem, NeedsPrefillError, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
+from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerHandle, WorkerLost
+from saguaro_ray.workers.messages import (
+    BuildItem,
+    Extension,
+    LookupResult,
+    NeedsPrefillError,
+    Outcome,
+    Proposal,
+    QualifyItem,
+    SeqStep,
+    Timed,
+    VerifyItem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +90,16 @@ ArgsFn = Callable[[bool], tuple]
 class _Call:
     """A worker call that survives the worker losing its state.
 
-    ``args_fn(full)`` builds the call's arguments; ``full=True`` re-sends every
-    sequence's whole history from position 0. A worker that answers
-    :class:`NeedsPrefillError` (it was restarted, or never saw a sequence) gets
-    the full-history call; a worker that was lost mid-call is recovered first
-    (blocking) — unless ``degradable``, in which case :class:`WorkerLost`
-    reaches the caller, which carries on without it.
+    ``args_fn(full)`` builds the call's arguments; ``full=True`` makes them
+    self-contained: every sequence's whole history from position 0, and
+    nothing that refers to another worker's data-plane transfers (a proposal's
+    q rows become a point mass on its tokens — still exact, as the tokens do
+    not depend on the verifier's randomness; a peer's KV delta is dropped). A
+    worker that answers :class:`NeedsPrefillError` (it was restarted, or never
+    saw a sequence) or :class:`TransferLost` gets the self-contained call; a
+    worker that was lost mid-call is recovered first (blocking) — unless
+    ``degradable``, in which case :class:`WorkerLost` reaches the caller,
+    which carries on without it.
     """
 
     def __init__(self, worker: WorkerHandle, method: str, args_fn: ArgsFn, degradable: bool = False) -> None:
@@ -95,7 +110,7 @@ class _Call:
         for _ in range(attempts):
             try:
                 return self.fut.result()
-            except NeedsPrefillError:
+            except (NeedsPrefillError, TransferLost):
                 pass
             except WorkerLost:
                 if self.degradable:
@@ -121,6 +136,18 @@ def _clip(p: Proposal, n: int) -> Proposal:
     return Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
 
 
+def _local(p: Proposal) -> Proposal:
+    """``p`` without q rows that live on the data plane (see :class:`_Call`)."""
+    return p if p.q is None or isinstance(p.q, torch.Tensor) else Proposal(p.tokens, None, p.source)
+
+
+def _cat_rows(parts: list[Any]) -> Any:
+    """Concatenate q blocks: tensors in process, data-plane references between actors."""
+    if all(isinstance(x, torch.Tensor) for x in parts):
+        return torch.cat(parts)
+    return type(parts[0]).cat(parts)
+
+
 class RoundLoop:
     def __init__(
         self,
@@ -128,12 +155,14 @@ class RoundLoop:
         target: WorkerHandle,
         eos_ids: tuple[int, ...],
         max_context: int,
-        draft: WorkerHandle | None = None,
+        draft: WorkerHandle | Sequence[WorkerHandle] | None = None,
         qualifier: WorkerHandle | None = None,
+        on_draft_restored: Callable[[WorkerHandle], None] | None = None,
     ) -> None:
         self.spec = spec
         self.target = target
-        self.draft = draft
+        drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
+        self.drafts = DraftPool(drafts, on_draft_restored)
         self.qualifier = qualifier
         self.eos_ids = eos_ids
         self.max_context = max_context
@@ -142,49 +171,25 @@ class RoundLoop:
         self.backup_stats = BackupStats()
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
-        # a lost draft is recovered in the background while rounds go on with
-        # point-mass (fast) proposals — still exact, just slower
-        self._draft_recovery: threading.Thread | None = None
-        self._draft_restored = False
-        self.draft_failures = 0
+        # the KV delta of each sequence's latest hit, and the draft that served it
+        self._extensions: dict[int, tuple[WorkerHandle, Extension]] = {}
 
     # -------------------------------------------------------- draft health
     @property
     def draft_up(self) -> bool:
-        """Is the draft usable now? (False while it restarts, or for good once
-        its restarts are exhausted.)"""
-        if self.draft is None:
-            return False
-        recovery = self._draft_recovery
-        if recovery is None:
-            return True
-        if recovery.is_alive() or not self._draft_restored:
-            return False
-        self._draft_recovery = None
-        return True
+        """Is at least one draft usable now?"""
+        return bool(self.drafts.up())
 
-    def _draft_lost(self) -> None:
-        if self._draft_recovery is not None:
-            return
-        self.draft_failures += 1
-        log.warning("draft lost; serving with point-mass backups while it restarts")
-        self._draft_restored = False
+    @property
+    def draft_failures(self) -> int:
+        return self.drafts.failures
 
-        def recover() -> None:
-            try:
-                self.draft.recover()
-                self._draft_restored = True
-            except WorkerGone:
-                log.error("draft cannot be restarted; continuing with point-mass backups only")
-
-        self._draft_recovery = threading.Thread(target=recover, name="saguaro-draft-recovery", daemon=True)
-        self._draft_recovery.start()
-
-    def _draft_call(self, method: str, args_fn: ArgsFn) -> _Call | None:
-        """Submit to the draft unless it is down; ``None`` means: do without."""
-        if not self.draft_up:
+    def _draft_call(self, method: str, args_fn: ArgsFn, draft: WorkerHandle | None = None) -> _Call | None:
+        """Submit to ``draft`` (default: the primary) unless none is up; ``None`` means: do without."""
+        draft = draft or self.drafts.primary
+        if draft is None:
             return None
-        return _Call(self.draft, method, args_fn, degradable=True)
+        return _Call(draft, method, args_fn, degradable=True)
 
     def _draft_value(self, call: _Call | None) -> tuple[Any, tuple[float, float]] | None:
         if call is None:
@@ -192,7 +197,7 @@ class RoundLoop:
         try:
             return call.value()
         except WorkerLost:
-            self._draft_lost()
+            self.drafts.lost(call.worker)
             return None
 
     def _fast(self, seqs: Sequence[SequenceState], ks: Sequence[int], blocks: Sequence[list[int]] | None = None) -> list[Proposal]:
@@ -222,15 +227,16 @@ class RoundLoop:
         room = self.max_context - len(s.all_ids)
         return max(0, min(k, remaining, room))
 
-    def _fanout_for(self, proposal: Proposal) -> list[int]:
+    def _fanout_for(self, proposal: Proposal, shards: int = 1) -> list[int]:
         """F_k for the outcomes of verifying ``proposal`` (its source sets the
-        acceptance regime: a backup speculation is accepted differently)."""
-        return self._fanout(len(proposal.tokens), _regime(proposal))
+        acceptance regime: a backup speculation is accepted differently),
+        over ``shards`` drafts that each build a budget's worth."""
+        return self._fanout(len(proposal.tokens), _regime(proposal), shards)
 
-    def _fanout(self, k: int, regime: bool | str) -> list[int]:
+    def _fanout(self, k: int, regime: bool | str, shards: int = 1) -> list[int]:
         if self.spec.fanout == "auto":
-            return self.fanout.allocation(self.spec.budget, k, after_backup=regime)
-        return list(self.spec.fanout[: k + 1])
+            return self.fanout.allocation(self.spec.budget * shards, k, after_backup=regime)
+        return [f * shards for f in self.spec.fanout[: k + 1]]
 
     def _emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
         for s, prop, out in zip(running, proposals, outcomes):
@@ -244,8 +250,10 @@ class RoundLoop:
         ids = [s.seq_id for s in seqs]
         if not ids:
             return
-        workers = [w for w in (self.target, self.draft, self.qualifier) if w is not None]
-        futs = [(w, w.submit("release", ids)) for w in workers if w is not self.draft or self.draft_up]
+        for i in ids:
+            self._extensions.pop(i, None)
+        workers = [self.target, *self.drafts.up()] + ([self.qualifier] if self.qualifier is not None else [])
+        futs = [(w, w.submit("release", ids)) for w in workers]
         for w, f in futs:
             try:
                 f.result()
@@ -262,12 +270,13 @@ class RoundLoop:
         rec = RoundRecord(index=len(self.timeline), batch=len(new), start=time.perf_counter(), prefill=True)
         prefill = lambda full: ([self.step(s, full) for s in new],)  # noqa: E731
         call_t = _Call(self.target, "verify", lambda full: ([VerifyItem(self.step(s, full), Proposal([])) for s in new],))
-        call_d = self._draft_call("prefill", prefill)
+        calls_d = [self._draft_call("prefill", prefill, d) for d in self.drafts.up()]
         call_q = None if self.qualifier is None else _Call(self.qualifier, "prefill", prefill)
         try:
             outcomes, rec.verify = call_t.value()
         finally:
-            self._draft_value(call_d)
+            for call_d in calls_d:
+                self._draft_value(call_d)
             if call_q is not None:
                 call_q.result()
         self._emit(new, [Proposal([])] * len(new), outcomes, rec)
@@ -310,7 +319,7 @@ class RoundLoop:
         return _Call(
             self.target,
             "verify",
-            lambda full: ([VerifyItem(self.step(s, full), p, rule, tau, div) for s, p in zip(running, proposals)],),
+            lambda full: ([VerifyItem(self.step(s, full), _local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)],),
         )
 
     def _round_ar(self, running: list[SequenceState], rec: RoundRecord) -> None:
@@ -337,22 +346,38 @@ class RoundLoop:
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
         call_v = self._verify(running, proposals)
-        fanouts = [self._fanout_for(p) for p in proposals]
+        # every draft that is up builds its share of the outcomes (one budget each)
+        builders = self.drafts.up()
+        shards = max(1, len(builders))
+        fanouts = [self._fanout_for(p, shards) for p in proposals]
         ks = [self.spec_len(s, self.spec.k) for s in running]
-        call_b = self._draft_call(
-            "build",
-            lambda full: (
+        exts = [self._extensions.pop(s.seq_id, None) for s in running]
+
+        def build_items(full: bool, shard: int, draft: WorkerHandle) -> tuple:
+            return (
                 [
-                    BuildItem(self.step(s, full), p, f, k, self.spec.saguaro_c)
-                    for s, p, f, k in zip(running, proposals, fanouts, ks)
+                    BuildItem(
+                        self.step(s, full),
+                        Proposal(p.tokens, None, p.source),  # the build needs the tokens only
+                        f,
+                        k,
+                        self.spec.saguaro_c,
+                        shard,
+                        shards,
+                        None if full or e is None or e[0] is draft else e[1],
+                    )
+                    for s, p, f, k, e in zip(running, proposals, fanouts, ks, exts)
                 ],
-            ),
-        )
+            )
+
+        calls_b = [
+            (d, self._draft_call("build", lambda full, i=i, d=d: build_items(full, i, d), d)) for i, d in enumerate(builders)
+        ]
         outcomes, rec.verify = call_v.value()
-        built = self._draft_value(call_b)
+        built = [(d, got) for d, got in ((d, self._draft_value(c)) for d, c in calls_b) if got is not None]
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
-        if built is not None:
-            rec.build = built[1]
+        if built:
+            rec.build = (min(got[1][0] for _, got in built), max(got[1][1] for _, got in built))
             self.backup_stats.observe_latency(t_primary=(rec.build[1] - rec.build[0]) / self._verify_seconds)
         self._emit(running, proposals, outcomes, rec)
         for p, out in zip(proposals, outcomes):
@@ -362,12 +387,26 @@ class RoundLoop:
         if not live:
             return
         keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
-        looked = self._draft_value(self._draft_call("lookup", lambda full: (keys,))) if built is not None else None
-        if looked is None:
-            results: list[tuple[Proposal | None, int | None]] = [(None, None)] * len(live)
-        else:
-            results, rec.lookup = looked
-        for (s, p, out), (cached, rank) in zip(live, results):
+        share = len(built) > 1  # peers take the owner's KV delta instead of recomputing
+        calls_l = [(d, self._draft_call("lookup", lambda full: (keys, share), d)) for d, _ in built]
+        answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
+        spans = []
+        for d, c in calls_l:
+            got = self._draft_value(c)
+            if got is not None:
+                answers.append((d, got[0]))
+                spans.append(got[1])
+        if spans:
+            rec.lookup = (min(a for a, _ in spans), max(b for _, b in spans))
+        for idx, (s, p, out) in enumerate(live):
+            cached, rank = None, None
+            for d, res in answers:
+                r = res[idx]
+                rank = r.rank if rank is None else rank
+                if cached is None and r.proposal is not None:
+                    cached = r.proposal
+                    if r.extension is not None:
+                        self._extensions[s.seq_id] = (d, r.extension)
             hit = cached is not None
             self.fanout.observe(out.accepted, out.proposed, rank, after_backup=_regime(p), hit=hit)
             s.lookups += 1
@@ -379,7 +418,7 @@ class RoundLoop:
     def _backup(self, seqs: list[SequenceState], rec: RoundRecord, batch_size: int) -> None:
         """Serve misses; ``auto`` weighs the backups at the live batch size
         (a batch of b hits fully only with probability p_hit^b)."""
-        kind = self.backup_policy.choose(batch_size, self.backup_stats) if self.draft_up else "fast"
+        kind = self.backup_policy.choose(batch_size, self.backup_stats) if self.drafts.primary is not None else "fast"
         ks = [self.spec_len(s, self.spec.k) for s in seqs]
         t0 = time.perf_counter()
         got = None
@@ -426,7 +465,9 @@ class RoundLoop:
             quals = _Call(
                 self.qualifier,
                 "qualify",
-                lambda full: ([QualifyItem(st, d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full), drafts)],),
+                lambda full: (
+                    [QualifyItem(st, _local(d) if full else d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full), drafts)],
+                ),
             ).value()[0]
             for i, qp in zip(todo, quals):
                 room = limits[i] - len(blocks[i])
@@ -434,7 +475,7 @@ class RoundLoop:
                 if qp.q is not None:
                     block_q[i].append(qp.q[:room])
         rec.draft = (t0, time.perf_counter())
-        proposals = [Proposal(b, torch.cat(q) if q else None, "qualified") for b, q in zip(blocks, block_q)]
+        proposals = [Proposal(b, _cat_rows(q) if q else None, "qualified") for b, q in zip(blocks, block_q)]
         outcomes, rec.verify = self._verify(running, proposals, spec.stage2, spec.tau_t).value()
         self._emit(running, proposals, outcomes, rec)
 

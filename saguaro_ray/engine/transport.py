@@ -26,6 +26,12 @@ class WorkerGone(SaguaroError, RuntimeError):
     it fail with this error."""
 
 
+class TransferLost(SaguaroError, RuntimeError):
+    """A tensor a call refers to (q rows, a KV delta) never arrived over the
+    data plane — its sender died or the group was rebuilt. The caller re-sends
+    the call self-contained (without data-plane references)."""
+
+
 class WorkerHandle(Protocol):
     name: str
 

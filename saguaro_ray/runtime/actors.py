@@ -103,7 +103,7 @@ class CoordinatorActor:
             self.clients["target"],
             eos,
             max_context,
-            draft=self.clients.get("draft0"),
+            draft=[c for role, c in self.clients.items() if role.startswith("draft")],
             qualifier=self.clients.get("qualifier"),
         )
         infos = [actor_info(a) for a in workers.values()]

@@ -62,10 +62,10 @@ class EngineConfig:
             raise ConfigError("mode 'pyramid' needs a qualifier model")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
-        if self.num_drafts > 1:
-            # Partitioning the outcome set across drafts (with KV deltas between
-            # them) is not built yet; refuse rather than start idle actors.
-            raise ConfigError("num_drafts > 1 is not supported yet; use num_drafts=1")
+        if self.num_drafts > 1 and self.spec.mode != "ssd":
+            # only SSD divides work between drafts (the outcome set); elsewhere
+            # the extra actors would sit idle on a device of their own
+            raise ConfigError(f"num_drafts > 1 needs mode 'ssd' (mode is {self.spec.mode!r})")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.placement_strategy not in STRATEGIES:
