@@ -130,7 +130,9 @@ class _Runner:
             from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 
             self.engine = LocalEngine(
-                LocalEngineConfig(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, num_threads=args.threads)
+                LocalEngineConfig(
+                    target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, num_threads=args.threads, num_drafts=num_drafts
+                )
             )
             self._timeline = lambda: [r.to_json() for r in self.engine.timeline]
             self.close = self.engine.close
@@ -362,7 +364,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         (runtime, mode, nd)
         for runtime in args.runtimes
         for mode in args.modes
-        for nd in (args.num_drafts if (mode == "ssd" and runtime == "ray") else [1])
+        for nd in (args.num_drafts if mode == "ssd" else [1])
     ]
     if "ray" in args.runtimes:
         _start_ray_for(args, [(mode, nd) for runtime, mode, nd in plan if runtime == "ray"])

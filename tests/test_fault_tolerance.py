@@ -90,3 +90,34 @@ def test_exhausted_restarts_fail_requests_with_a_clear_error(ray_instance, targe
             _kill_mid_stream(handle, "target")
     finally:
         handle.shutdown()
+
+
+def test_killing_one_of_two_drafts_keeps_tokens_and_rebuilds_the_data_plane(ray_instance, target):
+    """Two drafts pass KV deltas over the data plane. Killing one breaks that
+    group: the other draft carries on alone, the dead one restarts, the
+    coordinator rebuilds the group (a new generation) and both build again."""
+    spec = SpeculationConfig(mode="ssd", k=3, budget=2)
+    handle = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=spec, num_drafts=2))
+    try:
+        reference = handle.generate([PROMPT], PARAMS)[0].token_ids
+        generation = handle.metrics()["data_plane_generation"]
+        assert generation >= 1
+        tokens, old_pid = _kill_mid_stream(handle, "draft1")
+        assert tokens == reference
+        deadline = time.monotonic() + 120
+        while handle.worker_info()["draft1"]["data_plane"] is None or handle.metrics()["data_plane_generation"] <= generation:
+            assert time.monotonic() < deadline, "the data plane was never rebuilt"
+            time.sleep(0.2)
+        assert handle.worker_info()["draft1"]["pid"] != old_pid
+        sent = {d: handle.worker_info()[d]["data_plane"]["sent"] for d in ("draft0", "draft1")}
+        again = handle.generate([PROMPT], PARAMS)[0]
+        assert again.token_ids == reference
+        assert again.stats["cache_hit_rate"] > 0.8
+        # both drafts serve hits again and hand their KV deltas to each other
+        info = handle.worker_info()
+        assert all(info[d]["data_plane"]["sent"] > sent[d] for d in ("draft0", "draft1")), (sent, info)
+        # sampled generation through a rebuilt group completes in full
+        sampled = SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True, seed=3)
+        assert len(handle.generate([PROMPT], sampled)[0].token_ids) == 64
+    finally:
+        handle.shutdown()

@@ -179,6 +179,11 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         got = bounded(h.generate, PROMPTS[:3], sampled)
         want = local.generate(PROMPTS[:3], sampled)
         assert tokens(got) == tokens(want)
+        # q rows reached the target, and KV deltas the peer draft, over the data plane
+        assert h.metrics()["data_plane_generation"] >= 1
+        info = h.worker_info()
+        assert info["target"]["data_plane"]["received"] > 0
+        assert sum(info[d]["data_plane"]["sent"] for d in ("draft0", "draft1")) > info["target"]["data_plane"]["received"]
         assert any(r.stats["cache_hit_rate"] > 0 for r in got)  # some cached q rows were verified
     finally:
         h.shutdown()

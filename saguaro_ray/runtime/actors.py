@@ -12,8 +12,11 @@ math lives here.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
+from concurrent.futures import Future
 from typing import Any, Iterator
 
 import ray
@@ -25,8 +28,10 @@ from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.runtime.control import CommandServer
+from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
+from saguaro_ray.runtime.routing import RoutedLogic
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
@@ -35,11 +40,13 @@ from saguaro_ray.workers.target import TargetLogic
 log = logging.getLogger(__name__)
 
 _LOGIC = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
+_MEMBERSHIP = ["join_data_plane", "leave_data_plane"]
 _METHODS = {
-    "target": ["verify", "prefill", "release"],
-    "draft": ["propose", "build", "lookup", "prefill", "release"],
-    "qualifier": ["qualify", "prefill", "release"],
+    "target": ["verify", "prefill", "release", *_MEMBERSHIP],
+    "draft": ["propose", "build", "lookup", "prefill", "release", *_MEMBERSHIP],
+    "qualifier": ["qualify", "prefill", "release", *_MEMBERSHIP],
 }
+JOIN_TIMEOUT_S = 60.0
 
 
 class WorkerActor:
@@ -59,8 +66,9 @@ class WorkerActor:
         )
         self.role = role
         self.logic = _LOGIC[kind](runner)
+        self.routed = RoutedLogic(self.logic, device, ray.util.get_node_ip_address())
         host = ray.util.get_node_ip_address() if tcp_host == "node" else tcp_host
-        self.server = CommandServer(self.logic, _METHODS[kind], key, host=host, name=role)
+        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role)
 
     def endpoint(self) -> str:
         return self.server.endpoint
@@ -76,10 +84,12 @@ class WorkerActor:
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
             "dropped_frames": self.server.dropped_frames,
+            "data_plane": None if self.routed.plane is None else self.routed.plane.stats(),
         }
 
     def shutdown(self) -> None:
         self.server.close()
+        self.routed.leave_data_plane()
 
 
 class CoordinatorActor:
@@ -95,6 +105,15 @@ class CoordinatorActor:
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
         self.clients = {role: RayWorkerHandle(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
+        self._store: DataPlaneStore | None = None
+        self._generations = itertools.count(1)
+        self._plane_lock = threading.Lock()
+        self.data_plane_generation = 0  # 0: tensors ride the control frames
+        if config.data_plane:
+            self._store = DataPlaneStore(ray.util.get_node_ip_address())
+            self._join_data_plane()
+            for c in self.clients.values():
+                c.on_recovered = lambda _handle: self._join_data_plane()
         target_cfg = ckpts["target"].config
         eos = target_cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
@@ -118,6 +137,38 @@ class CoordinatorActor:
     def ready(self) -> bool:
         return True
 
+    # ----------------------------------------------------------- data plane
+    def _join_data_plane(self) -> None:
+        """(Re)build the data-plane group over every worker: after start-up and
+        after any worker restarts (a dead member breaks a group for good). If
+        a member cannot join, every worker leaves and tensors ride the control
+        frames until the next rebuild — slower, never wrong."""
+        with self._plane_lock:
+            roles = list(self.clients)
+            rank = {role: i for i, role in enumerate(roles)}
+            drafts = [rank[r] for r in roles if r.startswith("draft")]
+            q_dst = rank.get("qualifier", 0) if self.config.spec.mode == "pyramid" else 0
+            gen = next(self._generations)
+            futs: list[tuple[str, Future]] = []
+            for role in roles:
+                dst = None if role == "target" else 0 if role == "qualifier" else q_dst
+                peers = [d for d in drafts if d != rank[role]] if role.startswith("draft") else []
+                futs.append(
+                    (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers, None))
+                )
+            try:
+                for role, f in futs:
+                    f.result(timeout=JOIN_TIMEOUT_S + 10)
+                self.data_plane_generation = gen
+            except Exception as exc:  # noqa: BLE001 — any failure: fall back to frames
+                log.warning("data plane generation %d failed (%s); tensors ride the control frames", gen, exc)
+                self.data_plane_generation = 0
+                for c in self.clients.values():
+                    try:
+                        c.submit("leave_data_plane").result(timeout=30)
+                    except Exception:  # noqa: BLE001 — a dead worker has nothing to leave
+                        pass
+
     def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1) -> list[GenerationResult]:
         return self.frontend.generate(prompts, params, n)
 
@@ -138,9 +189,12 @@ class CoordinatorActor:
             "draft_up": self.loop.draft_up,
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
+            "data_plane_generation": self.data_plane_generation,
         }
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         for c in self.clients.values():
             c.close()
+        if self._store is not None:
+            self._store.close()

@@ -38,6 +38,15 @@ What gloo really does (torch 2.13, measured, see tests/test_data_plane.py):
   with an error when the peer closes its side or dies (detected at once: a
   dead peer's sockets close). Closing is therefore cheap and never blocks.
 
+Using it. Any thread may call a plane. A reference is resolved by the
+rank it was sent to, or by its sender (from a bounded outbox); each send is
+received once, so a reference for another worker needs its own offload. A
+send nobody receives stays pending on the sender until the group closes:
+receive (or :meth:`DataPlane.discard`) what you reference. ``close()``
+abandons unfinished sends — call :meth:`DataPlane.flush` first to let them
+be taken. Resolved tensors are fresh copies; tensors from
+:meth:`DataPlane.recv` are shared with the memo (read-only).
+
 NCCL (CUDA, untested here: no multi-GPU machine) ignores tags and matches
 p2p operations in issue order per pair. So on NCCL tags are consecutive per
 (sender, receiver) and a receiver must consume a sender's transfers in
@@ -56,8 +65,9 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +99,8 @@ __all__ = [
 
 DEFAULT_JOIN_TIMEOUT_S = 60.0
 DEFAULT_LINGER_S = 7 * 24 * 3600.0  # how long a waiter thread waits for a peer
-DEFAULT_MEMO_SIZE = 64
+DEFAULT_MEMO_SIZE = 64  # transfers kept after receipt (and sends kept by their sender) …
+DEFAULT_MEMO_BYTES = 512 << 20  # … within this many bytes each (q rows at a real vocab are big)
 PENDING_WARN = 1024  # unmatched operations worth a warning (a leak upstream)
 _MAX_TAG = (1 << 31) - 1  # gloo tags are 32-bit, non-negative
 
@@ -176,10 +187,10 @@ class DataPlaneStore:
         """Stop serving (dropping the master store stops its server)."""
         self._store = None
 
-    def __enter__(self) -> "DataPlaneStore":
+    def __enter__(self) -> DataPlaneStore:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -189,7 +200,7 @@ class DataPlaneStore:
 class _Op:
     """One posted send or recv: keeps its tensor and Work alive until done."""
 
-    __slots__ = ("work", "tensor", "peer", "tag", "done", "error", "nccl")
+    __slots__ = ("done", "error", "nccl", "peer", "tag", "tensor", "work")
 
     def __init__(self, work: Any, tensor: torch.Tensor, peer: int, tag: int, nccl: bool) -> None:
         self.work, self.tensor, self.peer, self.tag, self.nccl = work, tensor, peer, tag, nccl
@@ -236,6 +247,7 @@ class DataPlane:
         backend: str,
         memo_size: int = DEFAULT_MEMO_SIZE,
         linger_s: float = DEFAULT_LINGER_S,
+        memo_bytes: int = DEFAULT_MEMO_BYTES,
     ) -> None:
         """Use :meth:`join`; this only wraps an already-built backend."""
         self._pg = pg
@@ -244,6 +256,7 @@ class DataPlane:
         self.device, self.backend = device, backend
         self._nccl = backend == "nccl"
         self._memo_size = max(1, memo_size)
+        self._memo_bytes = memo_bytes
         self._linger = _td(linger_s)
         self._lock = threading.Lock()
         self._closed = False
@@ -254,6 +267,7 @@ class DataPlane:
         self._recvs: dict[tuple[int, int], _Op] = {}  # (src, tag) → posted recv
         self._memo: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (src, tag) → received
         self._outbox: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (dst, tag) → sent
+        self._sent = self._received = self._bytes_sent = self._bytes_received = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -270,8 +284,9 @@ class DataPlane:
         backend: str | None = None,
         gloo_host: str | None = None,
         memo_size: int = DEFAULT_MEMO_SIZE,
+        memo_bytes: int = DEFAULT_MEMO_BYTES,
         linger_s: float = DEFAULT_LINGER_S,
-    ) -> "DataPlane":
+    ) -> DataPlane:
         """Join generation ``generation`` as ``rank`` of ``world_size``; blocks
         until every member has joined, or raises :class:`JoinTimeout` after
         ``timeout_s`` naming the missing ranks.
@@ -283,7 +298,9 @@ class DataPlane:
         reports); by default gloo resolves the machine's hostname, which on
         some hosts maps to a loopback address unusable across nodes.
         Each rebuild must use a new ``generation``: a rank that is already
-        taken in a generation is refused.
+        taken in a generation is refused. ``memo_size``/``memo_bytes`` bound
+        the received transfers kept for retries and the sent ones kept for
+        references that come back to their sender (the newest always stays).
         """
         host, port = str(address[0]), int(address[1])
         if not (0 <= rank < world_size):
@@ -330,7 +347,7 @@ class DataPlane:
                 pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         except Exception as e:  # noqa: BLE001 — gloo connect failures are plain RuntimeErrors
             raise JoinTimeout(f"{where}: rank {rank} could not connect to its peers: {e}") from None
-        plane = cls(pg, client, rank, world_size, generation, dev, backend, memo_size, linger_s)
+        plane = cls(pg, client, rank, world_size, generation, dev, backend, memo_size, linger_s, memo_bytes)
         log.info("joined %s as rank %d/%d (%s)", where, rank, world_size, backend)
         return plane
 
@@ -347,7 +364,7 @@ class DataPlane:
             self._outbox.clear()
         try:
             pg.shutdown()
-        except Exception:  # noqa: BLE001 — best effort: dropping it below closes it too
+        except Exception:
             log.debug("data-plane shutdown raised", exc_info=True)
         del pg
         self._store = None
@@ -356,10 +373,10 @@ class DataPlane:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "DataPlane":
+    def __enter__(self) -> DataPlane:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def flush(self, timeout_s: float) -> bool:
@@ -380,12 +397,22 @@ class DataPlane:
     def stats(self) -> dict[str, int]:
         """Counts of unfinished sends, posted recvs and memoised transfers."""
         with self._lock:
-            return {"pending_sends": len(self._sends), "pending_recvs": len(self._recvs), "memo": len(self._memo)}
+            return {
+                "pending_sends": len(self._sends),
+                "pending_recvs": len(self._recvs),
+                "memo": len(self._memo),
+                "sent": self._sent,
+                "received": self._received,
+                "bytes_sent": self._bytes_sent,
+                "bytes_received": self._bytes_received,
+            }
 
     # ------------------------------------------------------------ send
 
     def send(self, tensor: torch.Tensor, dst: int) -> int:
         """Start sending ``tensor`` to ``dst``; never blocks. Returns the tag.
+        :class:`TransferLost` if ``dst`` is already known to be gone (then
+        send the tensor another way, e.g. inline in the control frame).
 
         The tensor is kept alive until the receiver has taken it; do not
         modify it afterwards (pass a fresh tensor: the walkers below do). On
@@ -403,11 +430,16 @@ class DataPlane:
                 tag = next(self._tags)
             if tag > _MAX_TAG:
                 raise DataPlaneError("data-plane tags exhausted; rebuild the group (join a new generation)")
-            op = _Op(self._pg.send([t], dst, tag), t, dst, tag, self._nccl)
+            try:
+                work = self._pg.send([t], dst, tag)
+            except Exception as e:  # noqa: BLE001 — the pair is closed: peer dead, group broken
+                raise TransferLost(self.rank, tag, f"cannot send to rank {dst}: {_first_line(e)}") from None
+            op = _Op(work, t, dst, tag, self._nccl)
+            self._sent += 1
+            self._bytes_sent += t.numel() * t.element_size()
             self._sends[(dst, tag)] = op
             self._outbox[(dst, tag)] = t
-            while len(self._outbox) > self._memo_size:
-                self._outbox.popitem(last=False)
+            self._trim(self._outbox)
             if len(self._sends) == PENDING_WARN:
                 log.warning("%d data-plane sends were never received; a receiver is not consuming its references", PENDING_WARN)
         if not self._nccl:
@@ -475,7 +507,11 @@ class DataPlane:
                     )
                 self._next_from[src] = expected + 1
             buf = torch.empty(shape, dtype=dt, device=self.device if self._nccl else "cpu")
-            op = _Op(self._pg.recv([buf], src, tag), buf, src, tag, self._nccl)
+            try:
+                work = self._pg.recv([buf], src, tag)
+            except Exception as e:  # noqa: BLE001 — the pair is closed: peer dead, group broken
+                raise TransferLost(src, tag, f"the peer is gone or the group is broken ({_first_line(e)})") from None
+            op = _Op(work, buf, src, tag, self._nccl)
             self._recvs[key] = op
             if len(self._recvs) == PENDING_WARN:
                 log.warning("%d data-plane receives are waiting for senders", PENDING_WARN)
@@ -500,26 +536,38 @@ class DataPlane:
         if op is None:  # evicted between prefetch and now: post again
             self.prefetch(src, tag, shape, dt)
             return self._collect(src, tag, shape, dt, deadline)
-        if not op.wait(deadline):
-            raise TransferLost(src, tag, "timed out (the receive stays posted; a retry can still get it)")
+        while not op.wait(min(deadline, time.monotonic() + 0.25)):
+            if self._closed:  # closing does not wake gloo waits: notice it here
+                raise TransferLost(src, tag, f"data plane generation {self.generation} was closed")
+            if time.monotonic() >= deadline:
+                raise TransferLost(src, tag, "timed out (the receive stays posted; a retry can still get it)")
         if op.error is not None:
             raise TransferLost(src, tag, f"the peer is gone or the group is broken ({_first_line(op.error)})")
         out = op.tensor if self._nccl or self.device.type == "cpu" else op.tensor.to(self.device)
         with self._lock:
             if self._recvs.get(key) is op:
                 del self._recvs[key]
+            if key not in self._memo:
+                self._received += 1
+                self._bytes_received += out.numel() * out.element_size()
             self._memo[key] = out
             self._memo.move_to_end(key)
-            while len(self._memo) > self._memo_size:
-                self._memo.popitem(last=False)
+            self._trim(self._memo)
         return out
+
+    def _trim(self, cache: OrderedDict) -> None:
+        """Evict least recently used entries beyond the count or byte bound."""
+        size = sum(t.numel() * t.element_size() for t in cache.values())
+        while len(cache) > 1 and (len(cache) > self._memo_size or size > self._memo_bytes):
+            _, t = cache.popitem(last=False)
+            size -= t.numel() * t.element_size()
 
     def _own(self, dst: int, tag: int) -> torch.Tensor:
         """A transfer this member sent (a reference handed back to its sender)."""
         with self._lock:
             t = self._outbox.get((dst, tag))
         if t is None:
-            raise TransferLost(self.rank, tag, f"this member's own send to rank {dst} is no longer kept (outbox holds {self._memo_size})")
+            raise TransferLost(self.rank, tag, f"this member's own send to rank {dst} is no longer kept (see memo_size/memo_bytes)")
         return t
 
     # ------------------------------------------------------------ helpers
@@ -590,7 +638,7 @@ class TensorRef:
     def shape(self) -> tuple[int, int]:
         return (len(self), self.width)
 
-    def __getitem__(self, index: slice) -> "TensorRef":
+    def __getitem__(self, index: slice) -> TensorRef:
         """Rows ``index`` (a slice with step 1), as a new reference."""
         if not isinstance(index, slice):
             raise TypeError("a TensorRef can only be sliced by rows (ref[a:b])")
@@ -607,7 +655,7 @@ class TensorRef:
         return dataclasses.replace(self, segments=tuple(out))
 
     @staticmethod
-    def cat(parts: Sequence["TensorRef"]) -> "TensorRef":
+    def cat(parts: Sequence[TensorRef]) -> TensorRef:
         """Concatenate references along rows (same width, dtype, generation)."""
         if not parts:
             raise ValueError("TensorRef.cat needs at least one part")
@@ -721,7 +769,7 @@ class _Resolver:
             for src, dst, tag, total, _, rows in ref.segments:
                 if rows:
                     self.prefetch(src, dst, tag, (total, ref.width), ref.dtype, ref.generation)
-        elif ref.tags and ref.src != self.plane.rank:
+        elif math.prod(ref.shape) and ref.src != self.plane.rank:
             self.prefetch(ref.src, self.plane.rank, ref.tag_for(self.plane.rank), ref.shape, ref.dtype, ref.generation)
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
@@ -737,9 +785,11 @@ class _Resolver:
         return out.to(dev)
 
     def kv(self, ref: KVDeltaRef) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not ref.tags:
+        if math.prod(ref.shape) == 0:  # nothing was sent
             packed = torch.empty(ref.shape, dtype=_dtype(ref.dtype), device=self.plane.device)
         elif ref.src == self.plane.rank:
+            if not ref.tags:
+                raise TransferLost(ref.src, -1, "this KV delta was sent to no one, so not even its sender kept it")
             dst, tag = ref.tags[0]
             packed = self.fetch(ref.src, dst, tag, ref.shape, ref.dtype, ref.generation)
         else:
@@ -851,10 +901,12 @@ def offload_q(value: Any, plane: DataPlane, dst: int) -> Any:
 
 def offload_kv(value: Any, plane: DataPlane, dsts: Iterable[int]) -> Any:
     """``value`` with every ``Extension.kv`` (per-layer (K, V) list) replaced
-    by a :class:`KVDeltaRef` sent to each rank in ``dsts``."""
+    by a :class:`KVDeltaRef` sent to each rank in ``dsts``. With no other
+    rank to send to, ``value`` is returned as is (the tensors, if anyone
+    needs them, ride the control frame)."""
     dsts = [d for d in dsts if d != plane.rank]
     exts = {id(e): e for e in _collect(value, Extension) if isinstance(e.kv, (list, tuple)) and e.kv}
-    if not exts:
+    if not exts or not dsts:
         return value
     refs = {i: send_kv(plane, e.kv, dsts) for i, e in exts.items()}
     return _walk(value, lambda x: dataclasses.replace(x, kv=refs[id(x)]) if id(x) in refs else x)

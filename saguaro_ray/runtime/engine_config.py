@@ -49,6 +49,9 @@ class EngineConfig:
     name: str | None = None
     namespace: str = "saguaro-ray"
     max_restarts: int = 2
+    # q rows and KV deltas go worker-to-worker over a torch.distributed group
+    # (gloo on CPU, NCCL on CUDA); False: they ride the ZeroMQ frames
+    data_plane: bool = True
     call_timeout_s: float = 120.0
     # custom Ray resources per role, e.g. {"target": {"node_a": 1}}: pins roles to nodes
     resources: dict[str, dict[str, float]] = field(default_factory=dict)

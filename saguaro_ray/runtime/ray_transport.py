@@ -17,17 +17,17 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
-from saguaro_ray.engine.transport import WorkerGone, WorkerLost
+from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerLost
 from saguaro_ray.runtime.control import CommandClient
 from saguaro_ray.workers.messages import NeedsPrefillError, Timed
 
 log = logging.getLogger(__name__)
 
-KNOWN_ERRORS = {"NeedsPrefillError": NeedsPrefillError}
+KNOWN_ERRORS = {"NeedsPrefillError": NeedsPrefillError, "TransferLost": TransferLost}
 
 
 def actor_info(actor: Any, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -63,6 +63,8 @@ class RayWorkerHandle:
         self._pending: set[Future] = set()
         self._closed = threading.Event()
         self.restarts = 0
+        # called after a restart, before any call is re-sent (the coordinator rebuilds the data plane)
+        self.on_recovered: Callable[["RayWorkerHandle"], None] | None = None
         info = ray.get(actor.info.remote())
         self._pid = info["pid"]
         self._client = self._connect(info["endpoint"])
@@ -140,6 +142,8 @@ class RayWorkerHandle:
             self.restarts += 1
         old.close()
         log.warning("worker %s is back (pid %s, restart %d)", self.name, self._pid, self.restarts)
+        if self.on_recovered is not None:
+            self.on_recovered(self)
 
     def close(self) -> None:
         self._closed.set()

@@ -1,0 +1,89 @@
+"""Which tensors of a worker call travel over the data plane, and to whom.
+
+:class:`RoutedLogic` is what a worker actor's :class:`CommandServer` serves:
+the worker logic's own methods, unchanged, with the tensors moved around
+them. A proposal's q rows (T > 0) leave a draft over the data plane straight
+for the worker that verifies them — the target, or the qualifier in
+PyramidSD — and only a :class:`TensorRef` rides the control frame through the
+coordinator; a hit's KV delta goes from the owning draft to its peers the
+same way (:class:`KVDeltaRef`). On the receiving side, references in a call's
+arguments are fetched before the logic runs.
+
+Until :meth:`RoutedLogic.join_data_plane` succeeds (or when the engine runs
+without a data plane) tensors simply ride the frames. A reference that cannot
+be fetched raises :class:`TransferLost`; the round loop then re-sends the call
+self-contained.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from saguaro_ray.runtime.data_plane import DataPlane, offload_kv, offload_q, resolve
+
+log = logging.getLogger(__name__)
+
+RECV_TIMEOUT_S = 10.0  # a reference's tensor must arrive within this, or the call is re-sent without it
+
+
+class RoutedLogic:
+    """A worker's logic object behind the data plane (see the module doc)."""
+
+    def __init__(self, logic: Any, device: str = "cpu", host: str | None = None) -> None:
+        self.logic = logic
+        self.device = device
+        self.host = host  # the node address this worker's gloo sockets bind to
+        self.plane: DataPlane | None = None
+        self.q_dst: int | None = None  # rank that verifies this worker's proposals
+        self.peers: list[int] = []  # ranks of the other drafts (KV deltas)
+
+    # ------------------------------------------------------------ membership
+    def join_data_plane(
+        self, address: Sequence[Any], rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int], gloo_host: str | None
+    ) -> int:
+        """Leave the current group (if any) and join ``generation``; blocks until all members joined."""
+        self.leave_data_plane()
+        self.plane = DataPlane.join(address, rank, world_size, generation, self.device, gloo_host=gloo_host or self.host)
+        self.q_dst, self.peers = q_dst, list(peers)
+        return rank
+
+    def leave_data_plane(self) -> None:
+        if self.plane is not None:
+            self.plane.flush(1.0)  # let receivers take what is in flight
+            self.plane.close()
+            self.plane = None
+
+    # -------------------------------------------------------------- routing
+    def _in(self, args: Any) -> Any:
+        return args if self.plane is None else resolve(args, self.plane, RECV_TIMEOUT_S)
+
+    def _out_q(self, value: Any) -> Any:
+        if self.plane is None or self.q_dst is None:
+            return value
+        return offload_q(value, self.plane, self.q_dst)
+
+    # --------------------------------------------------------- the protocol
+    def prefill(self, steps: Any) -> Any:
+        return self.logic.prefill(steps)
+
+    def release(self, seq_ids: Any) -> Any:
+        return self.logic.release(seq_ids)
+
+    def verify(self, items: Any) -> Any:
+        return self.logic.verify(self._in(items))
+
+    def qualify(self, items: Any) -> Any:
+        return self._out_q(self.logic.qualify(self._in(items)))
+
+    def propose(self, *args: Any) -> Any:
+        return self._out_q(self.logic.propose(*args))
+
+    def build(self, items: Any) -> Any:
+        return self.logic.build(self._in(items))
+
+    def lookup(self, keys: Any, share_kv: bool = False) -> Any:
+        out = self._out_q(self.logic.lookup(keys, share_kv))
+        if self.plane is not None and share_kv:
+            out = offload_kv(out, self.plane, self.peers)
+        return out
