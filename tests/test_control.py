@@ -443,3 +443,38 @@ def test_subscriber_close_interrupts_recv():
         th.join(5)
         assert not th.is_alive() and time.monotonic() - t0 < 1.5
         assert len(errors) == 1
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_broadcast_calls_reach_each_addressed_server_once(host):
+    """One XPUB message carries a call to several servers; each answers its
+    own entry to the client named there, in order with its direct calls;
+    servers not addressed ignore it; malformed entries are dropped."""
+    key = new_key()
+    workers = {n: Recorder() for n in ("d0", "d1", "d2")}
+    servers = {n: CommandServer(w, ALLOWED, key, host=host, name=n) for n, w in workers.items()}
+    clients = {n: CommandClient(n, s.endpoint, key, timeout_s=20) for n, s in servers.items()}
+    bus = Broadcaster(key, host=host)
+    try:
+        ids = [c.call("__subscribe__", bus.endpoint) for c in clients.values()]
+        bus.wait_for(ids, timeout_s=20)
+        clients["d0"].call("add", "t", "direct")
+        calls, futs = {}, {}
+        for n in ("d0", "d1"):  # d2 is not addressed
+            cid, futs[n] = clients[n].expect("add")
+            calls[n] = [clients[n].identity, cid]
+        bus.publish({"method": "add", "args": ["t", "bcast"], "calls": calls})
+        assert futs["d0"].result(20).value == 2 and futs["d1"].result(20).value == 1
+        bus.publish({"method": "add", "args": ["t", "x"], "calls": {"d2": ["not-bytes", 1]}})  # malformed entry
+        bus.publish({"method": "add", "calls": calls})  # no args: malformed
+        assert clients["d0"].call("history", "t") == ["direct", "bcast"]
+        assert clients["d2"].call("history", "t") == []
+        # everyone drops the argless call; only d2 is named by the bad entry
+        assert servers["d0"].drop_reasons.get("malformed", 0) == 1 and servers["d2"].drop_reasons.get("malformed", 0) == 2
+        assert servers["d0"].stats()["broadcast_calls"] == 1 and servers["d2"].stats()["broadcast_calls"] == 0
+    finally:
+        bus.close()
+        for c in clients.values():
+            c.close()
+        for s in servers.values():
+            s.close()

@@ -182,6 +182,9 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         # q rows reached the target, and KV deltas the peer draft, over the data plane
         assert h.metrics()["data_plane_generation"] >= 1
         info = h.worker_info()
+        # every round's outcomes reached both drafts as one broadcast message
+        assert h.metrics()["broadcast_subscribers"] == ["draft0", "draft1"]
+        assert info["draft0"]["broadcast_calls"] > 0 and info["draft0"]["broadcast_calls"] == info["draft1"]["broadcast_calls"]
         assert info["target"]["data_plane"]["received"] > 0
         assert sum(info[d]["data_plane"]["sent"] for d in ("draft0", "draft1")) > info["target"]["data_plane"]["received"]
         assert any(r.stats["cache_hit_rate"] > 0 for r in got)  # some cached q rows were verified

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -85,6 +86,13 @@ class RoundRecord:
 
 
 ArgsFn = Callable[[bool], tuple]
+# one call to many workers at once: (workers, method, args) -> one future per worker
+BroadcastFn = Callable[[Sequence[WorkerHandle], str, tuple], "list[Future[Timed]]"]
+
+
+def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":
+    """The plain broadcast: one call per worker (in process, or without a broadcast socket)."""
+    return [w.submit(method, *args) for w in workers]
 
 
 class _Call:
@@ -102,9 +110,9 @@ class _Call:
     which carries on without it.
     """
 
-    def __init__(self, worker: WorkerHandle, method: str, args_fn: ArgsFn, degradable: bool = False) -> None:
+    def __init__(self, worker: WorkerHandle, method: str, args_fn: ArgsFn, degradable: bool = False, fut: "Future[Timed] | None" = None) -> None:
         self.worker, self.method, self.args_fn, self.degradable = worker, method, args_fn, degradable
-        self.fut = worker.submit(method, *args_fn(False))
+        self.fut = worker.submit(method, *args_fn(False)) if fut is None else fut  # ``fut``: already sent (a broadcast)
 
     def result(self, attempts: int = 3) -> Timed:
         for _ in range(attempts):
@@ -158,11 +166,13 @@ class RoundLoop:
         draft: WorkerHandle | Sequence[WorkerHandle] | None = None,
         qualifier: WorkerHandle | None = None,
         on_draft_restored: Callable[[WorkerHandle], None] | None = None,
+        broadcast: BroadcastFn = submit_each,
     ) -> None:
         self.spec = spec
         self.target = target
         drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
         self.drafts = DraftPool(drafts, on_draft_restored)
+        self.broadcast = broadcast
         self.qualifier = qualifier
         self.eos_ids = eos_ids
         self.max_context = max_context
@@ -388,7 +398,10 @@ class RoundLoop:
             return
         keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
         share = len(built) > 1  # peers take the owner's KV delta instead of recomputing
-        calls_l = [(d, self._draft_call("lookup", lambda full: (keys, share), d)) for d, _ in built]
+        # the real outcomes go to every draft that built, as one broadcast
+        lookers = [d for d, _ in built if d in self.drafts.up()]
+        futs = self.broadcast(lookers, "lookup", (keys, share)) if lookers else []
+        calls_l = [(d, _Call(d, "lookup", lambda full: (keys, share), degradable=True, fut=f)) for d, f in zip(lookers, futs)]
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
         spans = []
         for d, c in calls_l:

@@ -24,10 +24,10 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import Frontend, open_models
-from saguaro_ray.engine.rounds import RoundLoop
+from saguaro_ray.engine.rounds import RoundLoop, submit_each
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
-from saguaro_ray.runtime.control import CommandServer
+from saguaro_ray.runtime.control import Broadcaster, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
@@ -84,6 +84,7 @@ class WorkerActor:
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
             "dropped_frames": self.server.dropped_frames,
+            "broadcast_calls": self.server.stats()["broadcast_calls"],
             "data_plane": None if self.routed.plane is None else self.routed.plane.stats(),
         }
 
@@ -112,8 +113,15 @@ class CoordinatorActor:
         if config.data_plane:
             self._store = DataPlaneStore(ray.util.get_node_ip_address())
             self._join_data_plane()
-            for c in self.clients.values():
-                c.on_recovered = lambda _handle: self._join_data_plane()
+        # the outcome broadcast: one XPUB message per round reaches every draft
+        tcp = any(c.client.endpoint.startswith("tcp://") for c in self.clients.values())
+        self._broadcaster = Broadcaster(key, host=ray.util.get_node_ip_address() if tcp else None, name="outcomes")
+        self._subscribed: set[str] = set()
+        for role, c in self.clients.items():
+            if role.startswith("draft"):
+                self._subscribe(c)
+        for c in self.clients.values():
+            c.on_recovered = self._on_recovered
         target_cfg = ckpts["target"].config
         eos = target_cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
@@ -124,6 +132,7 @@ class CoordinatorActor:
             max_context,
             draft=[c for role, c in self.clients.items() if role.startswith("draft")],
             qualifier=self.clients.get("qualifier"),
+            broadcast=self._broadcast,
         )
         infos = [actor_info(a) for a in workers.values()]
         self.scheduler = Scheduler(
@@ -136,6 +145,42 @@ class CoordinatorActor:
 
     def ready(self) -> bool:
         return True
+
+    # ------------------------------------------------------------ broadcast
+    def _subscribe(self, client: RayWorkerHandle) -> None:
+        """Have a worker join the outcome broadcast; wait until it is subscribed
+        (so nothing published afterwards can miss it)."""
+        self._subscribed.discard(client.name)
+        try:
+            sid = client.submit("__subscribe__", self._broadcaster.endpoint).result(timeout=60).value
+            self._broadcaster.wait_for([sid], timeout_s=60)
+        except Exception as exc:  # noqa: BLE001 — it gets its calls one by one instead
+            log.warning("%s could not join the outcome broadcast (%s); calling it directly", client.name, exc)
+            return
+        self._subscribed.add(client.name)
+
+    def _broadcast(self, workers: list[RayWorkerHandle], method: str, args: tuple) -> list[Future]:
+        """One XPUB message carries the call to every subscribed worker; each
+        answers its own entry to this coordinator's client for it."""
+        on_bus = [w for w in workers if w.name in self._subscribed]
+        calls, futs = {}, {}
+        for w in on_bus:
+            identity, cid, futs[w.name] = w.expect(method)
+            calls[w.name] = [identity, cid]
+        if calls:
+            try:
+                self._broadcaster.publish({"method": method, "args": list(args), "calls": calls})
+            except ControlError as exc:
+                log.warning("outcome broadcast failed (%s); calling the drafts directly", exc)
+                futs = {}
+        return [futs[w.name] if w.name in futs else submit_each([w], method, args)[0] for w in workers]
+
+    def _on_recovered(self, client: RayWorkerHandle) -> None:
+        """A restarted worker: rebuild the data plane, and re-join the broadcast."""
+        if self._store is not None:
+            self._join_data_plane()
+        if client.name.startswith("draft"):
+            self._subscribe(client)
 
     # ----------------------------------------------------------- data plane
     def _join_data_plane(self) -> None:
@@ -190,6 +235,7 @@ class CoordinatorActor:
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
             "data_plane_generation": self.data_plane_generation,
+            "broadcast_subscribers": sorted(self._subscribed),
         }
 
     def shutdown(self) -> None:
@@ -198,3 +244,4 @@ class CoordinatorActor:
             c.close()
         if self._store is not None:
             self._store.close()
+        self._broadcaster.close()

@@ -83,6 +83,7 @@ METHOD_NOT_ALLOWED = "MethodNotAllowed"
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 _PING = "__ping__"
 _STATS = "__stats__"
+_SUBSCRIBE = "__subscribe__"
 _IPC_PREFIX = "saguaro-zmq-"
 _DATA = b"D"  # broadcast topic prefix
 _HELLO = b"H"  # subscription-handshake prefix
@@ -207,9 +208,16 @@ class CommandServer:
     "result": Timed(value, start, end)}`` (``time.perf_counter`` on this
     process) or ``{"id", "ok": False, "type", "message", "traceback"}``. A
     method outside the allow-list is answered with error type
-    ``"MethodNotAllowed"``. Two built-ins are always served: ``__ping__``
-    and ``__stats__`` (this server's counters). Frames that fail
-    authentication or decoding are dropped and counted.
+    ``"MethodNotAllowed"``. Built-ins always served: ``__ping__``,
+    ``__stats__`` (this server's counters) and ``__subscribe__(endpoint)``
+    (join a :class:`Broadcaster`; returns the subscriber id). Frames that
+    fail authentication or decoding are dropped and counted.
+
+    Broadcast calls: once subscribed, the server also executes calls that
+    arrive on the broadcast — ``{"method", "args", "calls": {server name:
+    [client identity, call id]}}`` — one message for many workers, each
+    answering its own entry through this ROUTER to the named client (see
+    :meth:`CommandClient.expect`), in order with its other calls.
 
     Bind to ``endpoint`` exactly, or (default) via :func:`bind_endpoint` on
     ``host`` (``None``: ipc). ``poll_interval_s`` bounds how long ``close()``
@@ -243,6 +251,7 @@ class CommandServer:
         self._calls = 0
         self._errors = 0
         self._unroutable = 0
+        self._broadcast_calls = 0
         self._sock = _sock(zmq.ROUTER, max_frame_bytes)
         try:
             if endpoint is not None:
@@ -253,6 +262,8 @@ class CommandServer:
         except Exception:
             self._sock.close(0)
             raise
+        self._key = key
+        self._sub: Subscriber | None = None  # created and used on the server thread only
         self._stop = threading.Event()
         self._closed = False
         # the socket moves to the server thread here (Thread.start is a memory barrier)
@@ -275,15 +286,25 @@ class CommandServer:
             "dropped": self._drops.total,
             "drop_reasons": self._drops.reasons(),
             "unroutable_replies": self._unroutable,
+            "broadcast_calls": self._broadcast_calls,
         }
 
     # loop ---------------------------------------------------------------
     def _serve(self) -> None:
         sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        polled_sub: Subscriber | None = None
         try:
             while not self._stop.is_set():
+                if self._sub is not polled_sub:  # subscribed since the last turn
+                    polled_sub = self._sub
+                    poller.register(polled_sub._sock, zmq.POLLIN)
                 try:
-                    if not sock.poll(self._poll_ms, zmq.POLLIN):
+                    events = dict(poller.poll(self._poll_ms))
+                    if polled_sub is not None and polled_sub._sock in events:
+                        self._handle_broadcast(polled_sub)
+                    if sock not in events:
                         continue
                     parts = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -299,7 +320,32 @@ class CommandServer:
                 except Exception:  # never let one frame kill the loop
                     log.exception("command server %r: unexpected error handling a frame", self.name)
         finally:
+            if self._sub is not None:
+                self._sub.close()
             sock.close(0)
+
+    def _handle_broadcast(self, sub: "Subscriber") -> None:
+        """Execute this server's entry of a broadcast call; reply to the named client."""
+        msg = sub.recv(0)
+        if msg is None:
+            return
+        if (
+            type(msg) is not dict
+            or type(msg.get("method")) is not str
+            or type(msg.get("args")) is not list
+            or type(msg.get("calls")) is not dict
+        ):
+            self._drops.drop(MALFORMED, "broadcast call is not {method: str, args: list, calls: dict}")
+            return
+        entry = msg["calls"].get(self.name)
+        if entry is None:
+            return  # addressed to other workers
+        if type(entry) not in (list, tuple) or len(entry) != 2 or type(entry[0]) is not bytes or type(entry[1]) is not int:
+            self._drops.drop(MALFORMED, "broadcast call entry is not [identity: bytes, id: int]")
+            return
+        ident, cid = entry
+        self._broadcast_calls += 1
+        self._reply(ident, cid, self._execute(cid, msg["method"], msg["args"]), msg["method"])
 
     def _handle(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
@@ -320,7 +366,9 @@ class CommandServer:
             self._drops.drop(MALFORMED, "request is not {id: int, method: str, args: list}")
             return
         cid, method, args = msg["id"], msg["method"], msg["args"]
-        reply = self._execute(cid, method, args)
+        self._reply(ident, cid, self._execute(cid, method, args), method)
+
+    def _reply(self, ident: bytes, cid: int, reply: dict[str, Any], method: str) -> None:
         try:
             out = self._codec.encode(reply)
         except EncodeError as e:
@@ -331,6 +379,9 @@ class CommandServer:
         except zmq.Again:  # the client's queue is full or it is gone
             self._unroutable += 1
             log.warning("command server %r: could not send the reply to call %d (%s)", self.name, cid, method)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: no such client connected
+            self._unroutable += 1
+            log.warning("command server %r: reply to call %d (%s) is unroutable (%s)", self.name, cid, method, e)
 
     def _execute(self, cid: int, method: str, args: list) -> dict[str, Any]:
         start = time.perf_counter()
@@ -338,6 +389,17 @@ class CommandServer:
             return {"id": cid, "ok": True, "result": Timed(None, start, time.perf_counter())}
         if method == _STATS:
             return {"id": cid, "ok": True, "result": Timed(self.stats(), start, time.perf_counter())}
+        if method == _SUBSCRIBE:
+            try:
+                if type(args) is not list or len(args) != 1 or type(args[0]) is not str:
+                    raise ValueError("__subscribe__ takes one endpoint string")
+                if self._sub is not None:
+                    self._sub.close()
+                self._sub = Subscriber(args[0], self._key, name=f"{self.name}-broadcast")
+            except Exception as e:
+                self._errors += 1
+                return self._error(cid, e, with_traceback=False)
+            return {"id": cid, "ok": True, "result": Timed(self._sub.id, start, time.perf_counter())}
         if method not in self._allowed:
             self._errors += 1
             return {
@@ -483,6 +545,9 @@ class CommandClient:
         self._outbox.connect(addr)
         self._send_lock = threading.Lock()
         self._dealer = _sock(zmq.DEALER, max_frame_bytes)
+        # a fixed identity, so a broadcast call can name this client as the one to answer
+        self.identity = b"c" + uuid.uuid4().bytes
+        self._dealer.setsockopt(zmq.IDENTITY, self.identity)
         self._dealer.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name=f"saguaro-client-{name}", daemon=True)
         self._thread.start()
@@ -523,6 +588,20 @@ class CommandClient:
         except zmq.ZMQError:  # closed concurrently: close() fails every pending future
             pass
         return fut
+
+    def expect(self, method: str, *, timeout_s: float | None = None) -> tuple[int, "Future[Timed]"]:
+        """Register a call that is sent some other way — a broadcast call
+        naming ``(self.identity, id)`` — and return its id and future (same
+        contract as :meth:`submit`: replies, errors, timeout)."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        cid = next(self._ids)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            if self._closed:
+                raise ClientClosed(f"command client {self.name!r} is closed")
+            self._pending[cid] = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
+        return cid, fut
 
     def call(self, method: str, *args: Any) -> Any:
         """Blocking convenience: the call's value."""
@@ -760,16 +839,27 @@ class Broadcaster:
     def wait_for_subscribers(self, n: int, timeout_s: float = 30.0) -> int:
         """Return the subscriber count once it is at least ``n``; raise
         :class:`SubscriberTimeout` after ``timeout_s``."""
+        self._wait(lambda: len(self._subs) >= n, timeout_s, f"{n} subscribers")
+        return self.subscribers
+
+    def wait_for(self, ids: Iterable[str], timeout_s: float = 30.0) -> None:
+        """Block until the subscribers with these ids (:attr:`Subscriber.id`)
+        are subscribed — after that, nothing published reaches them late."""
+        ids = set(ids)
+        self._wait(lambda: ids <= set(self._subs), timeout_s, f"subscribers {sorted(ids)}")
+
+    def _wait(self, done: Any, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
                 self._drain(0)
-                if len(self._subs) >= n:
-                    return len(self._subs)
+                if done():
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SubscriberTimeout(
-                        f"only {len(self._subs)} of {n} subscribers joined broadcast {self.name!r} ({self.endpoint}) within {timeout_s:g}s"
+                        f"only {len(self._subs)} subscribers joined broadcast {self.name!r} ({self.endpoint}) within "
+                        f"{timeout_s:g}s, waiting for {what}"
                     )
                 self._drain(min(left, 0.1))
 

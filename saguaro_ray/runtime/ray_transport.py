@@ -80,10 +80,22 @@ class RayWorkerHandle:
 
     # ------------------------------------------------------------ calls
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
+        with self._lock:
+            inner = self._client.submit(method, *args)
+        return self._track(inner)
+
+    def expect(self, method: str) -> tuple[bytes, int, "Future[Timed]"]:
+        """A call that arrives by broadcast: (client identity, call id, future)."""
+        with self._lock:
+            client = self._client
+            cid, inner = client.expect(method)
+        return client.identity, cid, self._track(inner)
+
+    def _track(self, inner: "Future[Timed]") -> "Future[Timed]":
+        """A future the watchdog can fail at once if the worker dies."""
         outer: Future[Timed] = Future()
         with self._lock:
             self._pending.add(outer)
-            inner = self._client.submit(method, *args)
 
         def relay(f: Future) -> None:
             with self._lock:
@@ -96,7 +108,7 @@ class RayWorkerHandle:
             else:
                 outer.set_exception(exc)
 
-        inner.add_done_callback(relay)
+        inner.add_done_callback(relay)  # outside the lock: it may run right here
         return outer
 
     # --------------------------------------------------------- liveness
