@@ -67,7 +67,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     add_speculation_args(p.add_argument_group("speculation"))
     rt = p.add_argument_group("runtime")
     rt.add_argument("--in-process", action="store_true", help="run every worker in this process instead of Ray actors")
-    rt.add_argument("--num-drafts", type=int, default=1, help="draft actors sharing the SSD outcome set")
+    rt.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread with --in-process)")
     rt.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
     rt.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -123,40 +123,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.n <= 0:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
     spec = speculation_from_args(args)
+    # what both engines take alike
+    common = dict(
+        target=args.target,
+        draft=args.draft,
+        qualifier=args.qualifier,
+        spec=spec,
+        num_drafts=args.num_drafts,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_batch_size=args.max_batch_size,
+    )
     if args.in_process:
-        engine = LocalEngine(
-            LocalEngineConfig(
-                target=args.target,
-                draft=args.draft,
-                qualifier=args.qualifier,
-                spec=spec,
-                device=args.device,
-                dtype=args.dtype,
-                attention_backend=args.attention_backend,
-                max_batch_size=args.max_batch_size,
-                num_threads=args.threads,
-            )
-        )
+        engine = LocalEngine(LocalEngineConfig(**common, num_threads=args.threads))
         close = engine.close
     else:
         from saguaro_ray.engine.frontend import preflight
         from saguaro_ray.runtime.engine import Engine
         from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 
-        config = EngineConfig(
-            target=args.target,
-            draft=args.draft,
-            qualifier=args.qualifier,
-            spec=spec,
-            num_drafts=args.num_drafts,
-            device=args.device,
-            dtype=args.dtype,
-            attention_backend=args.attention_backend,
-            max_batch_size=args.max_batch_size,
-            threads_per_worker=args.threads or 1,
-            worker_cpus=args.worker_cpus,
-            address=args.address,
-        )
+        config = EngineConfig(**common, threads_per_worker=args.threads or 1, worker_cpus=args.worker_cpus, address=args.address)
         preflight({role_kind(r): config.model_for(r) for r in config.roles}, prompts, params, args.n)
         engine = Engine.launch(config)
         close = engine.shutdown

@@ -77,9 +77,10 @@ class DraftLogic(RunnerLogic):
         self.cache = SpeculationCache()
         # per sequence, per k: the draft's candidate ranking of row k (s_{k+1} excluded)
         self._rankings: dict[int, list[list[int]]] = {}
-        # the latest build's tree and each branch's top-token order per step [N, depth, R+1]
+        # the latest build's tree and its logits per step ([N, V] each): a hit's
+        # rankings are read from them (ranking every branch up front costs more)
         self._tree: TreeState | None = None
-        self._tree_orders: torch.Tensor | None = None
+        self._tree_logits: list[torch.Tensor] = []
         # per sequence: the KV delta of the hit this draft served (already in its cache)
         self._own: dict[int, Extension] = {}
         self.glue_tokens = 0  # tokens forwarded to build glue rows (recomputation avoided by KV deltas is not counted)
@@ -176,7 +177,7 @@ class DraftLogic(RunnerLogic):
                 for k, j in deal_candidates(it.fanout, n_rows[i], it.shard, it.num_shards):
                     if j < len(ranking[k]):
                         branches.append((i, k, ranking[k][j]))
-        self._tree, self._tree_orders = None, None
+        self._tree, self._tree_logits = None, []
         if not branches:
             return {"branches": 0}
         # -- one batched shared-prefix tree decode over all branches
@@ -192,10 +193,10 @@ class DraftLogic(RunnerLogic):
         cur = torch.tensor([[t] for _, _, t in branches])
         out = torch.zeros(len(branches), depth, dtype=torch.long)
         out_q: list[list[torch.Tensor]] = [[] for _ in branches]
-        step_orders = []
+        step_logits = []
         for j in range(depth):
             logits = self.runner.tree_forward(tree, cur)[:, 0]
-            step_orders.append(top_order(logits))
+            step_logits.append(logits)
             live = [r for r, n in enumerate(b_len) if j < n]
             toks, q = _draw(
                 logits[live] if len(live) < len(branches) else logits,
@@ -214,7 +215,7 @@ class DraftLogic(RunnerLogic):
                 for pos, r in enumerate(live):
                     if not greedy[r]:  # greedy rows are point masses
                         out_q[r].append(q[pos])
-        self._tree, self._tree_orders = tree, torch.stack(step_orders, dim=1)
+        self._tree, self._tree_logits = tree, step_logits
         tokens = out.tolist()
         per_seq: dict[int, dict[tuple[int, int], Speculation]] = {}
         for r, (i, k, t) in enumerate(branches):
@@ -255,7 +256,7 @@ class DraftLogic(RunnerLogic):
         start = tree.prefix_lens[spec.branch]
         kv = self.runner.tree_export(tree, spec.branch, n) if share_kv else None
         self.runner.tree_commit(tree, spec.branch, n)
-        rankings = self._tree_orders[spec.branch, :n].tolist()
+        rankings = top_order(torch.stack([lg[spec.branch] for lg in self._tree_logits[:n]])).tolist()
         ext = Extension(seq_id, start, [t] + list(spec.tokens[: n - 1]), rankings)
         self._own[seq_id] = ext
         return replace(ext, kv=kv)
