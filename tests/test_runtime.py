@@ -193,6 +193,30 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         local.close()
 
 
+def test_pyramid_over_ray_matches_in_process(ray_instance, ckpts, ar_tokens):
+    """PyramidSD through the actors: T = 0 equals AR; at T > 0 with every model
+    the target (all proposals accepted) the samples are a function of the seed,
+    so the q rows that went draft → qualifier → target over the data plane
+    (qualified blocks concatenated as references) give the in-process tokens."""
+    spec = SpeculationConfig(mode="pyramid", lq=4, ld=2)
+    h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["other"], qualifier=ckpts["target"], spec=spec))
+    try:
+        assert tokens(bounded(h.generate, PROMPTS[:3], GREEDY)) == [ar_tokens[tuple(p)] for p in PROMPTS[:3]]
+    finally:
+        h.shutdown()
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9)
+    same = dict(target=ckpts["target"], draft=ckpts["target"], qualifier=ckpts["target"], spec=spec)
+    h = Engine.launch(EngineConfig(**same))
+    local = LocalEngine(LocalEngineConfig(**same, num_threads=1))
+    try:
+        assert tokens(bounded(h.generate, PROMPTS[:3], sampled)) == tokens(local.generate(PROMPTS[:3], sampled))
+        info = h.worker_info()
+        assert info["qualifier"]["data_plane"]["received"] > 0 and info["target"]["data_plane"]["received"] > 0
+    finally:
+        h.shutdown()
+        local.close()
+
+
 # ------------------------------------------------------ 2. stream / async API
 
 
