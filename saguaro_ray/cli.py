@@ -11,7 +11,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from saguaro_ray.config import SpeculationConfig
@@ -83,6 +83,17 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     return [row["prompt"] for row in read_prompt_file(args.prompts_file)]
 
 
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options both engines (and the generate job) take from the same flags."""
+    return dict(
+        num_drafts=args.num_drafts,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_batch_size=args.max_batch_size,
+    )
+
+
 def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":
     """The ``--mode``/speculation flags as a validated :class:`SpeculationConfig`."""
     from saguaro_ray.algorithms.fanout import parse_fanout
@@ -123,18 +134,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.n <= 0:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
     spec = speculation_from_args(args)
-    # what both engines take alike
-    common = dict(
-        target=args.target,
-        draft=args.draft,
-        qualifier=args.qualifier,
-        spec=spec,
-        num_drafts=args.num_drafts,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        max_batch_size=args.max_batch_size,
-    )
+    common = dict(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, **engine_options_from_args(args))
     if args.in_process:
         engine = LocalEngine(LocalEngineConfig(**common, num_threads=args.threads))
         close = engine.close

@@ -118,7 +118,7 @@ def completed(path: str, n: int) -> set[int]:
 
 def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, str]]:
     """(handle, owned, role → model path) — launched, or attached by name."""
-    from saguaro_ray.cli import speculation_from_args
+    from saguaro_ray.cli import engine_options_from_args, speculation_from_args
     from saguaro_ray.errors import ConfigError
     from saguaro_ray.runtime.engine import Engine, connect
     from saguaro_ray.runtime.engine_config import EngineConfig
@@ -143,11 +143,7 @@ def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, str]]:
         draft=models.get("draft"),
         qualifier=models.get("qualifier"),
         spec=spec,
-        num_drafts=args.num_drafts,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        max_batch_size=args.max_batch_size,
+        **engine_options_from_args(args),
         worker_cpus=args.worker_cpus,
         threads_per_worker=args.threads,
         placement_strategy=args.placement_strategy,

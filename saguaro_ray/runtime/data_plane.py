@@ -75,6 +75,7 @@ import torch.distributed as dist
 from saguaro_ray.engine.transport import TransferLost as _TransferLostBase
 from saguaro_ray.errors import SaguaroError
 from saguaro_ray.runtime import wire
+from saguaro_ray.runtime.wire import DTYPE_NAMES, DTYPES
 from saguaro_ray.workers.messages import Extension, Proposal
 
 log = logging.getLogger(__name__)
@@ -104,33 +105,20 @@ DEFAULT_MEMO_BYTES = 512 << 20  # … within this many bytes each (q rows at a r
 PENDING_WARN = 1024  # unmatched operations worth a warning (a leak upstream)
 _MAX_TAG = (1 << 31) - 1  # gloo tags are 32-bit, non-negative
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a tensor dtype (what descriptors carry)."""
-    name = _DTYPE_NAMES.get(dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name is None:
-        raise ValueError(f"dtype {dtype} cannot travel over the data plane; allowed: {', '.join(_DTYPES)}")
+        raise ValueError(f"dtype {dtype} cannot travel over the data plane; allowed: {', '.join(DTYPES)}")
     return name
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = _DTYPES.get(name)
+    dt = DTYPES.get(name)
     if dt is None:
-        raise ValueError(f"unknown data-plane dtype {name!r}; allowed: {', '.join(_DTYPES)}")
+        raise ValueError(f"unknown data-plane dtype {name!r}; allowed: {', '.join(DTYPES)}")
     return dt
 
 

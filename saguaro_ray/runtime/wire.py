@@ -142,7 +142,8 @@ for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, QualifyItem, BuildIt
 
 # ---------------------------------------------------------------- tensors
 
-_DTYPES: dict[str, torch.dtype] = {
+# the tensor dtypes that may travel (in frames, or over the data plane), by wire name
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,
@@ -154,15 +155,15 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _DTYPES.items()}
+DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 
 def tensor_to_wire(t: torch.Tensor) -> tuple:
     """``(marker, dtype name, shape, raw bytes)``; device tensors are copied to the CPU."""
-    name = _DTYPE_NAMES.get(t.dtype)
+    name = DTYPE_NAMES.get(t.dtype)
     if name is None:
-        raise EncodeError(f"tensor dtype {t.dtype} cannot be sent; allowed: {', '.join(_DTYPES)}")
+        raise EncodeError(f"tensor dtype {t.dtype} cannot be sent; allowed: {', '.join(DTYPES)}")
     if t.layout != torch.strided:
         raise EncodeError(f"only dense (strided) tensors can be sent, got layout {t.layout}")
     flat = t.detach().to("cpu").contiguous().reshape(-1)
@@ -172,7 +173,7 @@ def tensor_to_wire(t: torch.Tensor) -> tuple:
 
 def tensor_from_wire(dtype_name: Any, shape: Any, data: Any) -> torch.Tensor:
     """Rebuild a CPU tensor, checking dtype, shape and that the byte count matches."""
-    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
         raise BadFrame(BAD_TENSOR, f"dtype {dtype_name!r} is not allowed")
     if type(shape) is not tuple or len(shape) > MAX_TENSOR_DIMS or any(type(d) is not int or d < 0 for d in shape):
