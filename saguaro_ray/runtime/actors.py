@@ -26,10 +26,12 @@ from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.runtime.control import CommandServer
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
+from saguaro_ray.runtime.target_group import connect_worker, worker_info
+from saguaro_ray.workers.checkpoint import Checkpoint
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
+from saguaro_ray.workers.tensor_parallel import TPContext
 from saguaro_ray.workers.target import TargetLogic
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,18 @@ _METHODS = {
 }
 
 
+def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None) -> ModelRunner:
+    """A worker's model runner on the configured device (``tp``: one rank's slice)."""
+    return ModelRunner(
+        model,
+        device="cuda" if config.device == "cuda" else "cpu",
+        dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        max_kv_tokens=config.max_kv_tokens,
+        tp=tp,
+    )
+
+
 class WorkerActor:
     """One model on one device, serving the round protocol over ZeroMQ."""
 
@@ -49,18 +63,14 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO)
         torch.set_num_threads(config.threads_per_worker)
         kind = role_kind(role)
-        device = "cuda" if config.device == "cuda" else "cpu"
-        runner = ModelRunner(
-            model,
-            device=device,
-            dtype=config.dtype,
-            attention_backend=config.attention_backend,
-            max_kv_tokens=config.max_kv_tokens,
-        )
         self.role = role
-        self.logic = _LOGIC[kind](runner)
+        self.logic = _LOGIC[kind](self._make_runner(model, config))
         host = ray.util.get_node_ip_address() if tcp_host == "node" else tcp_host
         self.server = CommandServer(self.logic, _METHODS[kind], key, host=host, name=role)
+
+    def _make_runner(self, model: str, config: EngineConfig) -> Any:
+        """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""
+        return make_runner(model, config)
 
     def endpoint(self) -> str:
         return self.server.endpoint
@@ -94,7 +104,7 @@ class CoordinatorActor:
         if config.spec.mode == "pyramid":
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
-        self.clients = {role: RayWorkerHandle(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
+        self.clients = {role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
         target_cfg = ckpts["target"].config
         eos = target_cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
@@ -106,7 +116,7 @@ class CoordinatorActor:
             draft=self.clients.get("draft0"),
             qualifier=self.clients.get("qualifier"),
         )
-        infos = [actor_info(a) for a in workers.values()]
+        infos = [worker_info(a) for a in workers.values()]
         self.scheduler = Scheduler(
             self.loop,
             config.max_batch_size,
