@@ -147,6 +147,7 @@ class _Runner:
                     qualifier=args.qualifier,
                     spec=spec,
                     num_drafts=num_drafts,
+                    target_tp=args.target_tp,
                     threads_per_worker=args.threads,
                     address=args.address,
                 )
@@ -207,6 +208,7 @@ class BenchArgs:
     threads: int = 1
     address: str | None = None
     num_prompts: int = 8
+    target_tp: int = 1
     progress: bool = True
 
 
@@ -405,8 +407,10 @@ def _start_ray_for(args: BenchArgs, engines: list[tuple[str, int]]) -> None:
 
     need = 0.0
     for mode, nd in engines:
-        cfg = EngineConfig(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=SpeculationConfig(mode=mode), num_drafts=nd)
-        need += cfg.coordinator_cpus + cfg.worker_cpus * len(cfg.roles)
+        cfg = EngineConfig(
+            target=args.target, draft=args.draft, qualifier=args.qualifier, spec=SpeculationConfig(mode=mode), num_drafts=nd, target_tp=args.target_tp
+        )
+        need += cfg.coordinator_cpus + cfg.worker_cpus * cfg.num_worker_actors
     ensure_ray(EngineConfig(target=args.target, address=args.address), logical_cpus=need)
 
 

@@ -70,6 +70,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     rt.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread with --in-process)")
     rt.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
     rt.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
+    rt.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the workers")
     p.set_defaults(func=_cmd_generate)
@@ -135,6 +136,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
     spec = speculation_from_args(args)
     common = dict(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, **engine_options_from_args(args))
+    if args.in_process and args.target_tp != 1:
+        raise ConfigError("--target-tp needs the Ray runtime; drop --in-process")
     if args.in_process:
         engine = LocalEngine(LocalEngineConfig(**common, num_threads=args.threads))
         close = engine.close
@@ -143,7 +146,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from saguaro_ray.runtime.engine import Engine
         from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 
-        config = EngineConfig(**common, threads_per_worker=args.threads or 1, worker_cpus=args.worker_cpus, address=args.address)
+        config = EngineConfig(
+            **common,
+            threads_per_worker=args.threads or 1,
+            worker_cpus=args.worker_cpus,
+            target_tp=args.target_tp,
+            address=args.address,
+        )
         preflight({role_kind(r): config.model_for(r) for r in config.roles}, prompts, params, args.n)
         engine = Engine.launch(config)
         close = engine.shutdown
@@ -232,6 +241,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backup", default="auto")
     p.add_argument("--saguaro-c", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism) (ray runtime)")
     p.add_argument("--address", default=None)
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
@@ -246,6 +256,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     unknown = set(args.runtimes) - {"ray", "inprocess"}
     if unknown:
         raise ConfigError(f"--runtimes takes ray and/or inprocess, got {sorted(unknown)}")
+    if args.target_tp != 1 and "inprocess" in args.runtimes:
+        raise ConfigError("--target-tp needs the ray runtime; drop inprocess from --runtimes")
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
         raise ConfigError("--repeats and --batch-sizes must be positive")
     report = run_bench(
@@ -268,6 +280,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             threads=args.threads,
             address=args.address,
             num_prompts=args.num_prompts,
+            target_tp=args.target_tp,
         )
     )
     print(format_table(report))

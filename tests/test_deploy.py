@@ -95,7 +95,7 @@ def test_zoo_cpu_config_fits_two_cores():
     for entry in cfg.engines:
         ec = cfg.engine_config(entry)
         assert ec.device == "cpu"
-        total += cfg.num_replicas * (ec.coordinator_cpus + ec.worker_cpus * len(ec.roles))
+        total += cfg.num_replicas * (ec.coordinator_cpus + ec.worker_cpus * ec.num_worker_actors)
     assert total <= 2.0, total
     assert {e.spec().mode for e in cfg.engines} >= {"ar", "sd", "ssd"}
 
@@ -105,9 +105,12 @@ def test_large_model_configs():
     assert "Llama-3.1-70B-Instruct" in llama.target and "Llama-3.2-1B-Instruct" in llama.draft
     assert llama.engine_options["target_tp"] == 4 and llama.engine_options["device"] == "cuda"
     assert llama.engine_options["gpus_per_worker"] == 1
+    ec = llama.engine_config(llama.engines[0])
+    assert (ec.target_tp, ec.target_placement_strategy) == (4, "STRICT_PACK")
     [(_, qwen)] = check_serve_config(load(DEPLOY / "serve" / "qwen3-32b.yaml"), "qwen")
     assert "Qwen3-32B" in qwen.target and "Qwen3-0.6B" in qwen.draft
     assert qwen.engine_options["device"] == "cuda"
+    assert all(qwen.engine_config(e).target_tp == 2 for e in qwen.engines)
 
 
 # ------------------------------------------------------------------ cluster launcher

@@ -487,16 +487,12 @@ def test_config_validation_and_routing():
             parse_config(bad_cfg)
 
 
-def test_target_tp_is_accepted_but_refused_at_launch_until_implemented():
-    from saguaro_ray.serve.config import engine_config_fields
-
+def test_target_tp_is_passed_to_the_engine():
     cfg = parse_config({"target": "t", "engine_options": {"target_tp": 4, "device": "cuda"}})
-    if "target_tp" in engine_config_fields():  # a later engine implements it: passed through
-        assert cfg.launch_config(cfg.engines[0]).target_tp == 4
-    else:
-        with pytest.raises(ConfigError, match="tensor-parallel"):
-            cfg.launch_config(cfg.engines[0])
-    assert parse_config({"target": "t", "engine_options": {"target_tp": 1}}).launch_config(cfg.engines[0]).target == "t"
+    assert cfg.launch_config(cfg.engines[0]).target_tp == 4
+    per_engine = parse_config({"target": "t", "engines": [{"mode": "ar", "options": {"target_tp": 2}}]})
+    assert per_engine.launch_config(per_engine.engines[0]).target_tp == 2
+    assert parse_config({"target": "t"}).launch_config(cfg.engines[0]).target_tp == 1
 
 
 def test_api_keys_from_config_and_environment(monkeypatch):

@@ -6,7 +6,8 @@ and tokenizer files. Everything is validated up front — a missing file or an
 unsupported architecture raises a specific error naming it before any weight
 is read. Weights are read tensor by tensor from memory-mapped safetensors and
 copied straight into the (possibly fused) destination parameter, so the full
-checkpoint is never materialised twice.
+checkpoint is never materialised twice. A tensor-parallel rank reads only its
+slice of each tensor (``get_slice``), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from saguaro_ray.errors import CheckpointError
 from saguaro_ray.workers.decoder import Decoder
 from saguaro_ray.workers.model_config import DecoderConfig
+from saguaro_ray.workers.tensor_parallel import ShardPlan, ShardedDecoder, TPContext
 from saguaro_ray.workers.rope import Rotary
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -83,51 +85,101 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{root}: no weights found (expected model.safetensors or model.safetensors.index.json)")
 
 
-def _hf_to_ours(cfg: DecoderConfig) -> dict[str, tuple[str, Callable[[torch.Tensor], slice] | None]]:
-    """HF tensor name → (our parameter name, where it lands in a fused parameter)."""
-    h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    q_rows = slice(0, h * d)
-    k_rows = slice(h * d, (h + hkv) * d)
-    v_rows = slice((h + hkv) * d, (h + 2 * hkv) * d)
-    table: dict[str, tuple[str, slice | None]] = {
-        "model.embed_tokens.weight": ("embed.weight", None),
-        "model.norm.weight": ("norm.weight", None),
+class _Dest(NamedTuple):
+    """Where one checkpoint tensor goes: ``param[rows]`` receives the source's
+    ``src`` range along dimension ``dim`` (the whole tensor when ``src`` is None)."""
+
+    param: str
+    rows: slice | None = None
+    dim: int = 0
+    src: slice | None = None
+    full: int = 0  # the source's expected size along ``dim`` when sliced
+
+
+def _hf_to_ours(cfg: DecoderConfig, plan: ShardPlan) -> dict[str, _Dest]:
+    """HF tensor name → where this rank's slice of it lands in our (fused) parameters.
+
+    With one rank every source range is the whole tensor; with tensor
+    parallelism the column-parallel weights (q/k/v, gate/up, vocabulary)
+    take a row range and the row-parallel ones (o, down) a column range.
+    """
+    d, world = cfg.head_dim, plan.world
+    h, hkv, inter = plan.num_heads, plan.num_kv_heads, plan.intermediate
+
+    def part(start: int, size: int, full: int) -> tuple[slice | None, int]:
+        return (None, 0) if world == 1 else (slice(start, start + size), full)
+
+    q_src = part(plan.rank * h * d, h * d, cfg.num_heads * d)
+    kv_src = part(plan.kv_head_start * d, hkv * d, cfg.num_kv_heads * d)
+    inter_src = part(plan.rank * inter, inter, cfg.intermediate_size)
+    fused_qkv = (
+        ("q_proj", slice(0, h * d), q_src),
+        ("k_proj", slice(h * d, (h + hkv) * d), kv_src),
+        ("v_proj", slice((h + hkv) * d, (h + 2 * hkv) * d), kv_src),
+    )
+    fused_gate_up = (("gate_proj", slice(0, inter), inter_src), ("up_proj", slice(inter, 2 * inter), inter_src))
+    vocab_rows = slice(0, plan.vocab_end - plan.vocab_start)
+    vocab_src = part(plan.vocab_start, plan.vocab_end - plan.vocab_start, cfg.vocab_size)
+    table: dict[str, _Dest] = {
+        "model.embed_tokens.weight": _Dest("embed.weight", vocab_rows, 0, *vocab_src),
+        "model.norm.weight": _Dest("norm.weight"),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = ("lm_head.weight", None)
+        table["lm_head.weight"] = _Dest("lm_head.weight", vocab_rows, 0, *vocab_src)
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for proj, rows in (("q_proj", q_rows), ("k_proj", k_rows), ("v_proj", v_rows)):
-            table[f"{src}self_attn.{proj}.weight"] = (f"{dst}attn.qkv.weight", rows)
+        for proj, rows, rng in fused_qkv:
+            table[f"{src}self_attn.{proj}.weight"] = _Dest(f"{dst}attn.qkv.weight", rows, 0, *rng)
             if cfg.qkv_bias:
-                table[f"{src}self_attn.{proj}.bias"] = (f"{dst}attn.qkv.bias", rows)
-        table[f"{src}self_attn.o_proj.weight"] = (f"{dst}attn.o.weight", None)
+                table[f"{src}self_attn.{proj}.bias"] = _Dest(f"{dst}attn.qkv.bias", rows, 0, *rng)
+        table[f"{src}self_attn.o_proj.weight"] = _Dest(f"{dst}attn.o.weight", None, 1, *q_src)
         if cfg.o_bias:
-            table[f"{src}self_attn.o_proj.bias"] = (f"{dst}attn.o.bias", None)
+            table[f"{src}self_attn.o_proj.bias"] = _Dest(f"{dst}attn.o.bias")
         if cfg.qk_norm:
-            table[f"{src}self_attn.q_norm.weight"] = (f"{dst}attn.q_norm.weight", None)
-            table[f"{src}self_attn.k_norm.weight"] = (f"{dst}attn.k_norm.weight", None)
-        for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-            table[f"{src}mlp.{proj}.weight"] = (f"{dst}mlp.gate_up.weight", rows)
+            table[f"{src}self_attn.q_norm.weight"] = _Dest(f"{dst}attn.q_norm.weight")
+            table[f"{src}self_attn.k_norm.weight"] = _Dest(f"{dst}attn.k_norm.weight")
+        for proj, rows, rng in fused_gate_up:
+            table[f"{src}mlp.{proj}.weight"] = _Dest(f"{dst}mlp.gate_up.weight", rows, 0, *rng)
             if cfg.mlp_bias:
-                table[f"{src}mlp.{proj}.bias"] = (f"{dst}mlp.gate_up.bias", rows)
-        table[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down.weight", None)
+                table[f"{src}mlp.{proj}.bias"] = _Dest(f"{dst}mlp.gate_up.bias", rows, 0, *rng)
+        table[f"{src}mlp.down_proj.weight"] = _Dest(f"{dst}mlp.down.weight", None, 1, *inter_src)
         if cfg.mlp_bias:
-            table[f"{src}mlp.down_proj.bias"] = (f"{dst}mlp.down.bias", None)
-        table[f"{src}input_layernorm.weight"] = (f"{dst}input_norm.weight", None)
-        table[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_norm.weight", None)
-    return table  # type: ignore[return-value]
+            table[f"{src}mlp.down_proj.bias"] = _Dest(f"{dst}mlp.down.bias")
+        table[f"{src}input_layernorm.weight"] = _Dest(f"{dst}input_norm.weight")
+        table[f"{src}post_attention_layernorm.weight"] = _Dest(f"{dst}post_norm.weight")
+    return table
 
 
-def load_decoder(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Decoder:
-    """Build the decoder on ``device`` in ``dtype`` and fill it from the checkpoint."""
+def _read(f: Any, name: str, dest: _Dest, where: Path) -> torch.Tensor:
+    """Read only ``dest.src`` of tensor ``name`` from the memory-mapped file."""
+    if dest.src is None:
+        return f.get_tensor(name)
+    sl = f.get_slice(name)
+    full = sl.get_shape()
+    if len(full) <= dest.dim or full[dest.dim] != dest.full:
+        raise CheckpointError(f"{where}: tensor {name} has shape {tuple(full)}, config implies {dest.full} along dimension {dest.dim}")
+    return sl[dest.src] if dest.dim == 0 else sl[:, dest.src]
+
+
+def load_decoder(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp: TPContext | None = None) -> Decoder:
+    """Build the decoder on ``device`` in ``dtype`` and fill it from the checkpoint.
+
+    With ``tp`` (tensor parallelism) only this rank's slices are allocated and
+    read, so no process ever holds the whole model.
+    """
     cfg = ckpt.config
+    plan = ShardPlan.for_rank(cfg, 0, 1) if tp is None else tp.plan
     with torch.device("meta"):
-        model = Decoder(cfg, device=torch.device("meta"))
+        model = Decoder(cfg, device=torch.device("meta")) if plan.world == 1 else ShardedDecoder(cfg, tp, torch.device("meta"))
     model = model.to(dtype).to_empty(device=device)  # allocates once, in the final dtype
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
     params = dict(model.named_parameters())
-    table = _hf_to_ours(cfg)
+    if plan.vocab_end - plan.vocab_start < plan.vocab_shard:  # padding rows of the last vocabulary shard
+        with torch.no_grad():
+            for name in ("embed.weight", "lm_head.weight"):
+                if name in params:
+                    params[name].zero_()
+    table = _hf_to_ours(cfg, plan)
     missing = set(table)
     by_file: dict[str, list[str]] = {}
     for name, fname in ckpt.weight_map.items():
@@ -138,9 +190,9 @@ def load_decoder(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> 
                 for name in names:
                     if name not in table:
                         continue  # e.g. rotary inv_freq buffers saved by old exporters
-                    dst_name, rows = table[name]
-                    dst = params[dst_name] if rows is None else params[dst_name][rows]
-                    src = f.get_tensor(name)
+                    dest = table[name]
+                    dst = params[dest.param] if dest.rows is None else params[dest.param][dest.rows]
+                    src = _read(f, name, dest, ckpt.path)
                     if src.shape != dst.shape:
                         raise CheckpointError(
                             f"{ckpt.path}: tensor {name} has shape {tuple(src.shape)}, config implies {tuple(dst.shape)}"

@@ -32,6 +32,7 @@ from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkp
 from saguaro_ray.workers.decoder import AttentionStep
 from saguaro_ray.workers.kv_cache import PagedKVCache
 from saguaro_ray.workers.model_config import parse_dtype
+from saguaro_ray.workers.tensor_parallel import TPContext
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,10 @@ class ModelRunner:
         max_tree_branches: int = 64,
         max_tree_depth: int = 16,
         attention_backend: str | None = None,
+        tp: TPContext | None = None,
     ) -> None:
+        """``tp``: this runner is one rank of a tensor-parallel group and
+        loads and runs only its slice (see :mod:`saguaro_ray.workers.tensor_parallel`)."""
         self.device = torch.device(device)
         self.checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = self.checkpoint.config
@@ -76,13 +80,14 @@ class ModelRunner:
             block_size = FlashAttnBackend.required_block_size if isinstance(self.backend, FlashAttnBackend) else 16
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
-        self.model = load_decoder(self.checkpoint, self.device, self.dtype)
+        self.model = load_decoder(self.checkpoint, self.device, self.dtype, tp)
+        self.kv_heads = self.model.cfg.num_kv_heads  # this rank's KV heads (all of them without tp)
         cfg = self.config
         if max_kv_tokens is None:
             max_kv_tokens = 8 * min(cfg.max_position_embeddings, 4096)
         num_blocks = -(-max_kv_tokens // block_size)
-        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        sshape = (max_tree_branches, max_tree_depth, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, self.kv_heads, cfg.head_dim, self.dtype, self.device)
+        sshape = (max_tree_branches, max_tree_depth, self.kv_heads, cfg.head_dim)
         self._scratch = [
             (torch.zeros(sshape, dtype=self.dtype, device=self.device), torch.zeros(sshape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_layers)
@@ -217,7 +222,7 @@ class ModelRunner:
         if branches <= cap_b and depth <= cap_d:
             return
         cfg = self.config
-        shape = (max(branches, cap_b), max(depth, cap_d), cfg.num_kv_heads, cfg.head_dim)
+        shape = (max(branches, cap_b), max(depth, cap_d), self.kv_heads, cfg.head_dim)
         self._scratch = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_layers)
@@ -301,5 +306,5 @@ class ModelRunner:
         slots = torch.tensor(self.kv.reserve(seq_id, n), dtype=torch.long, device=self.device)
         cfg = self.config
         for (kc, vc), (k, v) in zip(self.kv.layers, kv):
-            kc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, k.to(self.device, self.dtype))
-            vc.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, v.to(self.device, self.dtype))
+            kc.view(-1, self.kv_heads, cfg.head_dim).index_copy_(0, slots, k.to(self.device, self.dtype))
+            vc.view(-1, self.kv_heads, cfg.head_dim).index_copy_(0, slots, v.to(self.device, self.dtype))

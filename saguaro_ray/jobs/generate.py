@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     rt.add_argument("--max-batch-size", type=int, default=64)
     rt.add_argument("--placement-strategy", default="PACK", help="PACK | SPREAD | STRICT_PACK | STRICT_SPREAD")
+    rt.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
+    rt.add_argument("--target-placement-strategy", default="STRICT_PACK", help="placement of the target ranks (STRICT_PACK: one node)")
     rt.add_argument("--in-flight", type=int, default=32, help="prompts submitted to the engine at once")
     return p
 
@@ -147,6 +149,8 @@ def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, str]]:
         worker_cpus=args.worker_cpus,
         threads_per_worker=args.threads,
         placement_strategy=args.placement_strategy,
+        target_tp=args.target_tp,
+        target_placement_strategy=args.target_placement_strategy,
         address=args.address,
     )
     return Engine.launch(config), True, models

@@ -4,7 +4,10 @@ On a machine with CUDA it (1) runs the GPU-marked tests (runner parity on
 CUDA with torch SDPA, and flash-attn when importable), (2) times the target's
 8-token verify and the draft's tree-decode step per attention backend, and
 (3) runs the engine end to end with target and draft sharing the one GPU,
-checking SSD's tokens against AR's. It prints one JSON report (and writes it
+checking SSD's tokens against AR's; (4) with two or more GPUs, runs the Ray
+engine with the target sharded over two GPUs (``target_tp=2``, NCCL) and
+checks its AR tokens (and SSD's, given a third GPU for the draft) against
+the unsharded target's, and measures each rank's peak load memory. It prints one JSON report (and writes it
 with ``--json``). Without CUDA it says so and exits 0: nothing to check.
 """
 
@@ -60,13 +63,55 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.close()
     report["end_to_end_ssd_equals_ar"] = tokens["ssd"] == tokens["ar"]
+    report["tensor_parallel"] = tensor_parallel_check(models, prompts, params, tokens["ar"])
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(text)
-    ok = report["end_to_end_ssd_equals_ar"] and report.get("gpu_tests", {}).get("returncode", 0) == 0
+    ok = (
+        report["end_to_end_ssd_equals_ar"]
+        and report.get("gpu_tests", {}).get("returncode", 0) == 0
+        and report["tensor_parallel"].get("ok", True)
+    )
     return 0 if ok else 1
+
+
+def tensor_parallel_check(models: dict[str, str], prompts: list[str], params: Any, reference: list[list[int]]) -> dict[str, Any]:
+    """T = 2 over NCCL through the Ray engine: the same greedy tokens as T = 1 (fp32)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return {"skipped": f"target_tp=2 needs 2 GPUs, found {gpus}"}
+    from saguaro_ray import Engine, EngineConfig
+    from saguaro_ray.config import SpeculationConfig
+
+    out: dict[str, Any] = {"gpus": gpus}
+    modes = ["ar", "ssd"] if gpus >= 3 else ["ar"]  # one GPU per rank, one for the draft
+    for mode in modes:
+        config = EngineConfig(
+            target=models["target"],
+            draft=models["draft"],
+            spec=SpeculationConfig(mode=mode, k=4, budget=8),
+            device="cuda",
+            dtype="fp32",
+            target_tp=2,
+            address="local",
+        )
+        handle = Engine.launch(config)
+        try:
+            out[f"{mode}_tp2_equals_tp1"] = [r.token_ids for r in handle.generate(prompts, params)] == reference
+        finally:
+            handle.shutdown()
+    proc = subprocess.run(
+        [sys.executable, "-m", "saguaro_ray.jobs.tp_memory", "--model", models["target"], "--tp", "1", "2", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+    )
+    out["load_memory"] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out["ok"] = all(v for k, v in out.items() if k.endswith("_equals_tp1"))
+    return out
 
 
 if __name__ == "__main__":

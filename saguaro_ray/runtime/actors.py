@@ -30,11 +30,14 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.runtime.control import Broadcaster, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
+from saguaro_ray.runtime.ray_transport import RayWorkerHandle
 from saguaro_ray.runtime.routing import RoutedLogic
+from saguaro_ray.runtime.target_group import connect_worker, worker_info
+from saguaro_ray.workers.checkpoint import Checkpoint
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
+from saguaro_ray.workers.tensor_parallel import TPContext
 from saguaro_ray.workers.target import TargetLogic
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,18 @@ _METHODS = {
 JOIN_TIMEOUT_S = 60.0
 
 
+def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None) -> ModelRunner:
+    """A worker's model runner on the configured device (``tp``: one rank's slice)."""
+    return ModelRunner(
+        model,
+        device="cuda" if config.device == "cuda" else "cpu",
+        dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        max_kv_tokens=config.max_kv_tokens,
+        tp=tp,
+    )
+
+
 class WorkerActor:
     """One model on one device, serving the round protocol over ZeroMQ."""
 
@@ -56,19 +71,15 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO)
         torch.set_num_threads(config.threads_per_worker)
         kind = role_kind(role)
-        device = "cuda" if config.device == "cuda" else "cpu"
-        runner = ModelRunner(
-            model,
-            device=device,
-            dtype=config.dtype,
-            attention_backend=config.attention_backend,
-            max_kv_tokens=config.max_kv_tokens,
-        )
         self.role = role
-        self.logic = _LOGIC[kind](runner)
-        self.routed = RoutedLogic(self.logic, device, ray.util.get_node_ip_address())
+        self.logic = _LOGIC[kind](self._make_runner(model, config))
+        self.routed = RoutedLogic(self.logic, "cuda" if config.device == "cuda" else "cpu", ray.util.get_node_ip_address())
         host = ray.util.get_node_ip_address() if tcp_host == "node" else tcp_host
         self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role)
+
+    def _make_runner(self, model: str, config: EngineConfig) -> Any:
+        """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""
+        return make_runner(model, config)
 
     def endpoint(self) -> str:
         return self.server.endpoint
@@ -105,7 +116,7 @@ class CoordinatorActor:
         if config.spec.mode == "pyramid":
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
-        self.clients = {role: RayWorkerHandle(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
+        self.clients = {role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
         self._store: DataPlaneStore | None = None
         self._generations = itertools.count(1)
         self._plane_lock = threading.Lock()
@@ -134,7 +145,7 @@ class CoordinatorActor:
             qualifier=self.clients.get("qualifier"),
             broadcast=self._broadcast,
         )
-        infos = [actor_info(a) for a in workers.values()]
+        infos = [worker_info(a) for a in workers.values()]
         self.scheduler = Scheduler(
             self.loop,
             config.max_batch_size,

@@ -4,7 +4,8 @@
 models, joins a Ray cluster (or starts the embedded local instance), reserves
 one placement group — a CPU bundle for the coordinator and one bundle per
 worker (target, each draft, the qualifier) — starts the actors in it, and
-returns an :class:`EngineHandle`. Workers bind their ZeroMQ sockets to the
+returns an :class:`EngineHandle`. A sharded target (``target_tp`` > 1) gets a
+placement group of its own, one bundle per rank (:mod:`saguaro_ray.runtime.tp_actors`). Workers bind their ZeroMQ sockets to the
 node address Ray reports, or to IPC sockets when every bundle landed on one
 node; the endpoints and the per-engine HMAC key travel through Ray.
 """
@@ -26,8 +27,10 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.ray_transport import actor_info
+from saguaro_ray.runtime.target_group import kill_worker, worker_info
+from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
 from saguaro_ray.runtime.wire import new_key
+from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class EngineHandle:
         return ray.get(self.coordinator.metrics.remote())
 
     def worker_info(self) -> dict[str, dict[str, Any]]:
-        return {role: actor_info(a) for role, a in self.workers.items()}
+        return {role: worker_info(a) for role, a in self.workers.items()}
 
     def shutdown(self) -> None:
         """Stop the coordinator and workers and free the placement group."""
@@ -101,7 +104,7 @@ class EngineHandle:
             log.debug("coordinator shutdown failed", exc_info=True)
         for actor in [self.coordinator, *self.workers.values()]:
             try:
-                ray.kill(actor, no_restart=True)
+                kill_worker(actor)
             except Exception:
                 log.debug("kill failed", exc_info=True)
         if self.pg is not None:
@@ -140,12 +143,22 @@ class Engine:
             raise ConfigError(
                 f"could not reserve resources {bundles} ({type(exc).__name__}); lower worker_cpus/gpus or add nodes"
             ) from None
-        one_node = len(set(placement_group_table(pg)["bundles_to_node_id"].values())) == 1
+        try:  # a sharded target's ranks get a placement group of their own
+            target_pg = reserve_target_group(config, _PG_TIMEOUT_S) if config.target_tp > 1 else None
+        except ConfigError:
+            remove_placement_group(pg)
+            raise
+        nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
+        if target_pg is not None:
+            nodes |= set(placement_group_table(target_pg)["bundles_to_node_id"].values())
+        one_node = len(nodes) == 1
         tcp_host = None if one_node else "node"
         key = new_key()
         lifetime = "detached" if config.name else None
         workers: dict[str, Any] = {}
         try:
+            if target_pg is not None:
+                workers["target"] = launch_target_group(config, models["target"], key, tcp_host, lifetime, target_pg)
             for i, role in enumerate(roles[1:], start=1):
                 opts = _actor_options(config, pg, i, lifetime)
                 workers[role] = ray.remote(WorkerActor).options(**opts, max_restarts=config.max_restarts).remote(
@@ -160,8 +173,10 @@ class Engine:
             ray.get(coordinator.ready.remote())
         except Exception:
             for a in workers.values():
-                ray.kill(a, no_restart=True)
+                kill_worker(a)
             remove_placement_group(pg)
+            if target_pg is not None and "target" not in workers:
+                remove_placement_group(target_pg)
             raise
         return EngineHandle(coordinator, workers, pg, owned=True)
 
@@ -187,7 +202,8 @@ def _resolve_models(config: EngineConfig) -> dict[str, str]:
         paths["draft"] = str(resolve_model_path(config.draft))  # type: ignore[arg-type]
     if config.spec.mode == "pyramid":
         paths["qualifier"] = str(resolve_model_path(config.qualifier))  # type: ignore[arg-type]
-    open_models(paths)
+    ckpts, _ = open_models(paths)
+    check_tensor_parallel(ckpts["target"].config, config.target_tp, source=paths["target"])
     return paths
 
 
@@ -205,14 +221,15 @@ def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:
             except (ConnectionError, RuntimeError):
                 pass
         # embedded instance: logical CPUs enough for every actor even on a small machine
-        need = logical_cpus or config.coordinator_cpus + config.worker_cpus * len(config.roles)
+        need = logical_cpus or config.coordinator_cpus + config.worker_cpus * config.num_worker_actors
         ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 1)), include_dashboard=False, **kwargs)
     else:
         ray.init(address=config.address, **kwargs)
 
 
 def _bundles(config: EngineConfig) -> tuple[list[dict[str, float]], list[str]]:
-    roles = ["coordinator", *config.roles]
+    # a sharded target (target_tp > 1) is placed in its own group (runtime.tp_actors)
+    roles = ["coordinator", *(r for r in config.roles if r != "target" or config.target_tp == 1)]
     bundles = []
     for role in roles:
         if role == "coordinator":

@@ -23,6 +23,10 @@ class EngineConfig:
     are fine — a 2-core machine cannot give a coordinator, a target and two
     drafts a whole CPU each) and sets torch to ``threads_per_worker``
     threads. On CUDA (``device="cuda"``) each worker asks for ``gpus_per_worker``.
+    ``target_tp`` > 1 shards the target over that many rank actors (one
+    device, or one CPU bundle, each) in a placement group of their own with
+    ``target_placement_strategy`` (``STRICT_PACK``: the ranks share a node, as
+    their all-reduces want; ``PACK``/``SPREAD`` allow crossing nodes).
     ``address``: ``None`` joins a running cluster when there is one and starts
     the embedded local instance otherwise; ``"auto"`` insists on a running
     cluster; ``"local"`` always starts the embedded instance; anything else is
@@ -35,6 +39,8 @@ class EngineConfig:
     qualifier: str | None = None
     spec: SpeculationConfig = field(default_factory=SpeculationConfig)
     num_drafts: int = 1
+    target_tp: int = 1
+    target_placement_strategy: str = "STRICT_PACK"
     device: str = "cpu"
     dtype: str | None = None
     attention_backend: str | None = None
@@ -69,6 +75,12 @@ class EngineConfig:
             # only SSD divides work between drafts (the outcome set); elsewhere
             # the extra actors would sit idle on a device of their own
             raise ConfigError(f"num_drafts > 1 needs mode 'ssd' (mode is {self.spec.mode!r})")
+        if not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool) or self.target_tp < 1:
+            raise ConfigError(f"target_tp must be a positive integer, got {self.target_tp!r}")
+        if self.target_placement_strategy not in STRATEGIES:
+            raise ConfigError(
+                f"target_placement_strategy must be one of {', '.join(STRATEGIES)}, got {self.target_placement_strategy!r}"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.placement_strategy not in STRATEGIES:
@@ -94,6 +106,11 @@ class EngineConfig:
         if self.spec.mode == "pyramid":
             roles.append("qualifier")
         return roles
+
+    @property
+    def num_worker_actors(self) -> int:
+        """Worker actors this engine starts: one per role, T for a sharded target."""
+        return len(self.roles) + self.target_tp - 1
 
     def model_for(self, role: str) -> str:
         if role == "target":

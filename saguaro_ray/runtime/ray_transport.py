@@ -148,6 +148,10 @@ class RayWorkerHandle:
             if info["pid"] != self._pid:
                 break
             time.sleep(0.2)  # Ray has not noticed the death yet
+        self._reconnect(info)
+
+    def _reconnect(self, info: dict[str, Any]) -> None:
+        """Talk to the restarted process described by ``info`` from now on."""
         with self._lock:
             old, self._client = self._client, self._connect(info["endpoint"])
             self._pid = info["pid"]

@@ -22,10 +22,8 @@ attached to instead of launched) and ``options`` (per-engine
 ``engine_options``). A request picks an engine with the ``speculation``
 extension object; see :meth:`ServeAppConfig.match`.
 
-``target_tp`` (tensor-parallel degree of the target) is accepted in
-``engine_options``/``options`` so large-model configs can state it; it is
-passed to the engine when ``EngineConfig`` has that field, and until then any
-value other than 1 fails the replica's start with a clear message.
+``target_tp`` (in ``engine_options``/``options``) shards each engine's target
+over that many devices (tensor parallelism, see ``EngineConfig``).
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ from saguaro_ray.errors import ConfigError
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationConfig))
 # EngineConfig fields the serve config may not set: they come from the entry itself
 _RESERVED = {"target", "draft", "qualifier", "spec", "name", "namespace"}
-FUTURE_ENGINE_FIELDS = {"target_tp"}  # accepted now, implemented by a later engine version
 
 
 def engine_config_fields() -> set[str]:
@@ -53,14 +50,11 @@ def engine_config_fields() -> set[str]:
 
 
 def _check_engine_options(options: dict[str, Any], where: str = "") -> dict[str, Any]:
-    allowed = (engine_config_fields() | FUTURE_ENGINE_FIELDS) - _RESERVED
+    allowed = engine_config_fields() - _RESERVED
     unknown = sorted(set(options) - allowed)
     prefix = f"{where}: " if where else ""
     if unknown:
         raise ValueError(f"{prefix}unknown engine option(s) {unknown}; valid: {sorted(allowed)}")
-    tp = options.get("target_tp", 1)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"{prefix}target_tp must be a positive integer, got {tp!r}")
     return options
 
 
@@ -161,13 +155,10 @@ class ServeAppConfig(BaseModel):
         return {**self.engine_options, **entry.options}
 
     def engine_config(self, entry: EngineEntry) -> Any:
-        """The :class:`EngineConfig` of ``entry`` (validated). ``target_tp`` is
-        passed through when ``EngineConfig`` knows it and dropped otherwise;
-        :meth:`launch_config` refuses to launch with a value it would drop."""
+        """The :class:`EngineConfig` of ``entry`` (validated)."""
         from saguaro_ray.runtime.engine_config import EngineConfig
 
-        opts = self.engine_options_for(entry)
-        kwargs = {k: v for k, v in opts.items() if k not in FUTURE_ENGINE_FIELDS or k in engine_config_fields()}
+        kwargs = self.engine_options_for(entry)
         spec = entry.spec()
         return EngineConfig(
             target=self.target,
@@ -180,15 +171,7 @@ class ServeAppConfig(BaseModel):
 
     def launch_config(self, entry: EngineEntry, models: dict[str, str] | None = None) -> Any:
         """``engine_config(entry)`` with ``models`` (role → resolved local path,
-        see :func:`resolve_model`) in place of the configured names, refusing
-        options this engine cannot honour yet."""
-        tp = self.engine_options_for(entry).get("target_tp", 1)
-        if tp != 1 and "target_tp" not in engine_config_fields():
-            raise ConfigError(
-                f"engine {entry.name!r}: target_tp={tp} asks for a tensor-parallel target, which this version "
-                "of the engine does not implement yet; remove target_tp (or set it to 1) and use a target that "
-                "fits one device, or upgrade saguaro-ray"
-            )
+        see :func:`resolve_model`) in place of the configured names."""
         config = self.engine_config(entry)
         if models:
             config = dataclasses.replace(

@@ -1,0 +1,158 @@
+"""A sharded target's rank actors as one worker: liveness, restart and rendezvous.
+
+With ``target_tp = T`` the target is T actors (see
+:mod:`saguaro_ray.runtime.tp_actors`): rank 0 is an ordinary target
+``WorkerActor`` — the only one the coordinator talks to, over the same
+ZeroMQ protocol — and ranks 1..T-1 follow it over a torch.distributed group.
+:class:`TargetGroup` is the picklable record of those actors and their
+placement group, held by the engine handle and the coordinator alike.
+
+Failure model: the ranks' collectives tie them together, so losing any rank
+loses the group. :class:`TargetGroupHandle` watches every rank (not just
+rank 0) while calls are pending; on a loss it fails the pending calls with
+:class:`WorkerLost`, and :meth:`TargetGroupHandle.recover` has Ray restart
+every rank still running the old process, waits for all T fresh processes,
+re-forms the group on a new port, and only then reconnects to rank 0's new
+endpoint; the round loop re-prefills running sequences as for a single
+target. Each loss costs every rank one of its ``max_restarts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from saguaro_ray.engine.transport import WorkerGone
+from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
+
+log = logging.getLogger(__name__)
+
+# an actor reported dead this long in a row is dead for good (a call caught
+# in flight when Ray kills a restartable actor reports it dead once, too)
+_DEAD_FOR_GOOD_S = 5.0
+
+
+class TargetGroup:
+    """The T rank actors of a sharded target (rank 0 first) and their placement group."""
+
+    def __init__(self, actors: list[Any], pg: Any) -> None:
+        self.actors = actors
+        self.pg = pg
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def join(self, timeout_s: float = 300.0) -> None:
+        """Form the process group: rank 0 picks a fresh address, every rank joins it."""
+        init_method = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
+        ray.get([a.join.remote(init_method) for a in self.actors], timeout=timeout_s)
+        log.info("target group of %d ranks formed at %s", self.size, init_method)
+
+    def infos(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        return [actor_info(a, timeout_s) for a in self.actors]
+
+    def info(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Rank 0's info (the worker the coordinator sees) plus every rank's."""
+        infos = self.infos(timeout_s)
+        return {**infos[0], "ranks": infos}
+
+    def pids(self, timeout_s: float = 10.0) -> list[int] | None:
+        """Every rank's current pid, or None when any rank does not answer."""
+        try:
+            return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)]
+        except Exception:
+            return None
+
+    def restart(self, old_pids: list[int], deadline: float, name: str = "target") -> list[int]:
+        """Bring every rank up in a fresh process and re-form the group.
+
+        Ranks still running their old process (alive but in a broken group)
+        are killed so Ray restarts them; ranks already restarted are kept.
+        Raises :class:`WorkerGone` when a rank's restarts are exhausted.
+        """
+        pending = dict(enumerate(old_pids))
+        killed: set[int] = set()
+        dead_since: dict[int, float] = {}
+        new: dict[int, int] = {}
+        while pending:
+            if time.monotonic() > deadline:
+                raise WorkerGone(f"worker {name} (ranks {sorted(pending)}) did not come back in time")
+            for rank, old in list(pending.items()):
+                try:
+                    pid = ray.get(self.actors[rank].info.remote(), timeout=2.0)["pid"]
+                except ray.exceptions.ActorDiedError as exc:
+                    since = dead_since.setdefault(rank, time.monotonic())
+                    if time.monotonic() - since > _DEAD_FOR_GOOD_S:
+                        raise WorkerGone(
+                            f"worker {name} rank {rank} died and its restarts are exhausted ({type(exc).__name__})"
+                        ) from None
+                    continue
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                    continue  # restarting
+                dead_since.pop(rank, None)
+                if pid != old:
+                    new[rank] = pid
+                    del pending[rank]
+                elif rank not in killed:
+                    ray.kill(self.actors[rank], no_restart=False)
+                    killed.add(rank)
+            if pending:
+                time.sleep(0.2)
+        self.join(timeout_s=max(10.0, deadline - time.monotonic()))
+        return [new[r] for r in range(self.size)]
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                log.debug("kill failed", exc_info=True)
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                log.debug("placement group removal failed", exc_info=True)
+            self.pg = None
+
+
+class TargetGroupHandle(RayWorkerHandle):
+    """The round loop's handle on a sharded target: rank 0's endpoint, every rank's liveness."""
+
+    def __init__(self, name: str, group: TargetGroup, key: bytes, **kwargs: Any) -> None:
+        self.group = group
+        self._pids = [i["pid"] for i in group.infos()]
+        super().__init__(name, group.actors[0], key, **kwargs)
+
+    def _alive(self) -> bool:
+        return self.group.pids(timeout_s=max(2.0, 4 * self._check_interval_s)) == self._pids
+
+    def recover(self) -> None:
+        deadline = time.monotonic() + self._recover_timeout_s
+        self._pids = self.group.restart(self._pids, deadline, self.name)
+        self._reconnect(actor_info(self.group.actors[0]))
+
+
+# ------------------------------------------------ one worker, sharded or not
+
+
+def connect_worker(role: str, worker: Any, key: bytes, **kwargs: Any) -> RayWorkerHandle:
+    """The coordinator's handle on a worker: a single actor or a target group."""
+    if isinstance(worker, TargetGroup):
+        return TargetGroupHandle(role, worker, key, **kwargs)
+    return RayWorkerHandle(role, worker, key, **kwargs)
+
+
+def worker_info(worker: Any) -> dict[str, Any]:
+    return worker.info() if isinstance(worker, TargetGroup) else actor_info(worker)
+
+
+def kill_worker(worker: Any) -> None:
+    if isinstance(worker, TargetGroup):
+        worker.kill()
+    else:
+        ray.kill(worker, no_restart=True)

@@ -1,0 +1,151 @@
+"""The rank actors of a tensor-parallel target and how they are placed.
+
+Rank 0 (:class:`TargetLeaderActor`) is the ordinary target ``WorkerActor``
+whose runner is wrapped in a :class:`~saguaro_ray.workers.tp_runner.TPRunnerProxy`;
+ranks 1..T-1 (:class:`TargetFollowerActor`) run
+:func:`~saguaro_ray.workers.tp_runner.follow` in a thread. Each loads only its
+slice of the checkpoint in its constructor — no communication needed — and
+joins the group later (:meth:`join`), so a restarted rank simply reloads and
+waits to be re-joined under a fresh address. The T actors live in one
+placement group of their own (``target_placement_strategy``, STRICT_PACK by
+default), one device or CPU bundle each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.runtime.actors import WorkerActor, make_runner
+from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.runtime.target_group import TargetGroup
+from saguaro_ray.workers.checkpoint import open_checkpoint
+from saguaro_ray.workers.runner import ModelRunner
+from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext
+from saguaro_ray.workers.tp_runner import TPRunnerProxy, follow
+
+log = logging.getLogger(__name__)
+
+
+def rank_runner(model: str, config: EngineConfig, rank: int) -> tuple[ModelRunner, TPContext]:
+    """Rank ``rank``'s runner over its slice of ``model``, and its (unjoined) group context."""
+    ckpt = open_checkpoint(model)
+    tp = TPContext(ShardPlan.for_rank(ckpt.config, rank, config.target_tp))
+    return make_runner(ckpt, config, tp), tp
+
+
+class TargetLeaderActor(WorkerActor):
+    """Rank 0: the target worker the coordinator sees, driving the followers."""
+
+    def _make_runner(self, model: str, config: EngineConfig) -> TPRunnerProxy:
+        runner, self.tp = rank_runner(model, config, 0)
+        return TPRunnerProxy(runner, self.tp)
+
+    def rendezvous(self) -> str:
+        """A fresh ``tcp://`` address on this node for the group's store."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, init_method: str) -> None:
+        self.tp.connect(init_method, self.logic.runner.device)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "tp_rank": 0, "tp_size": self.tp.world}
+
+
+class TargetFollowerActor:
+    """Rank r > 0: loads its slice, then replays rank 0's runner calls."""
+
+    def __init__(self, model: str, config: EngineConfig, rank: int) -> None:
+        logging.basicConfig(level=logging.INFO)
+        torch.set_num_threads(config.threads_per_worker)
+        self.runner, self.tp = rank_runner(model, config, rank)
+        self._thread: threading.Thread | None = None
+
+    def join(self, init_method: str) -> None:
+        self.tp.connect(init_method, self.runner.device)
+        self._thread = threading.Thread(target=self._follow, name=f"saguaro-tp-rank{self.tp.rank}", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        try:
+            follow(self.runner, self.tp)
+        except BaseException:
+            # out of step with rank 0: the group is unusable, let Ray restart this rank
+            log.exception("tensor-parallel rank %d failed; exiting", self.tp.rank)
+            os._exit(1)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "role": f"target.rank{self.tp.rank}",
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "tp_rank": self.tp.rank,
+            "tp_size": self.tp.world,
+            "following": self._thread is not None and self._thread.is_alive(),
+        }
+
+
+def target_bundles(config: EngineConfig) -> list[dict[str, float]]:
+    bundle: dict[str, float] = {"CPU": config.worker_cpus}
+    if config.device == "cuda":
+        bundle["GPU"] = config.gpus_per_worker
+    bundle.update(config.resources.get("target", {}))
+    return [dict(bundle) for _ in range(config.target_tp)]
+
+
+def reserve_target_group(config: EngineConfig, timeout_s: float) -> Any:
+    """The target ranks' placement group, ready (or a ConfigError saying what to change)."""
+    bundles = target_bundles(config)
+    name = f"{config.name}-target-pg" if config.name else ""
+    pg = placement_group(bundles, strategy=config.target_placement_strategy, name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except Exception as exc:
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"could not reserve {config.target_tp} target ranks {bundles[0]} with {config.target_placement_strategy} "
+            f"({type(exc).__name__}); lower target_tp or worker_cpus/gpus_per_worker, add devices to one node, "
+            "or set target_placement_strategy='PACK'"
+        ) from None
+    return pg
+
+
+def launch_target_group(
+    config: EngineConfig, model: str, key: bytes, tcp_host: str | None, lifetime: str | None, pg: Any
+) -> TargetGroup:
+    """Start the T rank actors in ``pg`` and form their group."""
+    actors = []
+    for rank in range(config.target_tp):
+        opts: dict[str, Any] = {
+            "num_cpus": config.worker_cpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+            "max_restarts": config.max_restarts,
+        }
+        if config.device == "cuda":
+            opts["num_gpus"] = config.gpus_per_worker
+        if lifetime:
+            opts["lifetime"] = lifetime
+        if rank == 0:
+            actors.append(ray.remote(TargetLeaderActor).options(**opts).remote("target", model, config, key, tcp_host))
+        else:
+            actors.append(ray.remote(TargetFollowerActor).options(**opts).remote(model, config, rank))
+    group = TargetGroup(actors, pg)
+    try:
+        group.join(timeout_s=config.call_timeout_s + 300.0)
+    except Exception:
+        group.kill()
+        raise
+    return group
