@@ -49,7 +49,11 @@ def scenario(runner: Any) -> list[torch.Tensor]:
 
 def rank_main(rank: int, world: int, port: int, models: list[str], out_dir: str) -> None:
     """One rank of a gloo group running :func:`scenario` on every model in turn
-    (one group serves them all); rank 0 saves each model's logits."""
+    (one group serves them all); rank 0 saves each model's logits.
+
+    The first model's context owns the group; the others borrow it for their
+    model and hand it back, so :meth:`TPContext.close` frees the group (and
+    joins gloo's threads) before the process exits."""
     torch.set_num_threads(1)
     group: TPContext | None = None
     for i, path in enumerate(models):
@@ -59,12 +63,17 @@ def rank_main(rank: int, world: int, port: int, models: list[str], out_dir: str)
         if group is None:
             tp.connect(f"tcp://127.0.0.1:{port}", runner.device)
             group = tp
-        tp.group, tp.control = group.group, group.control
-        if rank == 0:
-            proxy = TPRunnerProxy(runner, tp)
-            torch.save(scenario(proxy), Path(out_dir) / f"{i}.pt")
-            proxy.stop()
         else:
-            follow(runner, tp)
+            tp.group, tp.control = group.group, group.control
+        try:
+            if rank == 0:
+                proxy = TPRunnerProxy(runner, tp)
+                torch.save(scenario(proxy), Path(out_dir) / f"{i}.pt")
+                proxy.stop()
+            else:
+                follow(runner, tp)
+        finally:
+            if tp is not group:
+                tp.group = tp.control = None
     assert group is not None
     group.close()

@@ -11,6 +11,7 @@ blocks past the new length, so rejected tokens cost no copies at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -93,7 +94,16 @@ class PagedKVCache:
         while len(seq.blocks) > keep:
             self._free.append(seq.blocks.pop())
 
-    def block_table(self, seq_ids: list[object], device: torch.device) -> torch.Tensor:
-        width = max(1, max(len(self.seqs[s].blocks) for s in seq_ids))
-        rows = [self.seqs[s].blocks + [0] * (width - len(self.seqs[s].blocks)) for s in seq_ids]
+    def block_lists(self, seq_ids: Sequence[object]) -> list[list[int]]:
+        """Each sequence's block ids (the live lists: read, do not modify)."""
+        return [self.seqs[s].blocks for s in seq_ids]
+
+    @staticmethod
+    def table_tensor(lists: Sequence[list[int]], device: torch.device) -> torch.Tensor:
+        """Block lists as one ``[B, max_blocks]`` int64 tensor, padded with block 0."""
+        width = max(1, max(len(b) for b in lists))
+        rows = [b + [0] * (width - len(b)) if len(b) < width else b for b in lists]
         return torch.tensor(rows, dtype=torch.long, device=device)
+
+    def block_table(self, seq_ids: Sequence[object], device: torch.device) -> torch.Tensor:
+        return self.table_tensor(self.block_lists(seq_ids), device)

@@ -28,6 +28,7 @@ import torch
 
 from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
 from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatch, select_backend
+from saguaro_ray.kernels.linear import PackedLinear, pack_linears
 from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
 from saguaro_ray.workers.decoder import AttentionStep
 from saguaro_ray.workers.kv_cache import PagedKVCache
@@ -82,6 +83,16 @@ class ModelRunner:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.model = load_decoder(self.checkpoint, self.device, self.dtype, tp)
         self.kv_heads = self.model.cfg.num_kv_heads  # this rank's KV heads (all of them without tp)
+        # CPU fp32: run every projection (and the LM head) through pre-packed oneDNN weights
+        self._head = self.model.logits
+        # (a tensor-parallel LM head must go through the model: its logits are gathered)
+        if pack_linears(self.model, self.device, self.dtype) and tp is None:
+            head = self.model.lm_head
+            if isinstance(head, PackedLinear):
+                self._head = head
+            elif head is None:  # tied embeddings: the embedding stays dense for lookups
+                dense_single_row = next(m for m in self.model.modules() if isinstance(m, PackedLinear)).dense_single_row
+                self._head = PackedLinear(self.model.embed.weight, None, dense_single_row)
         cfg = self.config
         if max_kv_tokens is None:
             max_kv_tokens = 8 * min(cfg.max_position_embeddings, 4096)
@@ -148,19 +159,25 @@ class ModelRunner:
         if len(wanted) != len(qlens) or any(not 1 <= w <= n for w, n in zip(wanted, qlens)):
             raise ValueError(f"num_logits {wanted} must ask for 1..n_b rows of each sequence (n_b = {qlens})")
         self._check_capacity(seq_ids, qlens)
+        dev = self.device
         starts = [self.kv.length(s) for s in seq_ids]
-        if positions is None:
-            positions = [range(s, s + n) for s, n in zip(starts, qlens)]
         slots: list[int] = []
         for s, n in zip(seq_ids, qlens):
             slots.extend(self.kv.reserve(s, n))
-        dev = self.device
+        if positions is not None:
+            pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.long, device=dev)
+        elif len(starts) == 1:
+            pos = torch.arange(starts[0], starts[0] + qlens[0], device=dev)
+        else:
+            pos = torch.tensor([p for s, n in zip(starts, qlens) for p in range(s, s + n)], dtype=torch.long, device=dev)
+        lists = self.kv.block_lists(seq_ids)
         batch = PagedBatch(
-            block_tables=self.kv.block_table(list(seq_ids), dev),
+            block_tables=self.kv.table_tensor(lists, dev),
             context_lens=[s + n for s, n in zip(starts, qlens)],
             query_lens=qlens,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_size=self.kv.block_size,
+            block_lists=lists,
         )
         step = AttentionStep(
             kind="paged",
@@ -168,17 +185,19 @@ class ModelRunner:
             plan=self.backend.plan_paged(batch, self.config.sliding_window, dev),
             slot_mapping=batch.slot_mapping,
         )
-        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=dev)
-        pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.long, device=dev)
+        ids = torch.tensor(tokens[0] if len(tokens) == 1 else [t for seq in tokens for t in seq], dtype=torch.long, device=dev)
         hidden = self.model.hidden_states(ids, pos, self.kv.layers, step)
         if wanted != qlens:
-            rows: list[int] = []
-            end = 0
-            for n, w in zip(qlens, wanted):
-                end += n
-                rows.extend(range(end - w, end))
-            hidden = hidden[torch.tensor(rows, device=dev)]
-        return self.model.logits(hidden).float()
+            if len(qlens) == 1:
+                hidden = hidden[qlens[0] - wanted[0] :]
+            else:
+                rows: list[int] = []
+                end = 0
+                for n, w in zip(qlens, wanted):
+                    end += n
+                    rows.extend(range(end - w, end))
+                hidden = hidden[torch.tensor(rows, device=dev)]
+        return self._head(hidden).float()
 
     def _check_capacity(self, seq_ids: Sequence[SeqId], qlens: Sequence[int]) -> None:
         """Refuse a forward that would overflow the context or the block pool
@@ -245,8 +264,10 @@ class ModelRunner:
         if positions is None:
             base = torch.tensor(tree.prefix_lens, device=dev).unsqueeze(1) + tree.suffix_len
             positions = base + torch.arange(n_new, device=dev).unsqueeze(0)
+        lists = self.kv.block_lists(tree.seq_ids)
         batch = TreeBatch(
-            block_tables=self.kv.block_table(tree.seq_ids, dev),
+            block_tables=self.kv.table_tensor(lists, dev),
+            block_lists=lists,
             branch_seq=tree.branch_seq,
             prefix_lens=tree.prefix_lens,
             suffix_len=tree.suffix_len,
@@ -263,7 +284,7 @@ class ModelRunner:
         )
         hidden = self.model.hidden_states(tok.reshape(-1), positions.reshape(-1).to(dev), self.kv.layers, step, self._scratch)
         tree.suffix_len += n_new
-        return self.model.logits(hidden).float().view(nb, n_new, -1)
+        return self._head(hidden).float().view(nb, n_new, -1)
 
     def tree_export(self, tree: TreeState, branch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n`` suffix K/V rows of a branch, per layer (copies)."""

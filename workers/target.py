@@ -60,7 +60,7 @@ class VerificationBatch:
 
     p: torch.Tensor  # [B, Kmax+1, V] processed law of the verifying model
     tokens: torch.Tensor  # [B, Kmax]
-    q: torch.Tensor  # [B, Kmax, V] the proposals' exact laws (point masses where q is None)
+    q: torch.Tensor | None  # [B, Kmax, V] the proposals' exact laws; None when every proposal is a point mass
     lens: torch.Tensor  # [B]
     u: torch.Tensor  # [B, Kmax+1, 2]
 
@@ -72,23 +72,40 @@ def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals
     lens = [len(p.tokens) for p in proposals]
     kmax = max(lens)
     b, vocab = len(steps), logits.shape[-1]
-    reps = torch.tensor([n + 1 for n in lens])
-    per_row = lambda f: torch.tensor([f(st.params) for st in steps]).repeat_interleave(reps)  # noqa: E731
-    p_flat = process_logits(logits, per_row(lambda p: p.temperature), per_row(lambda p: p.top_k), per_row(lambda p: p.top_p))
-    p = p_flat.new_zeros(b, kmax + 1, vocab)
-    tokens = torch.zeros(b, kmax, dtype=torch.long)
-    q = p_flat.new_zeros(b, kmax, vocab)
-    offset = 0
-    for i, (prop, n) in enumerate(zip(proposals, lens)):
-        p[i, : n + 1] = p_flat[offset : offset + n + 1]
-        offset += n + 1
-        if n:
-            toks = torch.tensor(prop.tokens, dtype=torch.long)
-            tokens[i, :n] = toks
-            q[i, :n] = point_mass(toks, vocab) if prop.q is None else prop.q[:n].to(q)
-    u = torch.stack(
-        [position_uniforms([st.seed] * (kmax + 1), [st.output_pos + j for j in range(kmax + 1)], 2, stream) for st in steps]
-    )
+    params = [st.params for st in steps]
+    if all(p is params[0] for p in params):  # one law for every row: scalars broadcast
+        pp = params[0]
+        p_flat = process_logits(logits, [pp.temperature], [pp.top_k], [pp.top_p])
+    else:
+        reps = torch.tensor([n + 1 for n in lens])
+        per_row = lambda f: torch.tensor([f(p) for p in params]).repeat_interleave(reps)  # noqa: E731
+        p_flat = process_logits(logits, per_row(lambda p: p.temperature), per_row(lambda p: p.top_k), per_row(lambda p: p.top_p))
+    if min(lens) == kmax:
+        p = p_flat.view(b, kmax + 1, vocab)
+    else:
+        p = p_flat.new_zeros(b, kmax + 1, vocab)
+        offset = 0
+        for i, n in enumerate(lens):
+            p[i, : n + 1] = p_flat[offset : offset + n + 1]
+            offset += n + 1
+    tokens = torch.tensor([prop.tokens + [0] * (kmax - n) for prop, n in zip(proposals, lens)], dtype=torch.long).view(b, kmax)
+    q = None  # every proposal a point mass: verification uses δ_token
+    if any(prop.q is not None for prop in proposals):
+        q = p_flat.new_zeros(b, kmax, vocab)
+        for i, (prop, n) in enumerate(zip(proposals, lens)):
+            if n:
+                q[i, :n] = point_mass(tokens[i, :n], vocab) if prop.q is None else prop.q[:n].to(q)
+    if all(pr.greedy for pr in params):
+        # one-hot p: every accept test and every draw is decided whatever the
+        # uniform, so none is drawn (identical results, no generator work)
+        u = torch.zeros(b, kmax + 1, 2, dtype=torch.float64)
+    else:
+        u = position_uniforms(
+            [st.seed for st in steps for _ in range(kmax + 1)],
+            [st.output_pos + j for st in steps for j in range(kmax + 1)],
+            2,
+            stream,
+        ).view(b, kmax + 1, 2)
     return VerificationBatch(p, tokens, q, torch.tensor(lens), u)
 
 

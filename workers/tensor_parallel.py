@@ -26,8 +26,10 @@ exits and the runtime restarts the whole group (see
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import weakref
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -162,9 +164,31 @@ class TPContext:
         log.info("tensor-parallel rank %d/%d joined %s", self.rank, self.world, init_method)
 
     def close(self) -> None:
+        """Leave the group and stop its backend's threads before returning.
+
+        ``destroy_process_group`` only unregisters the groups: a gloo group's
+        worker threads run until the last reference to its ``ProcessGroup``
+        is dropped, and such a thread may still be releasing the tensors of
+        the last collective after ``wait()`` returned. Releasing a tensor
+        that has a Python object needs the GIL; if that happens while the
+        interpreter is shutting down, CPython ends the thread in the middle
+        of a ``noexcept`` destructor and the process aborts (SIGABRT,
+        ``terminate called without an active exception``). So the groups
+        must be freed here, while the interpreter is alive: this context
+        must be their only holder (contexts that borrowed them drop theirs
+        first), and a group still referenced afterwards is an error.
+        """
+        alive = [weakref.ref(g) for g in (self.group, self.control) if g is not None]
+        self.group = self.control = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.group = self.control = None
+        if any(r() is not None for r in alive):
+            gc.collect()  # a reference cycle may be all that holds it
+        if any(r() is not None for r in alive):
+            raise RuntimeError(
+                f"tensor-parallel rank {self.rank}: the process group is still referenced after close(); "
+                "its backend threads keep running and can abort the process at exit"
+            )
 
     # ----------------------------------------------------------- collectives
     def _run(self, what: str, fn: Callable[[], R]) -> R:

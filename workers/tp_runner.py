@@ -49,19 +49,6 @@ class TPRunnerProxy:
             raise ValueError("only rank 0 drives a tensor-parallel group")
         self.runner = runner
         self.tp = tp
-        for name in FORWARDED:
-            setattr(self, name, self._forwarding(name))
-
-    def _forwarding(self, name: str) -> Callable[..., Any]:
-        local = getattr(self.runner, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.tp.broadcast((name, _to_cpu(args), _to_cpu(kwargs)))
-            return local(*args, **kwargs)
-
-        call.__name__ = name
-        call.__doc__ = local.__doc__
-        return call
 
     def append_kv(self, seq_id: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A KV delta from another process holds every KV head, not this
@@ -74,6 +61,28 @@ class TPRunnerProxy:
 
     def __getattr__(self, name: str) -> Any:  # reads: has_sequence, seq_len, kv, config, ...
         return getattr(self.runner, name)
+
+
+def _forwarding(name: str) -> Callable[..., Any]:
+    """A :class:`TPRunnerProxy` method: broadcast the call, then run it locally.
+
+    Defined on the class, not bound per instance: a closure over the proxy
+    stored on the proxy is a reference cycle, which would keep the runner,
+    its :class:`TPContext` and the process group alive until the cyclic
+    garbage collector runs (possibly only at interpreter exit)."""
+
+    def call(self: TPRunnerProxy, *args: Any, **kwargs: Any) -> Any:
+        self.tp.broadcast((name, _to_cpu(args), _to_cpu(kwargs)))
+        return getattr(self.runner, name)(*args, **kwargs)
+
+    call.__name__, call.__qualname__ = name, f"TPRunnerProxy.{name}"
+    call.__doc__ = getattr(ModelRunner, name).__doc__
+    return call
+
+
+for _name in FORWARDED:
+    setattr(TPRunnerProxy, _name, _forwarding(_name))
+del _name
 
 
 def follow(runner: ModelRunner, tp: TPContext) -> None:

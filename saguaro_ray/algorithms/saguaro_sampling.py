@@ -39,6 +39,22 @@ def top_ranks(q: torch.Tensor) -> torch.Tensor:
     return ranks.scatter_(-1, order, ar.contiguous())
 
 
+def top_set(q: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """``top_ranks(q) < size`` without sorting the vocabulary: the ``size``
+    (>= 1, broadcastable to ``q.shape[:-1]``) highest tokens of each row, ties
+    resolved to the lower token id, as a bool mask ``[..., V]``."""
+    vocab = q.shape[-1]
+    size = torch.as_tensor(size, device=q.device).long().clamp(1, vocab).expand(q.shape[:-1]).unsqueeze(-1)
+    kmax = int(size.max()) if size.numel() else 1
+    # the size-th largest value of each row; everything above it is in, and of
+    # the tokens equal to it, the lowest ids fill the remaining places
+    threshold = q.topk(kmax, dim=-1).values.gather(-1, size - 1)
+    above = q > threshold
+    tied = q == threshold
+    room = size - above.sum(-1, keepdim=True)
+    return above | (tied & (tied.cumsum(-1) <= room))
+
+
 def saguaro_rescale(q: torch.Tensor, fanout: int | torch.Tensor, c: float) -> torch.Tensor:
     """q'(t) ∝ C·q(t) for t among the top-(F+1) tokens of q, q(t) otherwise.
 
@@ -59,6 +75,6 @@ def saguaro_rescale(q: torch.Tensor, fanout: int | torch.Tensor, c: float) -> to
         raise ConfigError(f"fan-out must be >= 0, got {fanout}")
     if c == 1.0:
         return q
-    in_top = top_ranks(q) < (f.long() + 1).unsqueeze(-1)
+    in_top = top_set(q, f.long() + 1)
     scaled = torch.where(in_top, q * c, q)
     return scaled / scaled.sum(-1, keepdim=True)

@@ -12,6 +12,7 @@ device and the random stream is explicit (verification draws from it too).
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -40,16 +41,18 @@ def process_logits(
     dev = x.device
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(-1).expand(rows)
     greedy = temp == 0
+    n_greedy = int(greedy.sum())
+    if n_greedy == rows:  # all greedy: one-hot rows, no gathers
+        return torch.zeros_like(x).scatter_(-1, argmax_lowest(x).unsqueeze(-1), 1.0).view(shape)
+    k = None if top_k is None else torch.as_tensor(top_k, device=dev).reshape(-1).expand(rows)
+    p = None if top_p is None else torch.as_tensor(top_p, dtype=torch.float32, device=dev).reshape(-1).expand(rows)
+    if n_greedy == 0:
+        return _filtered_softmax(x / temp.unsqueeze(-1), k, p).view(shape)
     out = torch.empty_like(x)
-    if bool(greedy.any()):
-        g = greedy.nonzero(as_tuple=True)[0]
-        out[g] = torch.nn.functional.one_hot(argmax_lowest(x[g]), vocab).float()
+    g = greedy.nonzero(as_tuple=True)[0]
+    out[g] = torch.zeros(len(g), vocab, dtype=out.dtype, device=dev).scatter_(-1, argmax_lowest(x[g]).unsqueeze(-1), 1.0)
     s = (~greedy).nonzero(as_tuple=True)[0]
-    if len(s):
-        z = x[s] / temp[s].unsqueeze(-1)
-        k = None if top_k is None else torch.as_tensor(top_k, device=dev).reshape(-1).expand(rows)[s]
-        p = None if top_p is None else torch.as_tensor(top_p, dtype=torch.float32, device=dev).reshape(-1).expand(rows)[s]
-        out[s] = _filtered_softmax(z, k, p)
+    out[s] = _filtered_softmax(x[s] / temp[s].unsqueeze(-1), None if k is None else k[s], None if p is None else p[s])
     return out.view(shape)
 
 
@@ -120,13 +123,34 @@ def position_generator(seed: int, position: int, stream: int = STREAM_TARGET) ->
     worker, a different mode or a different batch composition draws the same
     uniforms for the same token, which keeps seeded runs reproducible.
     """
-    mixed = seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB
-    return make_generator(mixed % (2**63 - 1))
+    return make_generator(_stream_seed(seed, position, stream))
+
+
+def _stream_seed(seed: int, position: int, stream: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) % (2**63 - 1)
+
+
+_local = threading.local()
+
+
+def _scratch_generator() -> torch.Generator:
+    """A per-thread CPU generator, re-seeded for every draw: re-seeding resets
+    the whole Mersenne-Twister state, so its output equals a fresh generator's
+    (see :func:`position_generator`) without building one per row."""
+    g = getattr(_local, "generator", None)
+    if g is None:
+        g = _local.generator = torch.Generator(device="cpu")
+    return g
 
 
 def position_uniforms(seeds: Sequence[int], positions: Sequence[int], n: int = 1, stream: int = STREAM_TARGET) -> torch.Tensor:
     """``[B, n]`` uniforms: row b from :func:`position_generator` (seeds[b], positions[b], stream)."""
-    return uniforms([position_generator(s, p, stream) for s, p in zip(seeds, positions)], n)
+    g = _scratch_generator()
+    rows = []
+    for s, p in zip(seeds, positions):
+        g.manual_seed(_stream_seed(s, p, stream))
+        rows.append(torch.rand(n, generator=g, dtype=torch.float64))
+    return torch.stack(rows) if rows else torch.empty(0, n, dtype=torch.float64)
 
 
 def sample_next(

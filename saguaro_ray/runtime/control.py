@@ -366,6 +366,11 @@ class CommandServer:
             self._drops.drop(MALFORMED, "request is not {id: int, method: str, args: list}")
             return
         cid, method, args = msg["id"], msg["method"], msg["args"]
+        # a client sends on one connection and reads replies on another (see
+        # CommandClient); "reply_to" names the reading one's routing id
+        reply_to = msg.get("reply_to")
+        if type(reply_to) is bytes and 0 < len(reply_to) <= 255:
+            ident = reply_to
         self._reply(ident, cid, self._execute(cid, method, args), method)
 
     def _reply(self, ident: bytes, cid: int, reply: dict[str, Any], method: str) -> None:
@@ -476,6 +481,7 @@ class _Pending:
     deadline: float  # time.monotonic()
     timeout_s: float
     t_send: float  # time.perf_counter()
+    relayed: bool = False  # sent through the I/O thread (before the direct path was known to work)
 
 
 class CommandClient:
@@ -544,11 +550,27 @@ class CommandClient:
         self._outbox.setsockopt(zmq.SNDHWM, 0)
         self._outbox.connect(addr)
         self._send_lock = threading.Lock()
+        # Two connections to the server: the I/O thread owns ``_dealer`` and
+        # reads every reply from it; submitters send on ``_tx`` directly
+        # (under _send_lock), asking the server to answer to ``_dealer``'s
+        # routing id — one thread hop less per call. Until a first reply has
+        # arrived on ``_dealer`` (so the server surely knows its id), calls
+        # are relayed through the I/O thread and sent on ``_dealer`` itself;
+        # the switch happens once none of those is pending, so calls still
+        # reach the server in submission order.
+        uid = uuid.uuid4().hex
+        self._rx_id = f"rx-{uid}".encode()
         self._dealer = _sock(zmq.DEALER, max_frame_bytes)
-        # a fixed identity, so a broadcast call can name this client as the one to answer
-        self.identity = b"c" + uuid.uuid4().bytes
-        self._dealer.setsockopt(zmq.IDENTITY, self.identity)
+        # the reply socket's routing id: a broadcast call names it as the one to answer
+        self.identity = self._rx_id
+        self._dealer.setsockopt(zmq.ROUTING_ID, self._rx_id)
         self._dealer.connect(endpoint)
+        self._tx = _sock(zmq.DEALER, max_frame_bytes)
+        self._tx.setsockopt(zmq.ROUTING_ID, f"tx-{uid}".encode())
+        self._tx.connect(endpoint)
+        self._direct = False  # sticky once chosen (under _send_lock)
+        self._direct_ready = False  # set by the I/O thread when a reply arrived on _dealer
+        self._relayed = 0  # relayed calls not yet answered (incremented under _send_lock)
         self._thread = threading.Thread(target=self._run, name=f"saguaro-client-{name}", daemon=True)
         self._thread.start()
 
@@ -575,18 +597,35 @@ class CommandClient:
             raise TypeError(f"method must be a string, got {method!r}")
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         cid = next(self._ids)
-        frame = self._codec.encode({"id": cid, "method": method, "args": list(args)})
+        frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": self._rx_id})
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # like an executor's running task: not cancellable
+        pending = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
         with self._lock:
             if self._closed:
                 raise ClientClosed(f"command client {self.name!r} is closed")
-            self._pending[cid] = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
+            self._pending[cid] = pending
+        full = False
         try:
             with self._send_lock:
-                self._outbox.send_multipart([cid.to_bytes(8, "little"), frame])
+                if self._direct or (self._direct_ready and self._relayed == 0):
+                    self._direct = True
+                    pending.t_send = time.perf_counter()
+                    try:
+                        self._tx.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        full = True
+                else:
+                    pending.relayed = True
+                    self._relayed += 1
+                    self._outbox.send_multipart([cid.to_bytes(8, "little"), frame])
         except zmq.ZMQError:  # closed concurrently: close() fails every pending future
             pass
+        if full:
+            with self._lock:
+                p = self._pending.pop(cid, None)
+            if p is not None:
+                _fail(p.future, ControlError(f"the send queue to worker {self.name!r} is full ({self.endpoint}); is it alive?"))
         return fut
 
     def expect(self, method: str, *, timeout_s: float | None = None) -> tuple[int, "Future[Timed]"]:
@@ -628,6 +667,7 @@ class CommandClient:
             self._thread.join(5.0)
         with self._send_lock:
             self._outbox.close(0)
+            self._tx.close(0)
 
     def __enter__(self) -> "CommandClient":
         return self
@@ -669,6 +709,12 @@ class CommandClient:
             self._dealer.close(0)
             self._inbox.close(0)
 
+    def _settled(self, p: _Pending) -> None:
+        """A call left ``_pending``: a relayed one no longer holds back the direct path."""
+        if p.relayed:
+            with self._send_lock:
+                self._relayed -= 1
+
     def _wait_ms(self) -> int:
         with self._lock:
             if not self._pending:
@@ -693,6 +739,7 @@ class CommandClient:
                 with self._lock:
                     p = self._pending.pop(cid, None)
                 if p is not None:
+                    self._settled(p)
                     _fail(p.future, ControlError(f"the send queue to worker {self.name!r} is full ({self.endpoint}); is it alive?"))
 
     def _receive(self) -> None:
@@ -713,11 +760,13 @@ class CommandClient:
             if type(msg) is not dict or type(msg.get("id")) is not int:
                 self._drops.drop(MALFORMED, "reply without an id")
                 continue
+            self._direct_ready = True  # the server routes replies to this connection
             with self._lock:
                 p = self._pending.pop(msg["id"], None)
             if p is None:
                 self._late += 1
                 continue
+            self._settled(p)
             self._resolve(p, msg, t1)
 
     def _resolve(self, p: _Pending, msg: dict, t1: float) -> None:
@@ -756,6 +805,7 @@ class CommandClient:
             expired = [cid for cid, p in self._pending.items() if p.deadline <= now]
             gone = [self._pending.pop(cid) for cid in expired]
         for p in gone:
+            self._settled(p)
             _fail(p.future, WorkerTimeout(f"worker {self.name!r} did not answer {p.method}() within {p.timeout_s:g}s ({self.endpoint})"))
 
 

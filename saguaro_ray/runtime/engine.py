@@ -220,7 +220,10 @@ def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:
                 return
             except (ConnectionError, RuntimeError):
                 pass
-        # embedded instance: logical CPUs enough for every actor even on a small machine
+        # embedded instance: Ray starts workers at nice 15 by default, but here the
+        # workers *are* the workload — any other process on the machine would preempt them
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        # logical CPUs enough for every actor even on a small machine
         need = logical_cpus or config.coordinator_cpus + config.worker_cpus * config.num_worker_actors
         ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 1)), include_dashboard=False, **kwargs)
     else:

@@ -103,6 +103,7 @@ _TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
 _TENSOR_MARK = msgpack.ExtType(_EXT_TENSOR, b"")
 
 _BY_NAME: dict[str, type] = {}
+_BY_WIRE_NAME: dict[bytes, tuple[type, str, frozenset[str]]] = {}  # the marker's bytes → (class, name, fields)
 _BY_TYPE: dict[type, tuple[msgpack.ExtType, tuple[str, ...], frozenset[str]]] = {}
 
 C = TypeVar("C", bound=type)
@@ -128,6 +129,7 @@ def register(cls: C, name: str | None = None) -> C:
     fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
     _BY_NAME[name] = cls
     _BY_TYPE[cls] = (msgpack.ExtType(_EXT_DATACLASS, name.encode("utf-8")), fields, frozenset(fields))
+    _BY_WIRE_NAME[name.encode("utf-8")] = (cls, name, frozenset(fields))
     return cls
 
 
@@ -176,6 +178,8 @@ def tensor_from_wire(dtype_name: Any, shape: Any, data: Any) -> torch.Tensor:
     dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
         raise BadFrame(BAD_TENSOR, f"dtype {dtype_name!r} is not allowed")
+    if type(shape) is list:  # a plain array, as the decoder hands it over
+        shape = tuple(shape)
     if type(shape) is not tuple or len(shape) > MAX_TENSOR_DIMS or any(type(d) is not int or d < 0 for d in shape):
         raise BadFrame(BAD_TENSOR, f"invalid shape {shape!r}")
     if type(data) is not bytes:
@@ -191,19 +195,22 @@ def tensor_from_wire(dtype_name: Any, shape: Any, data: Any) -> torch.Tensor:
 # ---------------------------------------------------------------- payloads
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
+# exact types that need no conversion either way (checked inline: the common
+# case — token lists, scalar fields — then costs no function call)
+_PLAIN = frozenset(_SCALARS)
 
 
 def _to_wire(obj: Any) -> Any:
     t = type(obj)
-    if t in _SCALARS:
+    if t in _PLAIN:
         return obj
     if t is list:
-        return [_to_wire(x) for x in obj]
+        return [x if type(x) in _PLAIN else _to_wire(x) for x in obj]
     if t is tuple or t is torch.Size:
-        return (_TUPLE_MARK, *(_to_wire(x) for x in obj))
+        return (_TUPLE_MARK, *(x if type(x) in _PLAIN else _to_wire(x) for x in obj))
     if t is dict:
         try:
-            return {_to_wire(k): _to_wire(v) for k, v in obj.items()}
+            return {_to_wire(k): (v if type(v) in _PLAIN else _to_wire(v)) for k, v in obj.items()}
         except TypeError as e:  # a key that encodes to something unhashable (a list, a dataclass)
             if isinstance(e, EncodeError):
                 raise
@@ -211,7 +218,12 @@ def _to_wire(obj: Any) -> Any:
     entry = _BY_TYPE.get(t)
     if entry is not None:
         mark, fields, _ = entry
-        return (mark, *(item for f in fields for item in (f, _to_wire(getattr(obj, f)))))
+        out = [mark]
+        for f in fields:
+            v = getattr(obj, f)
+            out.append(f)
+            out.append(v if type(v) in _PLAIN else _to_wire(v))
+        return tuple(out)
     if isinstance(obj, torch.Tensor):
         return tensor_to_wire(obj)
     if t is bytearray or t is memoryview:
@@ -221,48 +233,56 @@ def _to_wire(obj: Any) -> Any:
     raise EncodeError(f"objects of type {t.__module__}.{t.__qualname__} cannot be sent over the control plane")
 
 
-def _from_wire(x: Any) -> Any:
-    t = type(x)
-    if t is tuple:  # a msgpack array (decoded with use_list=False)
-        if x and type(x[0]) is msgpack.ExtType:
-            return _from_marked(x)
-        return [_from_wire(v) for v in x]
-    if t is dict:
-        try:
-            return {_from_wire(k): _from_wire(v) for k, v in x.items()}
-        except TypeError as e:
-            raise BadFrame(MALFORMED, f"unhashable map key: {e}") from None
-    if t is msgpack.ExtType:
-        raise BadFrame(MALFORMED, f"stray extension object (code {x.code})")
-    return x  # None, bool, int, float, str, bytes
+# Decoding runs inside msgpack: the unpacker calls these hooks bottom-up on
+# every array and map it builds, so children arrive already converted and no
+# Python walk over the tree is needed.
+_EXT = msgpack.ExtType
+
+
+def _array_hook(x: tuple) -> Any:
+    if x and type(x[0]) is _EXT:
+        return _from_marked(x)
+    if _EXT in set(map(type, x)):
+        raise BadFrame(MALFORMED, "stray extension object in an array")
+    return list(x)
+
+
+def _map_hook(d: dict) -> dict:
+    if _EXT in set(map(type, d)) or _EXT in set(map(type, d.values())):
+        raise BadFrame(MALFORMED, "stray extension object in a map")
+    return d
 
 
 def _from_marked(x: tuple) -> Any:
     mark = x[0]
     if mark.code == _EXT_TUPLE and mark.data == b"":
-        return tuple(_from_wire(v) for v in x[1:])
+        return x[1:]
     if mark.code == _EXT_TENSOR and mark.data == b"":
         if len(x) != 4:
             raise BadFrame(BAD_TENSOR, f"tensor record has {len(x) - 1} fields, expected 3")
         return tensor_from_wire(x[1], x[2], x[3])
     if mark.code == _EXT_DATACLASS:
-        try:
-            name = mark.data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadFrame(MALFORMED, "type name is not UTF-8") from None
-        cls = _BY_NAME.get(name)
-        if cls is None:
+        entry = _BY_WIRE_NAME.get(mark.data)
+        if entry is None:
+            try:
+                name = mark.data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadFrame(MALFORMED, "type name is not UTF-8") from None
             raise BadFrame(UNKNOWN_TYPE, f"type {name!r} is not registered")
+        cls, name, allowed = entry
         if len(x) % 2 != 1:
             raise BadFrame(MALFORMED, f"{name} record is not [marker, field, value, ...]")
-        allowed = _BY_TYPE[cls][2]
         names = x[1::2]
-        extra = [k for k in names if type(k) is not str or k not in allowed]
-        if extra:
+        try:
+            known = allowed.issuperset(names)  # allowed holds only str, so this also checks the types
+        except TypeError:  # an unhashable field name
+            known = False
+        if not known:
+            extra = [k for k in names if type(k) is not str or k not in allowed]
             raise BadFrame(MALFORMED, f"{name} has no field(s) {extra!r}")
         if len(set(names)) != len(names):
             raise BadFrame(MALFORMED, f"{name} record repeats a field")
-        kwargs = {k: _from_wire(v) for k, v in zip(names, x[2::2])}
+        kwargs = dict(zip(names, x[2::2]))
         try:
             return cls(**kwargs)
         except Exception as e:  # missing fields, constructor validation
@@ -279,16 +299,19 @@ def pack_payload(obj: Any) -> bytes:
         raise EncodeError(f"cannot encode: {e}") from None
 
 
-def unpack_payload(payload: bytes) -> Any:
+def unpack_payload(payload: bytes | memoryview) -> Any:
     """Inverse of :func:`pack_payload`; :class:`BadFrame` on anything wrong."""
     try:
-        tree = msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=False)
-    except Exception as e:  # ExtraData, FormatError, StackError, ValueError, TypeError, ...
-        raise BadFrame(MALFORMED, f"not msgpack: {type(e).__name__}: {e}") from None
-    try:
-        return _from_wire(tree)
+        obj = msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=False, list_hook=_array_hook, object_hook=_map_hook)
+    except BadFrame:
+        raise
     except RecursionError:
         raise BadFrame(MALFORMED, "nested too deeply") from None
+    except Exception as e:  # ExtraData, FormatError, StackError, ValueError, TypeError (unhashable key), ...
+        raise BadFrame(MALFORMED, f"not msgpack: {type(e).__name__}: {e}") from None
+    if type(obj) is _EXT:
+        raise BadFrame(MALFORMED, f"stray extension object (code {obj.code})")
+    return obj
 
 
 # ---------------------------------------------------------------- frames
@@ -315,11 +338,15 @@ class FrameCodec:
 
     def unseal(self, frame: bytes | bytearray | memoryview) -> bytes:
         """The payload of an authentic frame; :class:`BadFrame` ("bad mac") otherwise."""
-        frame = bytes(frame)
-        if len(frame) < MAC_SIZE:
-            raise BadFrame(BAD_MAC, f"frame of {len(frame)} bytes is shorter than its MAC")
-        mac, payload = frame[:MAC_SIZE], frame[MAC_SIZE:]
-        if not hmac.compare_digest(mac, hmac.new(self._key, payload, hashlib.sha256).digest()):
+        return bytes(self._unseal_view(frame))
+
+    def _unseal_view(self, frame: bytes | bytearray | memoryview) -> memoryview:
+        """:meth:`unseal` as a view into ``frame`` (no copy of the payload)."""
+        view = memoryview(frame).cast("B")
+        if len(view) < MAC_SIZE:
+            raise BadFrame(BAD_MAC, f"frame of {len(view)} bytes is shorter than its MAC")
+        payload = view[MAC_SIZE:]
+        if not hmac.compare_digest(view[:MAC_SIZE], hmac.new(self._key, payload, hashlib.sha256).digest()):
             raise BadFrame(BAD_MAC, "authentication failed (wrong key or altered frame)")
         return payload
 
@@ -327,4 +354,4 @@ class FrameCodec:
         return self.seal(pack_payload(obj))
 
     def decode(self, frame: bytes | bytearray | memoryview) -> Any:
-        return unpack_payload(self.unseal(frame))
+        return unpack_payload(self._unseal_view(frame))

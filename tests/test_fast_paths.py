@@ -1,0 +1,125 @@
+"""The fast paths agree with the plain ones they replace (no timings asserted).
+
+* oneDNN pre-packed linear layers vs ``torch.nn.functional.linear``;
+* the tree attention's joint form (one masked attention over prefix + every
+  branch's suffix) vs its cascade form (prefix and suffix merged by LSE);
+* per-position uniforms from a re-seeded generator vs fresh generators;
+* greedy verification without uniforms vs with them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from saguaro_ray.algorithms.sampling import position_generator, position_uniforms, process_logits, uniforms
+from saguaro_ray.algorithms.verification import verify
+from saguaro_ray.kernels.attention import TorchBackend, TreeBatch
+from saguaro_ray.kernels.linear import PackedLinear, pack_linears, packing_available
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.skipif(not packing_available(CPU, torch.float32), reason="oneDNN linear packing not available")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dense_single_row", [False, True])
+def test_packed_linear_matches_linear(bias: bool, dense_single_row: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear.from_linear(lin, dense_single_row=dense_single_row)
+    assert packed.weight is lin.weight and packed.bias is lin.bias
+    with torch.inference_mode():
+        for rows in (1, 5, 33):
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(packed(x), nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        x = torch.randn(2, 3, 48)
+        torch.testing.assert_close(packed(x), nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_respects_device_dtype_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert pack_linears(model, CPU, torch.bfloat16) == 0
+    monkeypatch.setenv("SAGUARO_PACKED_LINEAR", "0")
+    assert not packing_available(CPU, torch.float32)
+    assert pack_linears(model, CPU, torch.float32) == 0
+    assert all(type(m) is not PackedLinear for m in model)
+
+
+def _tree_inputs(window: int | None):
+    torch.manual_seed(1)
+    bs, blocks, hkv, hq, d = 4, 24, 2, 4, 8
+    k_cache = torch.randn(blocks, bs, hkv, d)
+    v_cache = torch.randn(blocks, bs, hkv, d)
+    # two prefix sequences with scattered blocks; branches interleaved and uneven
+    tables = [[5, 2, 9, 11], [7, 1, 3]]
+    branch_seq = [1, 0, 0, 1, 0]
+    prefix_lens = [10, 13, 7, 12, 16]
+    n_new, sfx = 2, 3
+    nb = len(branch_seq)
+    k_scr = torch.randn(8, 8, hkv, d)
+    v_scr = torch.randn(8, 8, hkv, d)
+    q = torch.randn(nb * n_new, hq, d)
+    width = max(map(len, tables))
+    batch = TreeBatch(
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        branch_seq=branch_seq,
+        prefix_lens=prefix_lens,
+        suffix_len=sfx,
+        n_new=n_new,
+        block_size=bs,
+        block_lists=tables,
+    )
+    return batch, q, k_cache, v_cache, k_scr, v_scr
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_tree_joint_and_cascade_agree(window: int | None) -> None:
+    batch, q, kc, vc, ks, vs = _tree_inputs(window)
+    joint, cascade = TorchBackend(), TorchBackend()
+    joint.cascade_factor, joint.cascade_slack = 10**9, 10**9
+    cascade.cascade_factor, cascade.cascade_slack = -1, -1
+    pj = joint.plan_tree(batch, window, CPU)
+    pc = cascade.plan_tree(batch, window, CPU)
+    assert pj.cascade is None and pc.cascade is not None
+    out_j = joint.tree(pj, q, kc, vc, ks, vs, 0.3)
+    out_c = cascade.tree(pc, q, kc, vc, ks, vs, 0.3)
+    torch.testing.assert_close(out_j, out_c, rtol=1e-5, atol=1e-5)
+
+
+def test_position_uniforms_equal_fresh_generators() -> None:
+    seeds, positions = [3, 5, 7, 3], [0, 10, 99, 0]
+    for n in (1, 2):
+        for stream in (0, 1, 2):
+            fresh = uniforms([position_generator(s, p, stream) for s, p in zip(seeds, positions)], n)
+            assert torch.equal(position_uniforms(seeds, positions, n, stream), fresh)
+    assert position_uniforms([], [], 2).shape == (0, 2)
+
+
+def test_greedy_verification_does_not_depend_on_uniforms() -> None:
+    torch.manual_seed(2)
+    b, k, vocab = 6, 4, 11
+    logits = torch.randn(b, k + 1, vocab)
+    p = process_logits(logits, [0.0] * (b * (k + 1)))
+    assert torch.equal(p.sum(-1), torch.ones(b, k + 1))
+    best = logits.argmax(-1)
+    tokens = torch.where(torch.rand(b, k) < 0.6, best[:, :k], torch.randint(0, vocab, (b, k)))
+    lens = torch.tensor([4, 4, 3, 0, 2, 4])
+    ref = verify(p, tokens, None, lens, torch.rand(b, k + 1, 2, dtype=torch.float64))
+    got = verify(p, tokens, None, lens, torch.zeros(b, k + 1, 2, dtype=torch.float64))
+    assert torch.equal(ref.accepted, got.accepted) and torch.equal(ref.next_token, got.next_token)
+
+
+def test_top_set_equals_sorted_ranks() -> None:
+    """Saguaro's top-(F+1) set without a vocabulary sort, ties to the lower id."""
+    from saguaro_ray.algorithms.saguaro_sampling import top_ranks, top_set
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        shape = [(5, 13), (3, 4, 9), (7,), (16, 50)][trial % 4]
+        q = torch.randint(0, 4, shape, generator=g).float() if trial % 2 else torch.rand(shape, generator=g)
+        if trial % 3 == 0:
+            q[..., :3] = 0  # a block of tied zeros
+        f = torch.randint(0, shape[-1] + 3, shape[:-1], generator=g) if trial % 5 else torch.tensor(trial % 4)
+        ref = top_ranks(q) < (f + 1).unsqueeze(-1) if f.dim() else top_ranks(q) < f + 1
+        assert torch.equal(top_set(q, f + 1), ref), trial
