@@ -187,39 +187,52 @@ class DraftLogic(RunnerLogic):
             [items[i].step.start + len(items[i].step.new_tokens) + k for i, k, _ in branches],
             depth=depth,
         )
+        # per-branch facts, gathered once (the step loop stays free of Python per branch)
+        n = len(branches)
         b_item = [items[i] for i, _, _ in branches]
         b_len = [it.k_next for it in b_item]
-        greedy = [it.step.params.greedy for it in b_item]
+        b_params = [it.step.params for it in b_item]
+        b_seed = [it.step.seed for it in b_item]
+        # branch (k, t): t sits at output_pos + k, its j-th successor at output_pos + k + 1 + j
+        b_pos = [it.step.output_pos + k + 1 for it, (_, k, _) in zip(b_item, branches)]
+        all_greedy = all(p.greedy for p in b_params)
         cur = torch.tensor([[t] for _, _, t in branches])
-        out = torch.zeros(len(branches), depth, dtype=torch.long)
-        out_q: list[list[torch.Tensor]] = [[] for _ in branches]
+        steps: list[torch.Tensor] = []  # sampled tokens per step [N] (rows past a branch's length unused)
+        step_q: list[tuple[list[int], torch.Tensor] | None] = []  # (live rows, their q rows) per step
         step_logits = []
         for j in range(depth):
             logits = self.runner.tree_forward(tree, cur)[:, 0]
             step_logits.append(logits)
-            live = [r for r, n in enumerate(b_len) if j < n]
-            toks, q = _draw(
-                logits[live] if len(live) < len(branches) else logits,
-                [b_item[r].step.params for r in live],
-                [b_item[r].step.seed for r in live],
-                # branch (k, t): t sits at output_pos + k, its j-th successor at output_pos + k + 1 + j
-                [b_item[r].step.output_pos + branches[r][1] + 1 + j for r in live],
-                [b_item[r].fanout[j] if j < len(b_item[r].fanout) else 0 for r in live],
-                min(b_item[r].saguaro_c for r in live),
-            )
-            idx = torch.tensor(live)
-            out[idx, j] = toks
-            cur = cur.clone()
-            cur[idx, 0] = toks
-            if q is not None:
+            if all_greedy:  # every proposal is a point mass: no law to keep
+                toks = argmax_lowest(logits)
+                step_q.append(None)
+            else:
+                live = [r for r in range(n) if j < b_len[r]]
+                toks_live, q = _draw(
+                    logits[live] if len(live) < n else logits,
+                    [b_params[r] for r in live],
+                    [b_seed[r] for r in live],
+                    [b_pos[r] + j for r in live],
+                    [b_item[r].fanout[j] if j < len(b_item[r].fanout) else 0 for r in live],
+                    min(b_item[r].saguaro_c for r in live),
+                )
+                toks = cur[:, 0].clone()
+                toks[torch.tensor(live)] = toks_live
+                step_q.append(None if q is None else (live, q))
+            steps.append(toks)
+            cur = toks.unsqueeze(1)
+        tokens = torch.stack(steps, dim=1).tolist()
+        q_rows: list[list[torch.Tensor]] = [[] for _ in branches]
+        for entry in step_q:
+            if entry is not None:
+                live, q = entry
                 for pos, r in enumerate(live):
-                    if not greedy[r]:  # greedy rows are point masses
-                        out_q[r].append(q[pos])
+                    if not b_params[r].greedy:  # greedy rows are point masses
+                        q_rows[r].append(q[pos])
         self._tree, self._tree_logits = tree, step_logits
-        tokens = out.tolist()
         per_seq: dict[int, dict[tuple[int, int], Speculation]] = {}
         for r, (i, k, t) in enumerate(branches):
-            spec = Speculation(tokens=tokens[r][: b_len[r]], q=torch.stack(out_q[r]) if out_q[r] else None, branch=r)
+            spec = Speculation(tokens=tokens[r][: b_len[r]], q=torch.stack(q_rows[r]) if q_rows[r] else None, branch=r)
             per_seq.setdefault(items[i].step.seq_id, {})[(k, t)] = spec
         for seq_id, entries in per_seq.items():
             self.cache.put_round(seq_id, entries)
