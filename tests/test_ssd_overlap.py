@@ -31,11 +31,12 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("overlap_models")
     target = save_tiny_checkpoint(root, "llama", seed=3)
     # For the overlap test: big enough that one verification takes tens of
-    # milliseconds. With the tiny models a verification lasts ~1-2 ms, less
+    # milliseconds even with the packed CPU kernels (10 layers of width 512).
+    # With the tiny models a verification lasts ~1-2 ms, less
     # than one GIL switch interval (5 ms) and one OS time slice, and on a
     # loaded 2-core machine the draft's thread is often not even scheduled
     # before it ends — that measures the machine, not the engine's schedule.
-    wide = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    wide = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4)
     big = save_tiny_checkpoint(root, "llama", seed=5, **wide)
     return {
         "target": target,
