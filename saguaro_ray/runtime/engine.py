@@ -27,7 +27,7 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.target_group import kill_worker, worker_info
+from saguaro_ray.runtime.target_group import kill_worker, stop, worker_info
 from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
 from saguaro_ray.runtime.wire import new_key
 from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
@@ -102,17 +102,8 @@ class EngineHandle:
             ray.get(self.coordinator.shutdown.remote(), timeout=30)
         except Exception:  # already gone
             log.debug("coordinator shutdown failed", exc_info=True)
-        for actor in [self.coordinator, *self.workers.values()]:
-            try:
-                kill_worker(actor)
-            except Exception:
-                log.debug("kill failed", exc_info=True)
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                log.debug("placement group removal failed", exc_info=True)
-            self.pg = None
+        stop([self.coordinator, *self.workers.values()], self.pg)
+        self.pg = None
 
 
 def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:

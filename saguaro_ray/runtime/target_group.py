@@ -107,17 +107,8 @@ class TargetGroup:
         return [new[r] for r in range(self.size)]
 
     def kill(self) -> None:
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                log.debug("kill failed", exc_info=True)
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                log.debug("placement group removal failed", exc_info=True)
-            self.pg = None
+        stop(self.actors, self.pg)
+        self.pg = None
 
 
 class TargetGroupHandle(RayWorkerHandle):
@@ -149,6 +140,21 @@ def connect_worker(role: str, worker: Any, key: bytes, **kwargs: Any) -> RayWork
 
 def worker_info(worker: Any) -> dict[str, Any]:
     return worker.info() if isinstance(worker, TargetGroup) else actor_info(worker)
+
+
+def stop(workers: list[Any], pg: Any = None) -> None:
+    """Kill every worker (a rank group as a whole) for good, then free ``pg``;
+    what is already gone is skipped (shutdown must not fail half-way)."""
+    for w in workers:
+        try:
+            kill_worker(w)
+        except Exception:
+            log.debug("kill failed", exc_info=True)
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            log.debug("placement group removal failed", exc_info=True)
 
 
 def kill_worker(worker: Any) -> None:
