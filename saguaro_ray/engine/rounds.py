@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from saguaro_ray.algorithms.backup import BackupPolicy, BackupStats
-from saguaro_ray.algorithms.fanout import FanoutEstimator
+from saguaro_ray.algorithms.fanout import BudgetController, FanoutEstimator
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.engine.drafts import DraftPool
@@ -177,6 +177,7 @@ class RoundLoop:
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.fanout = FanoutEstimator()
+        self.budget = BudgetController(spec.budget)  # auto fan-outs spend what stays hidden behind verification
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
@@ -245,7 +246,7 @@ class RoundLoop:
 
     def _fanout(self, k: int, regime: bool | str, shards: int = 1) -> list[int]:
         if self.spec.fanout == "auto":
-            return self.fanout.allocation(self.spec.budget * shards, k, after_backup=regime)
+            return self.fanout.allocation(self.budget.budget * shards, k, after_backup=regime)
         return [f * shards for f in self.spec.fanout[: k + 1]]
 
     def _emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
@@ -388,7 +389,9 @@ class RoundLoop:
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
         if built:
             rec.build = (min(got[1][0] for _, got in built), max(got[1][1] for _, got in built))
-            self.backup_stats.observe_latency(t_primary=(rec.build[1] - rec.build[0]) / self._verify_seconds)
+            t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
+            self.backup_stats.observe_latency(t_primary=t_primary)
+            self.budget.observe(t_primary)
         self._emit(running, proposals, outcomes, rec)
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
