@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Sequence
+from typing import Sequence
 
 from saguaro_ray.engine.transport import WorkerGone, WorkerHandle
 
@@ -41,11 +41,10 @@ class _Draft:
 
 
 class DraftPool:
-    """Health of every draft worker; ``on_restored`` runs after a restart."""
+    """Health of every draft worker."""
 
-    def __init__(self, handles: Sequence[WorkerHandle], on_restored: Callable[[WorkerHandle], None] | None = None) -> None:
+    def __init__(self, handles: Sequence[WorkerHandle]) -> None:
         self._drafts = [_Draft(h) for h in handles]
-        self._on_restored = on_restored
         self.failures = 0
 
     def __len__(self) -> int:
@@ -81,12 +80,6 @@ class DraftPool:
                 d.gone = True
                 log.error("%s cannot be restarted; continuing without it", handle.name)
                 return
-            if self._on_restored is not None:
-                try:
-                    self._on_restored(handle)
-                except Exception:  # a failed re-join leaves it down; the next loss retries
-                    log.exception("%s restarted but could not rejoin", handle.name)
-                    return
             d.restored = True
 
         d.recovery = threading.Thread(target=recover, name=f"saguaro-recover-{handle.name}", daemon=True)

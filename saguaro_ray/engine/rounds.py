@@ -149,6 +149,11 @@ def _local(p: Proposal) -> Proposal:
     return p if p.q is None or isinstance(p.q, torch.Tensor) else Proposal(p.tokens, None, p.source)
 
 
+def _span(spans: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The time several workers' concurrent calls cover together."""
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
 def _cat_rows(parts: list[Any]) -> Any:
     """Concatenate q blocks: tensors in process, data-plane references between actors."""
     if all(isinstance(x, torch.Tensor) for x in parts):
@@ -165,13 +170,12 @@ class RoundLoop:
         max_context: int,
         draft: WorkerHandle | Sequence[WorkerHandle] | None = None,
         qualifier: WorkerHandle | None = None,
-        on_draft_restored: Callable[[WorkerHandle], None] | None = None,
         broadcast: BroadcastFn = submit_each,
     ) -> None:
         self.spec = spec
         self.target = target
         drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
-        self.drafts = DraftPool(drafts, on_draft_restored)
+        self.drafts = DraftPool(drafts)
         self.broadcast = broadcast
         self.qualifier = qualifier
         self.eos_ids = eos_ids
@@ -388,7 +392,7 @@ class RoundLoop:
         built = [(d, got) for d, got in ((d, self._draft_value(c)) for d, c in calls_b) if got is not None]
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
         if built:
-            rec.build = (min(got[1][0] for _, got in built), max(got[1][1] for _, got in built))
+            rec.build = _span([got[1] for _, got in built])
             t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
             self.backup_stats.observe_latency(t_primary=t_primary)
             self.budget.observe(t_primary)
@@ -402,7 +406,8 @@ class RoundLoop:
         keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
         share = len(built) > 1  # peers take the owner's KV delta instead of recomputing
         # the real outcomes go to every draft that built, as one broadcast
-        lookers = [d for d, _ in built if d in self.drafts.up()]
+        up = self.drafts.up()
+        lookers = [d for d, _ in built if d in up]
         futs = self.broadcast(lookers, "lookup", (keys, share)) if lookers else []
         calls_l = [(d, _Call(d, "lookup", lambda full: (keys, share), degradable=True, fut=f)) for d, f in zip(lookers, futs)]
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
@@ -413,7 +418,7 @@ class RoundLoop:
                 answers.append((d, got[0]))
                 spans.append(got[1])
         if spans:
-            rec.lookup = (min(a for a, _ in spans), max(b for _, b in spans))
+            rec.lookup = _span(spans)
         for idx, (s, p, out) in enumerate(live):
             cached, rank = None, None
             for d, res in answers:
