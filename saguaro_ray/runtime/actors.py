@@ -56,7 +56,7 @@ def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | N
     """A worker's model runner on the configured device (``tp``: one rank's slice)."""
     return ModelRunner(
         model,
-        device="cuda" if config.device == "cuda" else "cpu",
+        device=config.device,
         dtype=config.dtype,
         attention_backend=config.attention_backend,
         max_kv_tokens=config.max_kv_tokens,
@@ -73,8 +73,10 @@ class WorkerActor:
         kind = role_kind(role)
         self.role = role
         self.logic = _LOGIC[kind](self._make_runner(model, config))
-        self.routed = RoutedLogic(self.logic, "cuda" if config.device == "cuda" else "cpu", ray.util.get_node_ip_address())
-        host = ray.util.get_node_ip_address() if tcp_host == "node" else tcp_host
+        node = ray.util.get_node_ip_address()
+        # tensors to and from peers live on the device the model runs on
+        self.routed = RoutedLogic(self.logic, str(self.logic.runner.device), node)
+        host = node if tcp_host == "node" else tcp_host
         self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role)
 
     def _make_runner(self, model: str, config: EngineConfig) -> Any:
