@@ -212,7 +212,7 @@ class CoordinatorActor:
                 dst = None if role == "target" else 0 if role == "qualifier" else q_dst
                 peers = [d for d in drafts if d != rank[role]] if role.startswith("draft") else []
                 futs.append(
-                    (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers, None))
+                    (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers))
                 )
             try:
                 for role, f in futs:

@@ -40,11 +40,11 @@ class RoutedLogic:
 
     # ------------------------------------------------------------ membership
     def join_data_plane(
-        self, address: Sequence[Any], rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int], gloo_host: str | None
+        self, address: Sequence[Any], rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int]
     ) -> int:
         """Leave the current group (if any) and join ``generation``; blocks until all members joined."""
         self.leave_data_plane()
-        self.plane = DataPlane.join(address, rank, world_size, generation, self.device, gloo_host=gloo_host or self.host)
+        self.plane = DataPlane.join(address, rank, world_size, generation, self.device, gloo_host=self.host)
         self.q_dst, self.peers = q_dst, list(peers)
         return rank
 
