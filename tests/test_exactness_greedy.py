@@ -478,3 +478,29 @@ def test_draft_records_q_rows_only_for_sampled_sequences(tmp_path):
             assert spec.q is None and len(spec.tokens) == 3
         else:
             assert spec.q is not None and spec.q.shape[0] == len(spec.tokens) == 1
+
+
+def test_lookup_for_another_round_than_the_built_one_misses(tmp_path):
+    """The round loop sends a lookup without waiting for its build (the draft
+    runs them in order); if a lookup ever reaches the draft before its round's
+    build — a build re-sent after a restart, or one that failed — it must not
+    serve the previous round's speculations: it answers misses, which are
+    always exact, and commits nothing."""
+    from saguaro_ray.config import SamplingParams
+    from saguaro_ray.workers.draft import DraftLogic
+    from saguaro_ray.workers.messages import BuildItem, Proposal, SeqStep
+    from saguaro_ray.workers.runner import ModelRunner
+
+    ckpt = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
+    draft = DraftLogic(ModelRunner(str(ckpt)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=50)
+    draft.prefill([SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0)])
+    draft.build([BuildItem(SeqStep(1, 3, [9], greedy, 0, 1), Proposal([11, 12]), [2, 1, 1], 2)], round_id=7)
+    keys = [(1, k, t) for (k, t) in draft.cache.keys(1)]
+    assert keys
+    stale = draft.lookup(keys[:1], round_id=6)
+    assert stale[0].proposal is None and stale[0].rank is None
+    assert 1 not in draft._own  # no hit's branch was committed
+    served = draft.lookup(keys[:1], round_id=7)
+    assert served[0].proposal is not None and served[0].proposal.source == "cache"
+    assert 1 in draft._own  # the hit's branch is now part of the sequence

@@ -125,6 +125,20 @@ def test_fit_power_law_exact_tail():
     assert fit_power_law([1, 1, 2], 8) is None  # too few tail observations
 
 
+def test_estimator_keeps_its_rank_tail_in_step_with_the_history():
+    # the estimator counts tails as ranks arrive and leave the history window;
+    # its r must equal a fresh fit of exactly the ranks it still holds
+    est = FanoutEstimator(max_history=300)
+    rng = random.Random(7)
+    for i in range(1000):
+        est.observe(0, 4, 1 + int(rng.paretovariate(0.9)))
+        if i in (60, 299, 300, 301, 999):
+            held = list(est._ranks)
+            assert len(held) == min(i + 1, 300)
+            expect = fit_power_law(held, est.f_max)
+            assert est.r == pytest.approx(min(max(expect, est.r_min), est.r_max), rel=1e-12)
+
+
 def test_backup_regimes_are_tracked_separately():
     est = FanoutEstimator()
     _synthetic_rounds(est, 2000, 0.8, 1.0, k_max=4, seed=1)

@@ -84,6 +84,9 @@ class DraftLogic(RunnerLogic):
         # per sequence: the KV delta of the hit this draft served (already in its cache)
         self._own: dict[int, Extension] = {}
         self.glue_tokens = 0  # tokens forwarded to build glue rows (recomputation avoided by KV deltas is not counted)
+        # the round whose build the cache holds (None: none complete); a lookup names the
+        # round it expects, since it may be sent before that round's build is done
+        self._round: int | None = None
 
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
@@ -151,8 +154,10 @@ class DraftLogic(RunnerLogic):
             return None, known
         return SeqStep(seq, ext.start + m, glue[m:], st.params, st.seed, st.output_pos, []), known
 
-    def build(self, items: Sequence[BuildItem]) -> dict[str, int]:
-        """Pre-compute next round's speculation for the likely outcomes (SSD)."""
+    def build(self, items: Sequence[BuildItem], round_id: int | None = None) -> dict[str, int]:
+        """Pre-compute next round's speculation for the likely outcomes (SSD).
+        ``round_id`` names the round for :meth:`lookup`'s check."""
+        self._round = None  # until this build is complete
         plans = [self._glue_plan(it) for it in items]
         fwd = [(i, st) for i, (st, _) in enumerate(plans) if st is not None]
         n_rows = [len(it.proposal.tokens) + 1 for it in items]
@@ -179,6 +184,7 @@ class DraftLogic(RunnerLogic):
                         branches.append((i, k, ranking[k][j]))
         self._tree, self._tree_logits = None, []
         if not branches:
+            self._round = round_id
             return {"branches": 0}
         # -- one batched shared-prefix tree decode over all branches
         depth = max(items[i].k_next for i, _, _ in branches)
@@ -236,10 +242,11 @@ class DraftLogic(RunnerLogic):
             per_seq.setdefault(items[i].step.seq_id, {})[(k, t)] = spec
         for seq_id, entries in per_seq.items():
             self.cache.put_round(seq_id, entries)
+        self._round = round_id
         return {"branches": len(branches)}
 
     # ------------------------------------------------------------- lookup
-    def lookup(self, keys: Sequence[tuple[int, int, int]], share_kv: bool = False) -> list[LookupResult]:
+    def lookup(self, keys: Sequence[tuple[int, int, int]], share_kv: bool = False, round_id: int | None = None) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
 
         Per key: the proposal (None on a miss), the 1-based rank of t* in the
@@ -247,7 +254,13 @@ class DraftLogic(RunnerLogic):
         observation the fan-out estimator fits its power law to — and, on a
         hit, the KV delta: the branch's K/V becomes part of this draft's cache
         at once (so the next build forwards at most one glue token), and with
-        ``share_kv`` a copy is returned for peer drafts."""
+        ``share_kv`` a copy is returned for peer drafts.
+
+        A ``round_id`` other than the latest complete build's (the lookup
+        overtook a re-sent build, or that build failed) gets misses: the cache
+        holds another round's speculations."""
+        if round_id is not None and round_id != self._round:
+            return [LookupResult(None, None) for _ in keys]
         out: list[LookupResult] = []
         for seq_id, k, t in keys:
             spec = self.cache.lookup(seq_id, k, t)

@@ -17,6 +17,7 @@ Speculative Decoding, Theorem 12):
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,22 +113,23 @@ def fit_power_law(ranks: list[int] | torch.Tensor, f_max: int, min_tail: int = 5
     allocation. Returns None when fewer than two usable points exist.
     """
     x = torch.as_tensor(ranks, dtype=torch.float64).reshape(-1)
-    n = x.numel()
-    if n == 0:
-        return None
     fs = torch.arange(1, f_max + 1, dtype=torch.float64)
-    tail = (x.unsqueeze(0) > fs.unsqueeze(1)).sum(1)
-    use = tail >= min_tail
-    if int(use.sum()) < 2:
+    return fit_power_law_tail((x.unsqueeze(0) > fs.unsqueeze(1)).sum(1).tolist(), x.numel(), min_tail)
+
+
+def fit_power_law_tail(tail: list[int], n: int, min_tail: int = 5) -> float | None:
+    """:func:`fit_power_law` from the tail counts: ``tail[F-1]`` observations
+    of ``n`` exceed F, for F = 1..len(tail) (what an estimator keeps up to
+    date as ranks arrive, so a fit costs O(f_max), not O(history))."""
+    pts = [(math.log(f), math.log(c / n)) for f, c in enumerate(tail, start=1) if c >= min_tail]
+    if n == 0 or len(pts) < 2:
         return None
-    lx = fs[use].log()
-    ly = (tail[use].double() / n).log()
-    lx_c = lx - lx.mean()
-    denom = float((lx_c * lx_c).sum())
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    denom = sum((x - mx) ** 2 for x, _ in pts)
     if denom <= 0:
         return None
-    slope = float((lx_c * (ly - ly.mean())).sum()) / denom
-    return -slope
+    return -sum((x - mx) * (y - my) for x, y in pts) / denom
 
 
 @dataclass
@@ -178,7 +180,8 @@ class FanoutEstimator:
     r_max: float = 8.0
     max_history: int = 20000
     _rates: dict[str, _Rate] = field(default_factory=dict, repr=False)
-    _ranks: list[int] = field(default_factory=list, repr=False)
+    _ranks: deque[int] = field(default_factory=deque, repr=False)  # the latest max_history ranks
+    _tail: list[int] = field(default_factory=list, repr=False)  # _tail[F-1]: how many of them exceed F
     _hits: int = 0
     _hit_rounds: int = 0
     _r_cache: float | None = field(default=None, repr=False)
@@ -221,13 +224,20 @@ class FanoutEstimator:
         if recovery_rank is not None:
             if recovery_rank < 1:
                 raise ValueError(f"recovery_rank is 1-based, got {recovery_rank}")
+            self._count_rank(int(recovery_rank), +1)
             self._ranks.append(int(recovery_rank))
             if len(self._ranks) > self.max_history:
-                del self._ranks[: len(self._ranks) - self.max_history]
+                self._count_rank(self._ranks.popleft(), -1)
             self._r_cache = None
         if hit is not None:
             self._hits += int(bool(hit))
             self._hit_rounds += 1
+
+    def _count_rank(self, rank: int, delta: int) -> None:
+        if len(self._tail) != self.f_max:
+            self._tail = [0] * self.f_max
+        for f in range(min(rank - 1, self.f_max)):  # rank exceeds F = 1..rank-1
+            self._tail[f] += delta
 
     def accept_rate_for(self, after_backup: bool | str = False) -> float:
         """Estimated per-position acceptance rate for a regime."""
@@ -244,7 +254,7 @@ class FanoutEstimator:
         if self._r_cache is None:
             fit = None
             if len(self._ranks) >= self.min_rank_obs:
-                fit = fit_power_law(self._ranks, self.f_max)
+                fit = fit_power_law_tail(self._tail, len(self._ranks))
             r = self.prior_r if fit is None or not math.isfinite(fit) else fit
             self._r_cache = min(max(r, self.r_min), self.r_max)
         return self._r_cache

@@ -383,33 +383,39 @@ class RoundLoop:
                     )
                     for s, p, f, k, e in zip(running, proposals, fanouts, ks, exts)
                 ],
+                rec.index,
             )
 
         calls_b = [
-            (d, self._draft_call("build", lambda full, i=i, d=d: build_items(full, i, d), d)) for i, d in enumerate(builders)
+            (d, c)
+            for d, c in ((d, self._draft_call("build", lambda full, i=i, d=d: build_items(full, i, d), d)) for i, d in enumerate(builders))
+            if c is not None
         ]
         outcomes, rec.verify = call_v.value()
-        built = [(d, got) for d, got in ((d, self._draft_value(c)) for d, c in calls_b) if got is not None]
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
+        self._emit(running, proposals, outcomes, rec)
+        live = [(s, p, out) for s, p, out in zip(running, proposals, outcomes) if not s.finished]
+        # The real outcomes go to every draft that is building, as one broadcast,
+        # without waiting for the builds: each draft runs the lookup right after
+        # its build (in order on its command socket), so a build that outlives
+        # verification costs no extra control round trip. The round id makes a
+        # lookup that overtook its build (a re-sent build) answer misses.
+        keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
+        share = len(calls_b) > 1  # peers take the owner's KV delta instead of recomputing
+        lookers = [d for d, _ in calls_b]
+        futs = self.broadcast(lookers, "lookup", (keys, share, rec.index)) if live and lookers else []
+        calls_l = [(d, _Call(d, "lookup", lambda full: (keys, share, rec.index), degradable=True, fut=f)) for d, f in zip(lookers, futs)]
+        built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
-            rec.build = _span([got[1] for _, got in built])
+            rec.build = _span([span for _, span in built])
             t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
             self.backup_stats.observe_latency(t_primary=t_primary)
             self.budget.observe(t_primary)
-        self._emit(running, proposals, outcomes, rec)
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
             self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else p.source)
-        live = [(s, p, out) for s, p, out in zip(running, proposals, outcomes) if not s.finished]
         if not live:
             return
-        keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
-        share = len(built) > 1  # peers take the owner's KV delta instead of recomputing
-        # the real outcomes go to every draft that built, as one broadcast
-        up = self.drafts.up()
-        lookers = [d for d, _ in built if d in up]
-        futs = self.broadcast(lookers, "lookup", (keys, share)) if lookers else []
-        calls_l = [(d, _Call(d, "lookup", lambda full: (keys, share), degradable=True, fut=f)) for d, f in zip(lookers, futs)]
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
         spans = []
         for d, c in calls_l:

@@ -79,11 +79,11 @@ class RoutedLogic:
     def propose(self, *args: Any) -> Any:
         return self._out_q(self.logic.propose(*args))
 
-    def build(self, items: Any) -> Any:
-        return self.logic.build(self._in(items))
+    def build(self, items: Any, round_id: int | None = None) -> Any:
+        return self.logic.build(self._in(items), round_id)
 
-    def lookup(self, keys: Any, share_kv: bool = False) -> Any:
-        out = self._out_q(self.logic.lookup(keys, share_kv))
+    def lookup(self, keys: Any, share_kv: bool = False, round_id: int | None = None) -> Any:
+        out = self._out_q(self.logic.lookup(keys, share_kv, round_id))
         if self.plane is not None and share_kv:
             out = offload_kv(out, self.plane, self.peers)
         return out
