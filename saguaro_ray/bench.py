@@ -370,25 +370,14 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     ]
     if "ray" in args.runtimes:
         _start_ray_for(args, [(mode, nd) for runtime, mode, nd in plan if runtime == "ray"])
-    runners: list[_Runner] = []
-    try:
-        for runtime, mode, nd in plan:
-            runners.append(_Runner(mode, runtime, nd, args))
-        for r in runners:  # warm-up: first-call allocations and lazy imports
-            r.run(prompts[:1], 0.0, 8, 0)
-        total = len(args.batch_sizes) * len(args.temperatures) * args.repeats * len(runners)
-        runs: list[RunResult] = []
-        with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
-            for b in args.batch_sizes:
-                for t in args.temperatures:
-                    for rep in range(args.repeats):
-                        for r in runners:  # interleaved: A B C A B C ...
-                            # every batch size sees the same prompts: ceil(P / b) generate calls of b
-                            runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
-                            bar.update(1)
-    finally:
-        for r in runners:
-            r.close()
+    total = len(args.batch_sizes) * len(args.temperatures) * args.repeats * len(plan)
+    runs: list[RunResult] = []
+    with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
+        # One runtime's engines at a time: modes are compared within a runtime,
+        # and engines left idle still cost a small machine (their processes and
+        # threads wake up to poll), so only the engines being compared are alive.
+        for runtime in args.runtimes:
+            runs += _run_group(args, [(m, nd) for rt, m, nd in plan if rt == runtime], runtime, prompts, bar)
     models = {"target": args.target, "draft": args.draft} | ({"qualifier": args.qualifier} if args.qualifier else {})
     return {
         "machine": machine_info(args),
@@ -397,6 +386,28 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         "results": summarise(runs),
         "timeline_sample": _timeline_sample(runs),
     }
+
+
+def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
+    """Every setting over one runtime's engines, interleaved (A B C A B C …)."""
+    runners: list[_Runner] = []
+    runs: list[RunResult] = []
+    try:
+        for mode, nd in engines:
+            runners.append(_Runner(mode, runtime, nd, args))
+        for r in runners:  # warm-up: first-call allocations and lazy imports
+            r.run(prompts[:1], 0.0, 8, 0)
+        for b in args.batch_sizes:
+            for t in args.temperatures:
+                for rep in range(args.repeats):
+                    for r in runners:
+                        # every batch size sees the same prompts: ceil(P / b) generate calls of b
+                        runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
+                        bar.update(1)
+    finally:
+        for r in runners:
+            r.close()
+    return runs
 
 
 def _start_ray_for(args: BenchArgs, engines: list[tuple[str, int]]) -> None:
