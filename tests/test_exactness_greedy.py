@@ -258,6 +258,11 @@ def test_ssd_zero_fanout_never_hits(models, ref, k, draft):
         assert all(r.stats["cache_hit_rate"] == 0.0 for r in res)
         if draft == "perfect":
             assert all(r.stats["mean_accepted"] >= k - 0.5 for r in res)
+        # the only draft drafts each miss's backup inside the lookup: a separate
+        # propose call is left only for a newly admitted sequence's first round
+        recs = list(eng.timeline)
+        assert sum(1 for r in recs if not r.prefill and r.draft is not None) <= sum(r.prefill for r in recs)
+        assert sum(1 for r in recs if r.backup == "neural" and r.draft is None) >= len(recs) // 2
     finally:
         eng.close()
 

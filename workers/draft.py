@@ -33,7 +33,7 @@ from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, position_uniforms, process_logits, sample_from
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, Proposal, SeqStep
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, Proposal, SeqStep
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
 
@@ -87,6 +87,7 @@ class DraftLogic(RunnerLogic):
         # the round whose build the cache holds (None: none complete); a lookup names the
         # round it expects, since it may be sent before that round's build is done
         self._round: int | None = None
+        self._items: dict[int, BuildItem] = {}  # that build's item per sequence (a miss's backup starts from it)
 
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
@@ -158,6 +159,7 @@ class DraftLogic(RunnerLogic):
         """Pre-compute next round's speculation for the likely outcomes (SSD).
         ``round_id`` names the round for :meth:`lookup`'s check."""
         self._round = None  # until this build is complete
+        self._items = {it.step.seq_id: it for it in items}
         plans = [self._glue_plan(it) for it in items]
         fwd = [(i, st) for i, (st, _) in enumerate(plans) if st is not None]
         n_rows = [len(it.proposal.tokens) + 1 for it in items]
@@ -246,7 +248,13 @@ class DraftLogic(RunnerLogic):
         return {"branches": len(branches)}
 
     # ------------------------------------------------------------- lookup
-    def lookup(self, keys: Sequence[tuple[int, int, int]], share_kv: bool = False, round_id: int | None = None) -> list[LookupResult]:
+    def lookup(
+        self,
+        keys: Sequence[tuple[int, int, int]],
+        share_kv: bool = False,
+        round_id: int | None = None,
+        backups: Sequence[tuple[int, list[int]] | None] | None = None,
+    ) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
 
         Per key: the proposal (None on a miss), the 1-based rank of t* in the
@@ -256,9 +264,15 @@ class DraftLogic(RunnerLogic):
         at once (so the next build forwards at most one glue token), and with
         ``share_kv`` a copy is returned for peer drafts.
 
+        ``backups[i] = (K, fan-out)`` asks for the neural backup on a miss of
+        key i: K draft tokens from the real outcome, drawn exactly as
+        :meth:`propose` would for the next round's step, in this same call —
+        the round loop's only draft, which knows a miss is a miss, saves the
+        round trip a separate ``propose`` costs.
+
         A ``round_id`` other than the latest complete build's (the lookup
-        overtook a re-sent build, or that build failed) gets misses: the cache
-        holds another round's speculations."""
+        overtook a re-sent build, or that build failed) gets misses and no
+        backups: the cache holds another round's speculations."""
         if round_id is not None and round_id != self._round:
             return [LookupResult(None, None) for _ in keys]
         out: list[LookupResult] = []
@@ -272,7 +286,27 @@ class DraftLogic(RunnerLogic):
                 continue
             ext = self._commit_hit(seq_id, t, spec, share_kv)
             out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext if share_kv else None))
+        todo = [i for i, r in enumerate(out) if r.proposal is None and backups is not None and backups[i] is not None and keys[i][0] in self._items]
+        if todo:
+            steps = [self._next_step(*keys[i]) for i in todo]
+            got = self.propose(
+                steps,
+                [backups[i][0] for i in todo],
+                min(self._items[keys[i][0]].saguaro_c for i in todo),
+                [backups[i][1] for i in todo],
+            )
+            for i, p in zip(todo, got):
+                out[i] = replace(out[i], backup=replace(p, source="neural"))
         return out
+
+    def _next_step(self, seq_id: int, k: int, t: int) -> SeqStep:
+        """The step the round loop would send next for outcome (k, t) of the
+        latest build: its proposal's first k tokens accepted, t emitted."""
+        it = self._items[seq_id]
+        st = it.step
+        held = list(st.new_tokens) + list(it.proposal.tokens[:k])
+        recent = (list(st.recent) + held)[-RECENT_TOKENS:]
+        return SeqStep(seq_id, st.start + len(held), [t], st.params, st.seed, st.output_pos + k + 1, recent)
 
     def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> Extension | None:
         """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's cache."""
@@ -293,3 +327,4 @@ class DraftLogic(RunnerLogic):
             self.cache.drop(s)
             self._rankings.pop(s, None)
             self._own.pop(s, None)
+            self._items.pop(s, None)

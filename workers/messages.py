@@ -18,6 +18,8 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 
+RECENT_TOKENS = 4  # committed tokens each step repeats so a worker one token behind can catch up
+
 
 @dataclass
 class SeqStep:
@@ -134,12 +136,14 @@ class BuildItem:
 class LookupResult:
     """A draft's answer for one real outcome: the cached speculation (None on
     a miss here), the rank of t* in the draft's ranking of row k (for fitting
-    the fan-out; None if not within the kept depth), and on a hit the KV
-    delta peers append (see :class:`Extension`)."""
+    the fan-out; None if not within the kept depth), on a hit the KV delta
+    peers append (see :class:`Extension`), and on a miss the neural backup
+    speculation drafted from the real outcome when the lookup asked for one."""
 
     proposal: Proposal | None
     rank: int | None
     extension: Extension | None = None
+    backup: Proposal | None = None
 
 
 @dataclass

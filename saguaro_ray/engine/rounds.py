@@ -38,6 +38,7 @@ from saguaro_ray.engine.drafts import DraftPool
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerHandle, WorkerLost
 from saguaro_ray.workers.messages import (
+    RECENT_TOKENS,
     BuildItem,
     Extension,
     LookupResult,
@@ -53,7 +54,6 @@ from saguaro_ray.workers.messages import (
 log = logging.getLogger(__name__)
 
 TIMELINE_ROUNDS = 100_000  # rounds of history kept for benchmarks and debugging
-RECENT_TOKENS = 4  # committed tokens each step repeats so a worker one token behind can catch up
 
 
 @dataclass
@@ -403,8 +403,10 @@ class RoundLoop:
         keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
         share = len(calls_b) > 1  # peers take the owner's KV delta instead of recomputing
         lookers = [d for d, _ in calls_b]
-        futs = self.broadcast(lookers, "lookup", (keys, share, rec.index)) if live and lookers else []
-        calls_l = [(d, _Call(d, "lookup", lambda full: (keys, share, rec.index), degradable=True, fut=f)) for d, f in zip(lookers, futs)]
+        backups = self._lookup_backups([s for s, _, _ in live], len(running)) if len(lookers) == 1 else None
+        args_l = (keys, share, rec.index, backups)
+        futs = self.broadcast(lookers, "lookup", args_l) if live and lookers else []
+        calls_l = [(d, _Call(d, "lookup", lambda full: args_l, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
             rec.build = _span([span for _, span in built])
@@ -425,11 +427,13 @@ class RoundLoop:
                 spans.append(got[1])
         if spans:
             rec.lookup = _span(spans)
+        drafted = False
         for idx, (s, p, out) in enumerate(live):
-            cached, rank = None, None
+            cached, rank, backup = None, None, None
             for d, res in answers:
                 r = res[idx]
                 rank = r.rank if rank is None else rank
+                backup = backup or r.backup
                 if cached is None and r.proposal is not None:
                     cached = r.proposal
                     if r.extension is not None:
@@ -440,7 +444,24 @@ class RoundLoop:
             s.hits += int(hit)
             rec.hits += int(hit)
             rec.misses += int(not hit)
-            s.proposal = cached
+            if backup is None and backups is not None and backups[idx] is None:
+                backup = Proposal([], None, "neural")  # nothing left worth drafting
+            s.proposal = cached or backup  # neither: next round's backup serves it
+            drafted = drafted or (not hit and backup is not None)
+        if drafted and rec.lookup is not None:  # this lookup drafted neural backups for its misses
+            rec.backup = "neural"
+            self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
+
+    def _lookup_backups(self, seqs: list[SequenceState], batch_size: int) -> list[tuple[int, list[int]] | None] | None:
+        """What a lookup by the only draft should draft on a miss: per sequence
+        (K, fan-out) of the neural backup for its next round (None: nothing to
+        draft), or None when the backup policy picks the fast backup. A single
+        draft knows a miss is a miss, so it drafts the backup in the same call;
+        with several, a miss at one may be another's hit."""
+        if self.backup_policy.choose(batch_size, self.backup_stats) != "neural":
+            return None
+        ks = [self.spec_len(s, self.spec.k) for s in seqs]
+        return [(k, self._fanout(k, "neural")) if k > 0 else None for k in ks]
 
     def _backup(self, seqs: list[SequenceState], rec: RoundRecord, batch_size: int) -> None:
         """Serve misses; ``auto`` weighs the backups at the live batch size
