@@ -217,14 +217,14 @@ def _argmax_choice(stats: BackupStats, b: int) -> str:
 
 
 def test_auto_policy_is_argmax_of_expected_speedup():
-    policy = BackupPolicy("auto")
+    policy = BackupPolicy("auto", explore_every=0)
     for p_hit, t_neural, e_neural, b in itertools.product((0.5, 0.8, 0.95), (0.2, 0.6, 2.0), (1.5, 3.5), (1, 2, 4, 16, 64)):
         stats = BackupStats(p_hit=p_hit, e_hit=4.0, e_miss_neural=e_neural, e_miss_fast=1.05, t_neural=t_neural, t_fast=0.02)
         assert policy.choose(b, stats) == _argmax_choice(stats, b)
 
 
 def test_auto_policy_small_batch_neural_large_batch_fast():
-    policy = BackupPolicy("auto")
+    policy = BackupPolicy("auto", explore_every=0)
     small = BackupStats(p_hit=0.9, e_hit=4.0, e_miss_neural=3.5, e_miss_fast=1.05, t_neural=0.3, t_fast=0.0)
     assert policy.choose(1, small) == "neural" == _argmax_choice(small, 1)
     big = BackupStats(p_hit=0.8, e_hit=4.0, e_miss_neural=3.0, e_miss_fast=1.05, t_neural=2.0, t_fast=0.0)
@@ -233,6 +233,21 @@ def test_auto_policy_small_batch_neural_large_batch_fast():
     assert BackupPolicy("fast").choose(1, small) == "fast"
     with pytest.raises(ConfigError, match="backup must be one of"):
         BackupPolicy("random")
+
+
+def test_auto_policy_explores_the_losing_backup_once_per_window():
+    # without exploration a backup that lost once keeps its stale estimates forever
+    stats = BackupStats(p_hit=0.5, e_hit=3.0, e_miss_neural=1.5, e_miss_fast=2.5, t_neural=0.5, t_fast=0.0)
+    policy = BackupPolicy("auto", explore_every=10)
+    picks = [policy.choose(1, stats) for _ in range(100)]
+    assert picks.count("neural") == 10
+    assert all(picks[i] == "neural" for i in range(9, 100, 10))
+    # and once the tried kind measures better, the argmax follows it
+    stats.e_miss_neural = 4.5
+    assert policy.choose(1, stats) == "neural"
+    assert BackupPolicy("fast", explore_every=10).choose(1, stats) == "fast"  # fixed modes never explore
+    with pytest.raises(ConfigError, match="explore_every"):
+        BackupPolicy("auto", explore_every=1)
 
 
 def test_backup_stats_updates():

@@ -107,17 +107,36 @@ class BackupStats:
 
 
 class BackupPolicy:
-    """Which backup serves this round's misses: fixed, or ``auto`` by expected speedup."""
+    """Which backup serves this round's misses: fixed, or ``auto`` by expected speedup.
 
-    def __init__(self, mode: str = "auto") -> None:
+    ``auto`` also explores: after ``explore_every - 1`` decisions in a row for
+    one kind it picks the other kind once. The estimates of a kind only move
+    when its speculations are verified, so without this a kind that lost once
+    would be judged forever by stale numbers — e.g. the point-mass guess wins
+    on repetitive greedy text, the workload turns to sampling, and the neural
+    backup's old, lower E would never be revisited. Either kind is exact, so
+    exploring costs speed only, at most 1 round in ``explore_every``
+    (0 disables it)."""
+
+    def __init__(self, mode: str = "auto", explore_every: int = 10) -> None:
         if mode not in BACKUP_MODES:
             raise ConfigError(f"backup must be one of {', '.join(BACKUP_MODES)}; got {mode!r}")
+        if explore_every < 0 or explore_every == 1:
+            raise ConfigError(f"explore_every must be 0 (off) or at least 2, got {explore_every!r}")
         self.mode = mode
+        self.explore_every = explore_every
+        self._last: BackupKind | None = None
+        self._streak = 0
 
     def choose(self, batch_size: int, stats: BackupStats) -> BackupKind:
-        """``neural`` or ``fast``; ``auto`` takes the larger expected speedup (ties: neural)."""
+        """``neural`` or ``fast``; ``auto`` takes the larger expected speedup (ties: neural), exploring as above."""
         if self.mode != "auto":
             return self.mode  # type: ignore[return-value]
         neural = stats.speedup("neural", batch_size)
         fast = stats.speedup("fast", batch_size)
-        return "fast" if fast > neural else "neural"
+        kind: BackupKind = "fast" if fast > neural else "neural"
+        if self.explore_every and kind == self._last and self._streak >= self.explore_every - 1:
+            kind = "neural" if kind == "fast" else "fast"
+        self._streak = self._streak + 1 if kind == self._last else 1
+        self._last = kind
+        return kind
