@@ -357,7 +357,7 @@ class RoundLoop:
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
         need = [s for s in running if s.proposal is None]
         if need:  # the first round, or misses: the backup speculator serves them
-            self._backup(need, rec, batch_size=len(running))
+            rec.backup, rec.draft = self._backup(need, len(running))
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
         call_v = self._verify(running, proposals)
@@ -403,7 +403,9 @@ class RoundLoop:
         keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
         share = len(calls_b) > 1  # peers take the owner's KV delta instead of recomputing
         lookers = [d for d, _ in calls_b]
-        backups = self._lookup_backups([s for s, _, _ in live], len(running)) if len(lookers) == 1 else None
+        # one backup decision per round, for this round's misses
+        kind = self._backup_kind(len(running))
+        backups = self._lookup_backups([s for s, _, _ in live]) if kind == "neural" and len(lookers) == 1 else None
         args_l = (keys, share, rec.index, backups)
         futs = self.broadcast(lookers, "lookup", args_l) if live and lookers else []
         calls_l = [(d, _Call(d, "lookup", lambda full: args_l, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
@@ -451,22 +453,29 @@ class RoundLoop:
         if drafted and rec.lookup is not None:  # this lookup drafted neural backups for its misses
             rec.backup = "neural"
             self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
+        missed = [s for s, _, _ in live if s.proposal is None]
+        if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
+            rec.backup, span = self._backup(missed, len(running), kind)
+            rec.lookup = (rec.lookup[0] if rec.lookup else span[0], span[1])  # next proposals ready
 
-    def _lookup_backups(self, seqs: list[SequenceState], batch_size: int) -> list[tuple[int, list[int]] | None] | None:
-        """What a lookup by the only draft should draft on a miss: per sequence
-        (K, fan-out) of the neural backup for its next round (None: nothing to
-        draft), or None when the backup policy picks the fast backup. A single
-        draft knows a miss is a miss, so it drafts the backup in the same call;
-        with several, a miss at one may be another's hit."""
-        if self.backup_policy.choose(batch_size, self.backup_stats) != "neural":
-            return None
+    def _backup_kind(self, batch_size: int) -> str:
+        """``auto`` weighs the backups at the live batch size (a batch of b
+        hits fully only with probability p_hit^b); without a draft: fast."""
+        return self.backup_policy.choose(batch_size, self.backup_stats) if self.drafts.primary is not None else "fast"
+
+    def _lookup_backups(self, seqs: list[SequenceState]) -> list[tuple[int, list[int]] | None]:
+        """What a lookup by the only draft drafts on a miss: per sequence (K,
+        fan-out) of the neural backup for its next round (None: nothing to
+        draft). A single draft knows a miss is a miss, so it drafts the backup
+        in the same call; with several, a miss at one may be another's hit."""
         ks = [self.spec_len(s, self.spec.k) for s in seqs]
         return [(k, self._fanout(k, "neural")) if k > 0 else None for k in ks]
 
-    def _backup(self, seqs: list[SequenceState], rec: RoundRecord, batch_size: int) -> None:
-        """Serve misses; ``auto`` weighs the backups at the live batch size
-        (a batch of b hits fully only with probability p_hit^b)."""
-        kind = self.backup_policy.choose(batch_size, self.backup_stats) if self.drafts.primary is not None else "fast"
+    def _backup(self, seqs: list[SequenceState], batch_size: int, kind: str | None = None) -> tuple[str, tuple[float, float]]:
+        """Give ``seqs`` (no speculation yet, or a miss) a backup speculation
+        of ``kind`` (default: the policy's choice now); returns the kind
+        served and the drafting span."""
+        kind = kind or self._backup_kind(batch_size)
         ks = [self.spec_len(s, self.spec.k) for s in seqs]
         t0 = time.perf_counter()
         got = None
@@ -482,10 +491,10 @@ class RoundLoop:
         else:
             proposals, span = got
             self.backup_stats.observe_latency(t_neural=(span[1] - span[0]) / self._verify_seconds)
-        rec.backup, rec.draft = kind, span
         for s, p in zip(seqs, proposals):
             p.source = kind
             s.proposal = p
+        return kind, span
 
     # ------------------------------------------------------------ pyramid
     def _round_pyramid(self, running: list[SequenceState], rec: RoundRecord) -> None:
