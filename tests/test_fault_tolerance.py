@@ -105,7 +105,12 @@ def test_killing_one_of_two_drafts_keeps_tokens_and_rebuilds_the_data_plane(ray_
         tokens, old_pid = _kill_mid_stream(handle, "draft1")
         assert tokens == reference
         deadline = time.monotonic() + 120
-        while handle.worker_info()["draft1"]["data_plane"] is None or handle.metrics()["data_plane_generation"] <= generation:
+        # rebuilt group, and the round loop uses the restarted draft again
+        while (
+            handle.worker_info()["draft1"]["data_plane"] is None
+            or handle.metrics()["data_plane_generation"] <= generation
+            or handle.metrics()["drafts_up"] < 2
+        ):
             assert time.monotonic() < deadline, "the data plane was never rebuilt"
             time.sleep(0.2)
         assert handle.worker_info()["draft1"]["pid"] != old_pid

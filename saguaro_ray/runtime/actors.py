@@ -245,6 +245,7 @@ class CoordinatorActor:
             "restarts": {role: c.restarts for role, c in self.clients.items()},
             "draft_failures": self.loop.draft_failures,
             "draft_up": self.loop.draft_up,
+            "drafts_up": len(self.loop.drafts.up()),
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
             "data_plane_generation": self.data_plane_generation,
