@@ -79,10 +79,12 @@ def round_components(r: dict[str, Any]) -> dict[str, float]:
     verify = _span(r.get("verify"))
     build = _span(r.get("build"))
     draft = _span(r.get("draft"))
+    after = _span(r.get("miss_backup"))
     lookup = _span(r.get("lookup"))
     v = verify[1] - verify[0] if verify else 0.0
-    busy = (build[1] - build[0] if build else 0.0) + (draft[1] - draft[0] if draft else 0.0)
-    exposed = draft[1] - draft[0] if draft else 0.0  # sequential drafting before verification
+    drafted = (draft[1] - draft[0] if draft else 0.0) + (after[1] - after[0] if after else 0.0)
+    busy = (build[1] - build[0] if build else 0.0) + drafted
+    exposed = drafted  # sequential drafting before verification, or for misses after the lookup
     if build and verify:
         exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
     lk = lookup[1] - lookup[0] if lookup else 0.0
@@ -254,6 +256,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
                 **_control_quantiles(rs),
+                "hops_ms": _hops(rs),
                 "repeats": len(rs),
             }
         )
@@ -262,6 +265,33 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
             ref = [x for x in entries if x["mode"] == base and x["runtime"] == e["runtime"] and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
             e[f"speedup_vs_{base}"] = e["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
     return entries
+
+
+def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
+    """Median milliseconds of each control-plane hop of a decode round: the
+    verification call reaching the target (``send``) and its result reaching
+    the round loop (``reply``); for SSD also the round loop's bookkeeping before
+    the lookup leaves, the lookup reaching the draft (after its build), and its
+    answer coming back; ``between`` is from a round's last result to the next
+    round's verification call. Worker spans are on the coordinator's clock."""
+    xs: dict[str, list[float]] = {k: [] for k in ("send", "reply", "bookkeeping", "lookup_send", "lookup_reply", "between")}
+    for r in rs:
+        prev = None
+        for rd in r.rounds:
+            if rd.get("prefill") or rd.get("sent") is None or rd.get("verify") is None:
+                prev = None
+                continue
+            xs["send"].append(rd["verify"][0] - rd["sent"])
+            xs["reply"].append(rd["back"] - rd["verify"][1])
+            if rd.get("lookup_sent") is not None and rd.get("lookup_back") is not None:
+                ready = max(rd["lookup_sent"], rd["build"][1]) if rd.get("build") else rd["lookup_sent"]
+                xs["bookkeeping"].append(rd["lookup_sent"] - rd["back"])
+                xs["lookup_send"].append(rd["lookup"][0] - ready)
+                xs["lookup_reply"].append(rd["lookup_back"] - rd["lookup"][1])
+            if prev is not None and rd["index"] == prev["index"] + 1:
+                xs["between"].append(rd["sent"] - (prev.get("lookup_back") or prev["back"]))
+            prev = rd
+    return {k: 1000 * statistics.median(v) if v else None for k, v in xs.items()}
 
 
 def _control_quantiles(rs: Iterable[RunResult]) -> dict[str, float | None]:
@@ -472,10 +502,10 @@ def plot(report: dict[str, Any], path: str | os.PathLike) -> None:
         rounds = sample[key]
         t0 = rounds[0]["start"]
         for rd in rounds:
-            for lane, part in ((1, "verify"), (0, "build"), (0, "draft"), (0, "lookup")):
+            for lane, part, color in ((1, "verify", "verify"), (0, "build", "build"), (0, "draft", "draft"), (0, "lookup", "lookup"), (0, "miss_backup", "draft")):
                 span = rd.get(part)
                 if span:
-                    ax.barh(lane, (span[1] - span[0]) * 1000, left=(span[0] - t0) * 1000, color=colors[part], height=0.6)
+                    ax.barh(lane, (span[1] - span[0]) * 1000, left=(span[0] - t0) * 1000, color=colors[color], height=0.6)
             ax.axvline((rd["start"] - t0) * 1000, color="#cccccc", linewidth=0.5)
         ax.set_yticks([0, 1], ["draft", "target"])
         ax.set_title(key, fontsize=9, loc="left")

@@ -29,8 +29,10 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
         assert e["tokens_per_s"] > 0
         if e["mode"] == "ar":
             assert e["speedup_vs_ar"] == 1.0 and e["mean_accepted"] is None
+        assert e["hops_ms"]["send"] is not None and e["hops_ms"]["reply"] is not None
         if e["mode"] == "ssd":
             assert 0 <= e["cache_hit_rate"] <= 1 and e["efficiency"] > 0
+            assert None not in (e["hops_ms"]["bookkeeping"], e["hops_ms"]["lookup_send"], e["hops_ms"]["lookup_reply"])
         else:
             assert e["cache_hit_rate"] is None and e["efficiency"] is None
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

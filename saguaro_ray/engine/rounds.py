@@ -68,11 +68,18 @@ class RoundRecord:
     draft: tuple[float, float] | None = None  # SD drafting, pyramid drafting+qualifying, SSD backups
     build: tuple[float, float] | None = None  # SSD cache construction
     lookup: tuple[float, float] | None = None
+    miss_backup: tuple[float, float] | None = None  # SSD: backups drafted for this round's misses after the lookup
     hits: int = 0
     misses: int = 0
     backup: str | None = None
     accepted: list[int] = field(default_factory=list)
     prefill: bool = False  # an admission round (prompts prefilled, first tokens sampled)
+    # the coordinator's side of the control plane (perf_counter): verification
+    # sent / its result in the round loop's hands; the same for the SSD lookup
+    sent: float | None = None
+    back: float | None = None
+    lookup_sent: float | None = None
+    lookup_back: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -329,17 +336,26 @@ class RoundLoop:
             self._finish_stats(s)
         return [s for s in running if not s.finished]
 
-    def _verify(self, running: list[SequenceState], proposals: list[Proposal], rule: str = "exact", tau: float = 0.0) -> _Call:
+    def _verify(self, running: list[SequenceState], proposals: list[Proposal], rec: RoundRecord, rule: str = "exact", tau: float = 0.0) -> _Call:
         div = self.spec.div
-        return _Call(
+        call = _Call(
             self.target,
             "verify",
             lambda full: ([VerifyItem(self.step(s, full), _local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)],),
         )
+        rec.sent = time.perf_counter()
+        return call
+
+    @staticmethod
+    def _verified(call: _Call, rec: RoundRecord) -> list[Outcome]:
+        """Wait for a verification; records its span and when its result arrived."""
+        outcomes, rec.verify = call.value()
+        rec.back = time.perf_counter()
+        return outcomes
 
     def _round_ar(self, running: list[SequenceState], rec: RoundRecord) -> None:
         proposals = [Proposal([]) for _ in running]
-        outcomes, rec.verify = self._verify(running, proposals).value()
+        outcomes = self._verified(self._verify(running, proposals, rec), rec)
         self._emit(running, proposals, outcomes, rec)
 
     def _round_sd(self, running: list[SequenceState], rec: RoundRecord) -> None:
@@ -350,7 +366,7 @@ class RoundLoop:
             proposals, rec.draft = self._fast(running, ks), (t0, time.perf_counter())
         else:
             proposals, rec.draft = got
-        outcomes, rec.verify = self._verify(running, proposals).value()
+        outcomes = self._verified(self._verify(running, proposals, rec), rec)
         self._emit(running, proposals, outcomes, rec)
 
     # ---------------------------------------------------------------- SSD
@@ -360,7 +376,7 @@ class RoundLoop:
             rec.backup, rec.draft = self._backup(need, len(running))
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
-        call_v = self._verify(running, proposals)
+        call_v = self._verify(running, proposals, rec)
         # every draft that is up builds its share of the outcomes (one budget each)
         builders = self.drafts.up()
         shards = max(1, len(builders))
@@ -391,7 +407,7 @@ class RoundLoop:
             for d, c in ((d, self._draft_call("build", lambda full, i=i, d=d: build_items(full, i, d), d)) for i, d in enumerate(builders))
             if c is not None
         ]
-        outcomes, rec.verify = call_v.value()
+        outcomes = self._verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
         self._emit(running, proposals, outcomes, rec)
         live = [(s, p, out) for s, p, out in zip(running, proposals, outcomes) if not s.finished]
@@ -408,6 +424,7 @@ class RoundLoop:
         backups = self._lookup_backups([s for s, _, _ in live]) if kind == "neural" and len(lookers) == 1 else None
         args_l = (keys, share, rec.index, backups)
         futs = self.broadcast(lookers, "lookup", args_l) if live and lookers else []
+        rec.lookup_sent = time.perf_counter() if futs else None
         calls_l = [(d, _Call(d, "lookup", lambda full: args_l, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
@@ -429,6 +446,7 @@ class RoundLoop:
                 spans.append(got[1])
         if spans:
             rec.lookup = _span(spans)
+            rec.lookup_back = time.perf_counter()
         drafted = False
         for idx, (s, p, out) in enumerate(live):
             cached, rank, backup = None, None, None
@@ -455,8 +473,7 @@ class RoundLoop:
             self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
         missed = [s for s, _, _ in live if s.proposal is None]
         if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
-            rec.backup, span = self._backup(missed, len(running), kind)
-            rec.lookup = (rec.lookup[0] if rec.lookup else span[0], span[1])  # next proposals ready
+            rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
 
     def _backup_kind(self, batch_size: int) -> str:
         """``auto`` weighs the backups at the live batch size (a batch of b
@@ -533,7 +550,7 @@ class RoundLoop:
                     block_q[i].append(qp.q[:room])
         rec.draft = (t0, time.perf_counter())
         proposals = [Proposal(b, _cat_rows(q) if q else None, "qualified") for b, q in zip(blocks, block_q)]
-        outcomes, rec.verify = self._verify(running, proposals, spec.stage2, spec.tau_t).value()
+        outcomes = self._verified(self._verify(running, proposals, rec, spec.stage2, spec.tau_t), rec)
         self._emit(running, proposals, outcomes, rec)
 
     # -------------------------------------------------------------- stats
