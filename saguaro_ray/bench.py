@@ -273,7 +273,8 @@ def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
     the round loop (``reply``); for SSD also the round loop's bookkeeping before
     the lookup leaves, the lookup reaching the draft (after its build), and its
     answer coming back; ``between`` is from a round's last result to the next
-    round's verification call. Worker spans are on the coordinator's clock."""
+    round's verification call, less any drafting in between (SD, PyramidSD).
+    Worker spans are on the coordinator's clock."""
     xs: dict[str, list[float]] = {k: [] for k in ("send", "reply", "bookkeeping", "lookup_send", "lookup_reply", "between")}
     for r in rs:
         prev = None
@@ -289,7 +290,8 @@ def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
                 xs["lookup_send"].append(rd["lookup"][0] - ready)
                 xs["lookup_reply"].append(rd["lookup_back"] - rd["lookup"][1])
             if prev is not None and rd["index"] == prev["index"] + 1:
-                xs["between"].append(rd["sent"] - (prev.get("lookup_back") or prev["back"]))
+                drafting = rd["draft"][1] - rd["draft"][0] if rd.get("draft") else 0.0  # SD, pyramid, first SSD round
+                xs["between"].append(rd["sent"] - (prev.get("lookup_back") or prev["back"]) - drafting)
             prev = rd
     return {k: 1000 * statistics.median(v) if v else None for k, v in xs.items()}
 
