@@ -204,8 +204,8 @@ def test_cache_put_lookup_replace_stats_drop():
 def test_expected_speedup_hand_computed():
     # [0.8·4 + 0.2·2] / [0.8·max(1, 0.5) + 0.2·(1 + 1)] = 3.6 / 1.2
     assert expected_speedup(0.8, 4.0, 2.0, 0.5, 1.0) == pytest.approx(3.0)
-    # batch of 2: p = 0.64 → (2.56 + 0.72) / (0.64 + 0.72)
-    assert expected_speedup(0.8, 4.0, 2.0, 0.5, 1.0, batch_size=2) == pytest.approx(3.28 / 1.36)
+    # batch of 2: tokens per sequence as at batch 1 (3.6), the round avoids the backup with 0.64
+    assert expected_speedup(0.8, 4.0, 2.0, 0.5, 1.0, batch_size=2) == pytest.approx(3.6 / (0.64 + 0.36 * 2))
     # slow primary speculation is not hidden: max(1, T_p)
     assert expected_speedup(1.0, 4.0, 2.0, 2.0, 1.0) == pytest.approx(2.0)
 
@@ -233,6 +233,34 @@ def test_auto_policy_small_batch_neural_large_batch_fast():
     assert BackupPolicy("fast").choose(1, small) == "fast"
     with pytest.raises(ConfigError, match="backup must be one of"):
         BackupPolicy("random")
+
+
+def test_hit_rate_depends_on_the_backup_that_serves_misses():
+    # a lookup after a cached speculation hits 60% of the time; after a
+    # point-mass guess the next build goes to k = 0 and hits 90%; after a
+    # neural backup 40%: the long-run share of cache rounds differs by choice
+    s = BackupStats(smoothing=1.0)
+    assert s.hit_rate_with("fast") == s.p_hit  # nothing observed yet: the pooled rate
+    s.observe_lookup("cache", True)
+    s.observe_lookup("fast", True)
+    s.observe_lookup("neural", False)
+    s.hit_after.update(cache=0.6, fast=0.9, neural=0.4)
+    assert s.hit_rate_with("fast") == pytest.approx(0.9 / (1 - 0.6 + 0.9))
+    assert s.hit_rate_with("neural") == pytest.approx(0.4 / (1 - 0.6 + 0.4))
+    # a chain that checks itself: simulate it and compare the stationary share
+    rng = random.Random(3)
+    state, cache_rounds, n = "cache", 0, 200_000
+    for _ in range(n):
+        hit = rng.random() < s.hit_after[state]
+        cache_rounds += hit
+        state = "cache" if hit else "fast"
+    assert cache_rounds / n == pytest.approx(s.hit_rate_with("fast"), abs=0.005)
+    # the choice uses it: equal yields and costs, so the kind that keeps the cache warmer wins at batch 16
+    s.e_hit, s.e_miss_neural, s.e_miss_fast, s.t_neural, s.t_fast, s.t_primary = 3.0, 2.0, 1.5, 0.1, 0.0, 1.0
+    assert s.speedup("fast", 16) > s.speedup("neural", 16)
+    assert BackupPolicy("auto", explore_every=0).choose(16, s) == "fast"
+    with pytest.raises(ValueError, match="after must be"):
+        s.observe_lookup("draft", True)
 
 
 def test_auto_policy_explores_the_losing_backup_once_per_window():

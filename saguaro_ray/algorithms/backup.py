@@ -9,16 +9,21 @@ which happens with probability ``p_hit ** b``; so at large batch the cheap
 backup can win even though it emits fewer tokens. The choice maximises the
 expected speedup of the paper (Speculative Speculative Decoding, Theorem 7):
 
-    [p·E_hit + (1-p)·E_miss] / [p·max(1, T_p) + (1-p)·(1 + T_b)]
+    [p·E_hit + (1-p)·E_miss] / [P·max(1, T_p) + (1-P)·(1 + T_b)],   P = p^b
 
-with E the expected tokens emitted per round and T latencies relative to one
-target verification (T_p: building the primary speculation, hidden behind the
-verification when ≤ 1).
+with E the expected tokens a sequence emits per round (its own hit or miss
+decides that, whatever the rest of the batch does), P the chance the whole
+batch hits (only then does the round skip the backup), and T latencies
+relative to one target verification (T_p: building the primary speculation, hidden behind the
+verification when ≤ 1). The hit probability p depends on the choice: the cache
+built while a backup is verified is allocated for that backup's acceptance, so
+p is the stationary share of cache rounds given how often a lookup hits after
+each kind of speculation (:meth:`BackupStats.hit_rate_with`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ConfigError
@@ -35,14 +40,17 @@ def expected_speedup(
     t_b: float,
     batch_size: int = 1,
 ) -> float:
-    """Expected tokens per unit of verification time (Theorem 7).
+    """Expected tokens per sequence per unit of verification time (Theorem 7).
 
-    ``p_hit`` is the per-sequence hit probability; the batch hits fully with
-    ``p_hit ** batch_size`` (``batch_size=1`` uses ``p_hit`` as given).
+    ``p_hit`` is the per-sequence hit probability. Tokens are per sequence (a
+    sequence's yield does not depend on whether the others hit); the round's
+    time is the batch's: it avoids the backup only if every sequence hits,
+    with probability ``p_hit ** batch_size``. At batch 1 both coincide.
     """
-    p = float(p_hit) ** int(batch_size)
+    p = float(p_hit)
+    full = p ** int(batch_size)
     num = p * e_hit + (1.0 - p) * e_miss
-    den = p * max(1.0, t_p) + (1.0 - p) * (1.0 + t_b)
+    den = full * max(1.0, t_p) + (1.0 - full) * (1.0 + t_b)
     return num / den
 
 
@@ -56,6 +64,12 @@ class BackupStats:
     """
 
     p_hit: float = 0.5
+    # P(the next lookup hits | the proposal just verified came from the cache /
+    # a neural / a fast backup): the build after a backup is allocated for that
+    # backup's acceptance (after a point-mass guess nearly all of it goes to
+    # k = 0), so hits follow the kinds of speculation differently
+    hit_after: dict[str, float] = field(default_factory=lambda: {"cache": 0.5, "neural": 0.5, "fast": 0.5})
+    hit_seen: dict[str, int] = field(default_factory=lambda: {"cache": 0, "neural": 0, "fast": 0})
     e_hit: float = 3.0
     e_miss_neural: float = 3.0
     e_miss_fast: float = 1.05
@@ -86,6 +100,25 @@ class BackupStats:
         elif backup is not None:
             raise ValueError(f"backup must be 'neural' or 'fast', got {backup!r}")
 
+    def observe_lookup(self, after: str, hit: bool) -> None:
+        """One sequence's lookup: did it hit, after verifying a speculation from
+        ``after`` ("cache", "neural" or "fast")?"""
+        if after not in self.hit_after:
+            raise ValueError(f"after must be 'cache', 'neural' or 'fast', got {after!r}")
+        self.hit_after[after] = self._ema(self.hit_after[after], 1.0 if hit else 0.0)
+        self.hit_seen[after] += 1
+
+    def hit_rate_with(self, kind: BackupKind) -> float:
+        """The long-run per-sequence hit probability if misses are served by
+        ``kind``: the stationary share of cache rounds in the two-state chain
+        cache ⇄ backup, π = h_b / (1 - h_c + h_b). Until both transitions have
+        been observed, the pooled ``p_hit``."""
+        if not (self.hit_seen["cache"] and self.hit_seen[kind]):
+            return self.p_hit
+        h_c, h_b = self.hit_after["cache"], self.hit_after[kind]
+        denom = 1.0 - h_c + h_b
+        return h_b / denom if denom > 0 else 1.0
+
     def observe_latency(
         self,
         t_primary: float | None = None,
@@ -103,7 +136,7 @@ class BackupStats:
     def speedup(self, kind: BackupKind, batch_size: int) -> float:
         """Expected speedup if misses are served by ``kind``."""
         e_miss, t_b = (self.e_miss_neural, self.t_neural) if kind == "neural" else (self.e_miss_fast, self.t_fast)
-        return expected_speedup(self.p_hit, self.e_hit, e_miss, self.t_primary, t_b, batch_size)
+        return expected_speedup(self.hit_rate_with(kind), self.e_hit, e_miss, self.t_primary, t_b, batch_size)
 
 
 class BackupPolicy:
