@@ -267,7 +267,11 @@ def test_auto_policy_explores_the_losing_backup_once_per_window():
     # without exploration a backup that lost once keeps its stale estimates forever
     stats = BackupStats(p_hit=0.5, e_hit=3.0, e_miss_neural=1.5, e_miss_fast=2.5, t_neural=0.5, t_fast=0.0)
     policy = BackupPolicy("auto", explore_every=10)
-    picks = [policy.choose(1, stats) for _ in range(100)]
+    assert [policy.choose(1, stats) for _ in range(30)] == ["fast"] * 30  # nothing served: nothing counts
+    picks = []
+    for _ in range(100):
+        picks.append(policy.choose(1, stats))
+        policy.served(picks[-1])
     assert picks.count("neural") == 10
     assert all(picks[i] == "neural" for i in range(9, 100, 10))
     # and once the tried kind measures better, the argmax follows it

@@ -64,7 +64,7 @@ def test_ssd_spread_over_nodes(cluster, ckpt):
         EngineConfig(
             target=ckpt,
             draft=ckpt,
-            spec=SpeculationConfig(mode="ssd", k=3, budget=4),
+            spec=SpeculationConfig(mode="ssd", k=3, budget=4, backup="neural"),
             resources={"target": {"node_t": 0.1}, "draft": {"node_d": 0.1}},
             placement_strategy="SPREAD",
         )

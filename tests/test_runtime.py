@@ -37,7 +37,7 @@ from saguaro_ray.errors import (
 )
 from saguaro_ray.runtime.wire import FrameCodec, new_key
 
-SPEC = SpeculationConfig(mode="ssd", k=3, budget=4)
+SPEC = SpeculationConfig(mode="ssd", k=3, budget=4, backup="neural")  # with draft == target every lookup then hits
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[3, 5, 7, 9], [1, 2], [4, 4, 4, 4, 4, 6], [10, 20, 30, 40, 50, 60, 70, 80, 90], [99], [17, 42, 8]]
 CALL_TIMEOUT_S = 120.0

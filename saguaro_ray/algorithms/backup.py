@@ -142,8 +142,9 @@ class BackupStats:
 class BackupPolicy:
     """Which backup serves this round's misses: fixed, or ``auto`` by expected speedup.
 
-    ``auto`` also explores: after ``explore_every - 1`` decisions in a row for
-    one kind it picks the other kind once. The estimates of a kind only move
+    ``auto`` also explores: after ``explore_every - 1`` misses in a row served
+    by one kind it picks the other kind once (report each served decision with
+    :meth:`served`; a decision that found no miss to serve does not count). The estimates of a kind only move
     when its speculations are verified, so without this a kind that lost once
     would be judged forever by stale numbers — e.g. the point-mass guess wins
     on repetitive greedy text, the workload turns to sampling, and the neural
@@ -170,6 +171,9 @@ class BackupPolicy:
         kind: BackupKind = "fast" if fast > neural else "neural"
         if self.explore_every and kind == self._last and self._streak >= self.explore_every - 1:
             kind = "neural" if kind == "fast" else "fast"
+        return kind
+
+    def served(self, kind: BackupKind) -> None:
+        """``kind`` served this round's misses (what exploration counts)."""
         self._streak = self._streak + 1 if kind == self._last else 1
         self._last = kind
-        return kind

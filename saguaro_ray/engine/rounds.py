@@ -471,6 +471,7 @@ class RoundLoop:
             drafted = drafted or (not hit and backup is not None)
         if drafted and rec.lookup is not None:  # this lookup drafted neural backups for its misses
             rec.backup = "neural"
+            self.backup_policy.served("neural")
             self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
         missed = [s for s, _, _ in live if s.proposal is None]
         if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
@@ -512,6 +513,7 @@ class RoundLoop:
         for s, p in zip(seqs, proposals):
             p.source = kind
             s.proposal = p
+        self.backup_policy.served(kind)  # type: ignore[arg-type]
         return kind, span
 
     # ------------------------------------------------------------ pyramid
