@@ -478,3 +478,28 @@ def test_broadcast_calls_reach_each_addressed_server_once(host):
             c.close()
         for s in servers.values():
             s.close()
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_direct_calls_that_arrived_first_run_before_a_broadcast(host):
+    """An SSD lookup is broadcast after that round's build was sent directly;
+    when both are waiting for a busy server, the build (sent first) must run
+    first, whichever socket the server happens to look at first."""
+    key = new_key()
+    server = CommandServer(Recorder(), ALLOWED, key, host=host, name="d0")
+    client = CommandClient("d0", server.endpoint, key, timeout_s=20)
+    bus = Broadcaster(key, host=host)
+    try:
+        bus.wait_for([client.call("__subscribe__", bus.endpoint)], timeout_s=20)
+        busy = client.submit("sleep", 0.5)  # both calls below queue up behind it
+        time.sleep(0.1)
+        direct = client.submit("add", "t", "direct")
+        time.sleep(0.05)
+        cid, bcast = client.expect("add")
+        bus.publish({"method": "add", "args": ["t", "bcast"], "calls": {"d0": [client.identity, cid]}})
+        busy.result(20), direct.result(20), bcast.result(20)
+        assert client.call("history", "t") == ["direct", "bcast"]
+    finally:
+        bus.close()
+        client.close()
+        server.close()

@@ -302,27 +302,35 @@ class CommandServer:
                     poller.register(polled_sub._sock, zmq.POLLIN)
                 try:
                     events = dict(poller.poll(self._poll_ms))
+                    # direct calls first: a broadcast (e.g. an SSD lookup) is sent after
+                    # the direct calls it follows (that round's build), so run whatever
+                    # of those has already arrived before it
+                    if sock in events:
+                        self._drain(sock)
                     if polled_sub is not None and polled_sub._sock in events:
+                        self._drain(sock)
                         self._handle_broadcast(polled_sub)
-                    if sock not in events:
-                        continue
-                    parts = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
                 except zmq.ZMQError as e:
                     if e.errno == zmq.ETERM:
                         break
                     log.exception("command server %r: receive failed", self.name)
                     time.sleep(self._poll_ms / 1000)
-                    continue
-                try:
-                    self._handle(parts)
-                except Exception:  # never let one frame kill the loop
-                    log.exception("command server %r: unexpected error handling a frame", self.name)
         finally:
             if self._sub is not None:
                 self._sub.close()
             sock.close(0)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Run every direct call that has arrived, in order."""
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(parts)
+            except Exception:  # never let one frame kill the loop
+                log.exception("command server %r: unexpected error handling a frame", self.name)
 
     def _handle_broadcast(self, sub: "Subscriber") -> None:
         """Execute this server's entry of a broadcast call; reply to the named client."""
