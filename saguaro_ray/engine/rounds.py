@@ -372,7 +372,7 @@ class RoundLoop:
     # ---------------------------------------------------------------- SSD
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
         need = [s for s in running if s.proposal is None]
-        if need:  # the first round, or misses: the backup speculator serves them
+        if need:  # newly admitted sequences (a miss is served at its own round's lookup)
             rec.backup, rec.draft = self._backup(need, len(running))
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
