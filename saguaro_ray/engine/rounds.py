@@ -460,7 +460,7 @@ class RoundLoop:
                         self._extensions[s.seq_id] = (d, r.extension)
             hit = cached is not None
             self.fanout.observe(out.accepted, out.proposed, rank, after_backup=_regime(p), hit=hit)
-            self.backup_stats.observe_lookup(p.source if p.source in ("neural", "fast") else "cache", hit)
+            self.backup_stats.observe_lookup(_regime(p) or "cache", hit)
             s.lookups += 1
             s.hits += int(hit)
             rec.hits += int(hit)
