@@ -218,8 +218,9 @@ def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
-def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
-    """One result entry per (mode, runtime, drafts, batch, temperature)."""
+def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[str, Any]]:
+    """One result entry per (mode, runtime, drafts, batch, temperature);
+    ``rtt_s``: the machine's bare inter-process round trip (for the floor)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
         groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature), []).append(r)
@@ -233,12 +234,14 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         bd = {k: sum(r.breakdown[k] for r in rs) for k in rs[0].breakdown}
         n_rounds = max(bd["rounds"], 1)
         per_round_ms = {k: 1000 * bd[k] / n_rounds for k in ("wall", "verify", "draft_busy", "draft_exposed", "lookup", "control")}
-        efficiency = None
-        if mode == "ssd" and mean_acc is not None and bd["verify"] > 0:
-            # ideal: every round emits (mean accepted + 1) tokens per sequence in one verify time
+        # ideal: every round emits (mean accepted + 1) tokens per sequence in one
+        # verify time — drafting, lookup and control plane cost nothing (AR: 1 token)
+        ideal = None
+        if bd["verify"] > 0 and (mode == "ar" or mean_acc is not None):
             batch = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill")) / n_rounds
-            ideal = batch * (mean_acc + 1) / (bd["verify"] / n_rounds)
-            efficiency = med / ideal
+            ideal = batch * ((mean_acc or 0.0) + 1) / (bd["verify"] / n_rounds)
+        efficiency = med / ideal if mode == "ssd" and ideal else None
+        trips = _ROUND_TRIPS.get(mode) if runtime == "ray" else None  # in process: no sockets
         entries.append(
             {
                 "mode": mode,
@@ -252,7 +255,10 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "mean_accepted": mean_acc,
                 "cache_hit_rate": (sum(r.hits for r in rs) / lookups) if (mode == "ssd" and lookups) else None,
                 "efficiency": efficiency,
+                "ideal_tokens_per_s": ideal,
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
+                "control_round_trips": trips,
+                "control_floor_fraction": (trips * rtt_s / (bd["wall"] / n_rounds)) if rtt_s and trips and bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
                 **_control_quantiles(rs),
@@ -264,7 +270,68 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         for base in ("ar", "sd"):
             ref = [x for x in entries if x["mode"] == base and x["runtime"] == e["runtime"] and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
             e[f"speedup_vs_{base}"] = e["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
+            if base == "ar":
+                # the speedup over AR were drafting and the control plane free in both
+                # modes: this run's acceptance against this machine's verify costs
+                ar_ideal = ref[0]["ideal_tokens_per_s"] if ref else None
+                e["ideal_speedup_vs_ar"] = e["ideal_tokens_per_s"] / ar_ideal if ar_ideal and e["ideal_tokens_per_s"] else None
     return entries
+
+
+# Control round trips on a decode round's critical path, with the coordinator
+# in the loop: AR and SSD one to the target (verify) — SSD one more to the
+# draft (lookup, after which the next proposal is known) — SD a propose then a
+# verify, PyramidSD at least draft, qualify and verify.
+_ROUND_TRIPS = {"ar": 1, "sd": 2, "ssd": 2, "pyramid": 3}
+
+
+def _echo(endpoint: str) -> None:
+    """A bare pyzmq echo server (a child process of :func:`ipc_round_trip_s`)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        ident, msg = sock.recv_multipart()
+        sock.send_multipart([ident, msg])
+        if msg == b"stop":
+            return
+
+
+def ipc_round_trip_s(n: int = 2000) -> float:
+    """Median round trip of a bare pyzmq DEALER → ROUTER echo between two
+    processes on this machine (ipc, 200-byte frames, no codec, no threads of
+    ours): the floor under any control hop — what the kernel and ZeroMQ cost
+    to wake a process and back — against which ``control_floor_fraction`` is taken."""
+    import multiprocessing
+    import tempfile
+
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="saguaro-rtt-") as tmp:
+        endpoint = f"ipc://{tmp}/echo"
+        proc = multiprocessing.get_context("spawn").Process(target=_echo, args=(endpoint,), daemon=True)
+        proc.start()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        try:
+            sock.connect(endpoint)
+            frame, xs = b"x" * 200, []
+            for i in range(n + 200):
+                t0 = time.perf_counter()
+                sock.send(frame)
+                sock.recv()
+                if i >= 200:  # warm-up
+                    xs.append(time.perf_counter() - t0)
+            sock.send(b"stop")
+            sock.recv()
+        finally:
+            sock.close(0)
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return statistics.median(xs)
 
 
 def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
@@ -411,11 +478,12 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         for runtime in args.runtimes:
             runs += _run_group(args, [(m, nd) for rt, m, nd in plan if rt == runtime], runtime, prompts, bar)
     models = {"target": args.target, "draft": args.draft} | ({"qualifier": args.qualifier} if args.qualifier else {})
+    rtt_s = ipc_round_trip_s()
     return {
-        "machine": machine_info(args),
+        "machine": machine_info(args) | {"ipc_round_trip_us": 1e6 * rtt_s},
         "step_costs_ms": step_costs({k: v for k, v in models.items() if v}, threads=args.threads),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
-        "results": summarise(runs),
+        "results": summarise(runs, rtt_s),
         "timeline_sample": _timeline_sample(runs),
     }
 
@@ -475,7 +543,10 @@ def format_table(report: dict[str, Any]) -> str:
         f"{role}: decode {c['decode_1']:.2f} ms, 8-token verify {c['verify_8']:.2f} ms, tree step {c[[k for k in c if k.startswith('tree')][0]]:.2f} ms"
         for role, c in costs.items()
     ]
-    head = f"{'mode':<8}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ctrl':>7}"
+    rtt = report.get("machine", {}).get("ipc_round_trip_us")
+    if rtt is not None:
+        pre.append(f"bare pyzmq round trip between two processes: {rtt:.0f} us")
+    head = f"{'mode':<8}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}{'floor':>7}"
     lines = pre + [head]
     for e in report["results"]:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
@@ -483,7 +554,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{e['mode']:<8}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{e['temperature']:>5.1f}"
             f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], '>6.2f')}x{f(e['speedup_vs_sd'], '>6.2f')}x"
             f"{f(e['mean_accepted'], '>8.2f')}{f(e['cache_hit_rate'], '>6.0%')}{f(e['efficiency'], '>6.2f')}"
-            f"{f(e['control_plane_fraction'], '>7.1%')}"
+            f"{f(e['ideal_speedup_vs_ar'], '>8.2f')}x{f(e['control_plane_fraction'], '>7.1%')}{f(e['control_floor_fraction'], '>7.1%')}"
         )
     return "\n".join(lines)
 

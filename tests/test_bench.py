@@ -1,6 +1,8 @@
 """The benchmark harness produces the documented JSON and a plot (no timing asserted)."""
 
 import json
+
+import pytest
 import subprocess
 import sys
 
@@ -21,12 +23,13 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out_json.read_text())
     assert {"machine", "results", "step_costs_ms"} <= set(report)
-    assert report["machine"]["cpu_count"] >= 1
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["ipc_round_trip_us"] > 0
     results = report["results"]
     assert len(results) == 3 * 2 * 2
     for e in results:
         assert RESULT_KEYS <= set(e)
-        assert e["tokens_per_s"] > 0
+        assert e["tokens_per_s"] > 0 and e["ideal_tokens_per_s"] > 0 and e["ideal_speedup_vs_ar"] > 0
+        assert e["control_floor_fraction"] is None  # in process: no sockets
         if e["mode"] == "ar":
             assert e["speedup_vs_ar"] == 1.0 and e["mean_accepted"] is None
         assert e["hops_ms"]["send"] is not None and e["hops_ms"]["reply"] is not None
@@ -57,3 +60,42 @@ def test_gpu_check_skips_cleanly_without_cuda():
         pytest.skip("a CUDA device is present: gpu_check really runs there")
     proc = subprocess.run([sys.executable, "-m", "saguaro_ray.jobs.gpu_check"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "skipped" in proc.stdout
+
+
+def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1):
+    from saguaro_ray.bench import RunResult, round_breakdown
+
+    return RunResult(mode, runtime, 1, batch, 0.0, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds)
+
+
+def _rounds(n, wall, verify, batch=1):
+    return [{"index": i, "batch": batch, "start": i * wall, "end": (i + 1) * wall, "verify": [i * wall, i * wall + verify]} for i in range(n)]
+
+
+def test_ideal_ceiling_and_control_floor_follow_their_definitions():
+    # AR: 4 ms rounds of which 3 ms verify; SSD: 2 accepted per round, 6 ms rounds
+    # of which 4 ms verify; a bare round trip of 100 us
+    from saguaro_ray.bench import summarise
+
+    ar = _run("ar", "ray", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
+    ssd = _run("ssd", "ray", _rounds(10, 0.006, 0.004), 20, 10, 400.0)
+    inproc = _run("ar", "inprocess", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
+    by = {(e["mode"], e["runtime"]): e for e in summarise([ar, ssd, inproc], rtt_s=100e-6)}
+    e_ar, e_ssd = by["ar", "ray"], by["ssd", "ray"]
+    assert e_ar["ideal_tokens_per_s"] == pytest.approx(1 / 0.003)
+    assert e_ssd["ideal_tokens_per_s"] == pytest.approx(3 / 0.004)
+    assert e_ssd["efficiency"] == pytest.approx(400 / 750)
+    assert e_ar["efficiency"] is None
+    assert e_ssd["ideal_speedup_vs_ar"] == pytest.approx(750 / (1 / 0.003))
+    assert e_ar["ideal_speedup_vs_ar"] == pytest.approx(1.0)
+    # the floor: round trips on the critical path × the bare round trip / round time
+    assert e_ar["control_round_trips"] == 1 and e_ar["control_floor_fraction"] == pytest.approx(100e-6 / 0.004)
+    assert e_ssd["control_round_trips"] == 2 and e_ssd["control_floor_fraction"] == pytest.approx(2 * 100e-6 / 0.006)
+    assert by["ar", "inprocess"]["control_floor_fraction"] is None  # threads in one process: no sockets
+
+
+def test_ipc_round_trip_is_measured_between_two_processes():
+    from saguaro_ray.bench import ipc_round_trip_s
+
+    rtt = ipc_round_trip_s(n=50)
+    assert 0 < rtt < 1.0

@@ -128,7 +128,7 @@ def test_fit_power_law_exact_tail():
 def test_estimator_keeps_its_rank_tail_in_step_with_the_history():
     # the estimator counts tails as ranks arrive and leave the history window;
     # its r must equal a fresh fit of exactly the ranks it still holds
-    est = FanoutEstimator(max_history=300)
+    est = FanoutEstimator(max_history=300, refit_every=1)
     rng = random.Random(7)
     for i in range(1000):
         est.observe(0, 4, 1 + int(rng.paretovariate(0.9)))
@@ -137,6 +137,26 @@ def test_estimator_keeps_its_rank_tail_in_step_with_the_history():
             assert len(held) == min(i + 1, 300)
             expect = fit_power_law(held, est.f_max)
             assert est.r == pytest.approx(min(max(expect, est.r_min), est.r_max), rel=1e-12)
+
+
+def test_estimator_refits_r_once_per_refit_every_ranks():
+    # r is read every SSD round; it is refitted only after refit_every new ranks
+    est = FanoutEstimator(min_rank_obs=20, refit_every=16)
+    rng = random.Random(3)
+    fits = []
+    for i in range(200):
+        est.observe(0, 4, 1 + int(rng.paretovariate(1.2)))
+        r = est.r
+        if not fits or r != fits[-1][1]:
+            fits.append((i + 1, r))
+        if (i + 1) % 16 == 0 and i + 1 >= 20:  # a refit just happened: it fits every rank seen
+            expect = fit_power_law(list(est._ranks), est.f_max)
+            assert r == pytest.approx(min(max(expect, est.r_min), est.r_max), rel=1e-12)
+    assert fits[0] == (1, pytest.approx(1.0))  # the prior until min_rank_obs ranks exist
+    assert all(n % 16 == 0 for n, _ in fits[1:])  # changes only at refits
+    assert len(fits) > 5
+    with pytest.raises(ValueError):
+        FanoutEstimator(refit_every=0)
 
 
 def test_backup_regimes_are_tracked_separately():

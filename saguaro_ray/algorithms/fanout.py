@@ -166,7 +166,11 @@ class FanoutEstimator:
 
     r is shared by all regimes (it describes the draft's ranking of the true
     outcome, not the proposal) and stays at ``prior_r`` until ``min_rank_obs``
-    ranked outcomes exist; fits are clamped to [``r_min``, ``r_max``].
+    ranked outcomes exist; fits are clamped to [``r_min``, ``r_max``]. It is
+    refitted each time the count of ranks seen passes a multiple of
+    ``refit_every``, not per rank: the SSD round
+    reads it between sending verification and sending the build, and one more
+    rank among thousands moves it by far less than its own noise.
     """
 
     prior_accept: float = 0.7
@@ -179,12 +183,19 @@ class FanoutEstimator:
     r_min: float = 0.05
     r_max: float = 8.0
     max_history: int = 20000
+    refit_every: int = 16
     _rates: dict[str, _Rate] = field(default_factory=dict, repr=False)
     _ranks: deque[int] = field(default_factory=deque, repr=False)  # the latest max_history ranks
     _tail: list[int] = field(default_factory=list, repr=False)  # _tail[F-1]: how many of them exceed F
     _hits: int = 0
     _hit_rounds: int = 0
     _r_cache: float | None = field(default=None, repr=False)
+    _seen: int = 0  # ranks observed in all
+    _fit_epoch: int = 0  # _seen // refit_every when r was last fitted
+
+    def __post_init__(self) -> None:
+        if self.refit_every < 1:
+            raise ValueError(f"refit_every must be at least 1, got {self.refit_every}")
 
     def _rate(self, after_backup: bool | str) -> _Rate:
         key = _regime(after_backup)
@@ -228,7 +239,7 @@ class FanoutEstimator:
             self._ranks.append(int(recovery_rank))
             if len(self._ranks) > self.max_history:
                 self._count_rank(self._ranks.popleft(), -1)
-            self._r_cache = None
+            self._seen += 1
         if hit is not None:
             self._hits += int(bool(hit))
             self._hit_rounds += 1
@@ -251,7 +262,9 @@ class FanoutEstimator:
     @property
     def r(self) -> float:
         """Miss power-law exponent estimate (prior until enough ranked outcomes)."""
-        if self._r_cache is None:
+        epoch = self._seen // self.refit_every
+        if self._r_cache is None or epoch != self._fit_epoch:
+            self._fit_epoch = epoch
             fit = None
             if len(self._ranks) >= self.min_rank_obs:
                 fit = fit_power_law_tail(self._tail, len(self._ranks))
