@@ -4,7 +4,8 @@
 * the tree attention's joint form (one masked attention over prefix + every
   branch's suffix) vs its cascade form (prefix and suffix merged by LSE);
 * per-position uniforms from a re-seeded generator vs fresh generators;
-* greedy verification without uniforms vs with them.
+* greedy verification without uniforms vs with them;
+* greedy verification in closed form (one argmax) vs the general rule, for any q.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from saguaro_ray.algorithms.sampling import position_generator, position_uniforms, process_logits, uniforms
-from saguaro_ray.algorithms.verification import verify
+from saguaro_ray.algorithms.verification import greedy_outcomes, verify
 from saguaro_ray.kernels.attention import TorchBackend, TreeBatch
 from saguaro_ray.kernels.linear import PackedLinear, pack_linears, packing_available
 
@@ -108,6 +109,30 @@ def test_greedy_verification_does_not_depend_on_uniforms() -> None:
     ref = verify(p, tokens, None, lens, torch.rand(b, k + 1, 2, dtype=torch.float64))
     got = verify(p, tokens, None, lens, torch.zeros(b, k + 1, 2, dtype=torch.float64))
     assert torch.equal(ref.accepted, got.accepted) and torch.equal(ref.next_token, got.next_token)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_outcomes_equal_the_general_rule(with_q: bool) -> None:
+    torch.manual_seed(3)
+    b, k, vocab = 64, 4, 7
+    # small integer logits: many rows have tied maxima (the lowest id wins)
+    logits = torch.randint(0, 4, (b, k + 1, vocab)).float()
+    best = process_logits(logits, [0.0] * (b * (k + 1))).argmax(-1)
+    tokens = torch.where(torch.rand(b, k) < 0.7, best[:, :k], torch.randint(0, vocab, (b, k)))
+    lens = torch.randint(0, k + 1, (b,))
+    q = None
+    if with_q:  # any law that could have drawn the tokens
+        q = torch.rand(b, k, vocab) + 0.01
+        q = q / q.sum(-1, keepdim=True)
+    p = process_logits(logits, [0.0] * (b * (k + 1)))
+    ref = verify(p, tokens, q, lens, torch.rand(b, k + 1, 2, dtype=torch.float64))
+    # the closed form takes flat rows, len + 1 per sequence, and ragged token lists
+    flat = torch.cat([logits[i, : int(n) + 1] for i, n in enumerate(lens)])
+    got = greedy_outcomes(flat, [tokens[i, : int(n)].tolist() for i, n in enumerate(lens)])
+    assert got == list(zip(ref.accepted.tolist(), ref.next_token.tolist()))
+    assert any(a == int(n) for (a, _), n in zip(got, lens)) and any(a < int(n) for (a, _), n in zip(got, lens))
+    with pytest.raises(ValueError):
+        greedy_outcomes(flat[:-1], [tokens[i, : int(n)].tolist() for i, n in enumerate(lens)])
 
 
 def test_top_set_equals_sorted_ranks() -> None:

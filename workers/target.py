@@ -15,7 +15,7 @@ import torch
 
 from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_uniforms, process_logits
 from saguaro_ray.algorithms.pyramid import target_check
-from saguaro_ray.algorithms.verification import point_mass
+from saguaro_ray.algorithms.verification import greedy_outcomes, point_mass
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
 from saguaro_ray.workers.runner import ModelRunner
 
@@ -133,8 +133,11 @@ class TargetLogic(RunnerLogic):
         proposals = [it.proposal for it in items]
         lens = [len(p.tokens) for p in proposals]
         logits = feed(self.runner, steps, [p.tokens for p in proposals], [n + 1 for n in lens])
-        vb = verification_batch(logits, steps, proposals, STREAM_TARGET)
         rule = items[0].rule
+        if rule == "exact" and all(st.params.greedy for st in steps):  # the same rule, in closed form
+            outs = greedy_outcomes(logits, [p.tokens for p in proposals])
+            return [Outcome(st.seq_id, a, t, n) for st, (a, t), n in zip(steps, outs, lens)]
+        vb = verification_batch(logits, steps, proposals, STREAM_TARGET)
         res = target_check(rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, items[0].tau, items[0].div)
         acc, nxt = res.accepted.tolist(), res.next_token.tolist()
         return [Outcome(st.seq_id, a, t, n) for st, a, t, n in zip(steps, acc, nxt, lens)]

@@ -27,10 +27,11 @@ one of each, so no uniform is ever reused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from .sampling import sample_from
+from .sampling import argmax_lowest, sample_from
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -211,3 +212,32 @@ def _promote(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if not dtype.is_floating_point:
         dtype = torch.float32
     return a.to(dtype), b.to(dtype)
+
+
+def greedy_outcomes(logits: torch.Tensor, proposals: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """:func:`verify` for a greedy (temperature 0) verifier, in closed form:
+    ``(accepted, emitted token)`` per sequence.
+
+    ``logits`` are the verifier's raw rows, ``len(tokens) + 1`` per sequence,
+    flat in batch order. Every processed row is then one-hot on its argmax
+    ``a_i`` (lowest id among ties, as :func:`process_logits` makes it), so the
+    rule's arithmetic has only one outcome whatever ``q`` and the uniforms are:
+    ``min(1, p(x)/q(x))`` is 1 when ``x == a_i`` and 0 otherwise, and at the
+    first rejection ``norm(max(0, p - q))`` is the one-hot on ``a_k`` again
+    (``q(a_k) < 1`` because ``q`` drew ``x != a_k``); after every token is
+    accepted the bonus is ``a_K``. One argmax instead of building the [B, K+1, V]
+    laws: on a CPU that is most of a greedy round's verification cost beyond the
+    forward pass. ``tests/test_fast_paths.py`` checks it against :func:`verify`.
+    """
+    best = argmax_lowest(logits).tolist()
+    if len(best) != sum(len(t) + 1 for t in proposals):
+        raise ValueError(f"expected {sum(len(t) + 1 for t in proposals)} logit rows (len(tokens) + 1 per sequence), got {len(best)}")
+    out, offset = [], 0
+    for tokens in proposals:
+        rows = best[offset : offset + len(tokens) + 1]
+        offset += len(tokens) + 1
+        k = 0
+        while k < len(tokens) and tokens[k] == rows[k]:
+            k += 1
+        out.append((k, rows[k]))
+    return out
