@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.prompt_file import read_prompt_file
@@ -127,7 +128,10 @@ class _Runner:
 
     def __init__(self, mode: str, runtime: str, num_drafts: int, args: "BenchArgs") -> None:
         self.mode, self.runtime, self.num_drafts = mode, runtime, num_drafts
-        spec = SpeculationConfig(mode=mode, k=args.k, budget=args.budget, backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2)
+        fanout = parse_fanout(args.fanout, args.k)
+        spec = SpeculationConfig(
+            mode=mode, k=args.k, budget=args.budget, fanout=fanout if fanout == "auto" else tuple(fanout), backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2
+        )
         if runtime == "inprocess":
             from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 
@@ -205,6 +209,7 @@ class BenchArgs:
     runtimes: list[str] = field(default_factory=lambda: ["ray"])
     k: int = 4
     budget: int = 8
+    fanout: str = "auto"  # or K+1 comma-separated counts: a fixed fan-out, no adaptive budget
     backup: str = "auto"
     saguaro_c: float = 1.0
     threads: int = 1
@@ -241,7 +246,7 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
             batch = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill")) / n_rounds
             ideal = batch * ((mean_acc or 0.0) + 1) / (bd["verify"] / n_rounds)
         efficiency = med / ideal if mode == "ssd" and ideal else None
-        trips = _ROUND_TRIPS.get(mode) if runtime == "ray" else None  # in process: no sockets
+        hops = _control_hops(mode, rs) if runtime == "ray" else None  # in process: no sockets
         entries.append(
             {
                 "mode": mode,
@@ -257,8 +262,8 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
                 "efficiency": efficiency,
                 "ideal_tokens_per_s": ideal,
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
-                "control_round_trips": trips,
-                "control_floor_fraction": (trips * rtt_s / (bd["wall"] / n_rounds)) if rtt_s and trips and bd["wall"] > 0 else None,
+                "control_hops": hops,
+                "control_floor_fraction": (hops * rtt_s / 2 / (bd["wall"] / n_rounds)) if rtt_s and hops and bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
                 **_control_quantiles(rs),
@@ -278,11 +283,18 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
     return entries
 
 
-# Control round trips on a decode round's critical path, with the coordinator
-# in the loop: AR and SSD one to the target (verify) — SSD one more to the
-# draft (lookup, after which the next proposal is known) — SD a propose then a
-# verify, PyramidSD at least draft, qualify and verify.
-_ROUND_TRIPS = {"ar": 1, "sd": 2, "ssd": 2, "pyramid": 3}
+# One-way control hops on a decode round's critical path: AR coordinator →
+# target → coordinator; SD the same for the propose, then for the verify;
+# SSD coordinator → target (verify) → draft (lookup) → coordinator when the
+# target places the lookup, one hop more when the coordinator sends it;
+# PyramidSD at least draft, qualify and verify, there and back.
+_HOPS = {"ar": 2, "sd": 4, "ssd": 4, "pyramid": 6}
+
+
+def _control_hops(mode: str, rs: Iterable[RunResult]) -> float | None:
+    """Mean one-way control hops per decode round on the critical path."""
+    per_round = [3 if rd.get("forwarded") else _HOPS[mode] for r in rs for rd in r.rounds if not rd.get("prefill")]
+    return sum(per_round) / len(per_round) if per_round and mode in _HOPS else None
 
 
 def _echo(endpoint: str) -> None:
@@ -302,7 +314,8 @@ def ipc_round_trip_s(n: int = 2000) -> float:
     """Median round trip of a bare pyzmq DEALER → ROUTER echo between two
     processes on this machine (ipc, 200-byte frames, no codec, no threads of
     ours): the floor under any control hop — what the kernel and ZeroMQ cost
-    to wake a process and back — against which ``control_floor_fraction`` is taken."""
+    to wake a process and back — against which ``control_floor_fraction`` is taken
+    (half of it per one-way hop)."""
     import multiprocessing
     import tempfile
 
@@ -353,7 +366,8 @@ def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
             xs["reply"].append(rd["back"] - rd["verify"][1])
             if rd.get("lookup_sent") is not None and rd.get("lookup_back") is not None:
                 ready = max(rd["lookup_sent"], rd["build"][1]) if rd.get("build") else rd["lookup_sent"]
-                xs["bookkeeping"].append(rd["lookup_sent"] - rd["back"])
+                if not rd.get("forwarded"):  # the target placed the lookup: no bookkeeping before it
+                    xs["bookkeeping"].append(rd["lookup_sent"] - rd["back"])
                 xs["lookup_send"].append(rd["lookup"][0] - ready)
                 xs["lookup_reply"].append(rd["lookup_back"] - rd["lookup"][1])
             if prev is not None and rd["index"] == prev["index"] + 1:

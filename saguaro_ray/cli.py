@@ -237,7 +237,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runtimes", type=_csv(str), default=["ray"], help="ray,inprocess")
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--budget", type=int, default=8, help="ceiling of the speculations cached per sequence (ssd, auto fan-out)")
+    p.add_argument("--fan-out", default="auto", help="'auto', or K+1 comma-separated counts: a fixed fan-out (ssd)")
     p.add_argument("--backup", default="auto")
     p.add_argument("--saguaro-c", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -275,6 +276,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             runtimes=args.runtimes,
             k=args.k,
             budget=args.budget,
+            fanout=args.fan_out,
             backup=args.backup,
             saguaro_c=args.saguaro_c,
             threads=args.threads,

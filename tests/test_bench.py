@@ -79,6 +79,8 @@ def test_ideal_ceiling_and_control_floor_follow_their_definitions():
 
     ar = _run("ar", "ray", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
     ssd = _run("ssd", "ray", _rounds(10, 0.006, 0.004), 20, 10, 400.0)
+    for rd in ssd.rounds[:5]:  # half the lookups placed by the target: one hop less
+        rd["forwarded"] = True
     inproc = _run("ar", "inprocess", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
     by = {(e["mode"], e["runtime"]): e for e in summarise([ar, ssd, inproc], rtt_s=100e-6)}
     e_ar, e_ssd = by["ar", "ray"], by["ssd", "ray"]
@@ -88,9 +90,9 @@ def test_ideal_ceiling_and_control_floor_follow_their_definitions():
     assert e_ar["efficiency"] is None
     assert e_ssd["ideal_speedup_vs_ar"] == pytest.approx(750 / (1 / 0.003))
     assert e_ar["ideal_speedup_vs_ar"] == pytest.approx(1.0)
-    # the floor: round trips on the critical path × the bare round trip / round time
-    assert e_ar["control_round_trips"] == 1 and e_ar["control_floor_fraction"] == pytest.approx(100e-6 / 0.004)
-    assert e_ssd["control_round_trips"] == 2 and e_ssd["control_floor_fraction"] == pytest.approx(2 * 100e-6 / 0.006)
+    # the floor: one-way hops on the critical path × half the bare round trip / round time
+    assert e_ar["control_hops"] == 2 and e_ar["control_floor_fraction"] == pytest.approx(100e-6 / 0.004)
+    assert e_ssd["control_hops"] == 3.5 and e_ssd["control_floor_fraction"] == pytest.approx(3.5 * 50e-6 / 0.006)
     assert by["ar", "inprocess"]["control_floor_fraction"] is None  # threads in one process: no sockets
 
 

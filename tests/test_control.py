@@ -19,6 +19,7 @@ import zmq
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.runtime.control import (
     Broadcaster,
+    CallForwarder,
     ClientClosed,
     CommandClient,
     CommandServer,
@@ -502,4 +503,83 @@ def test_direct_calls_that_arrived_first_run_before_a_broadcast(host):
     finally:
         bus.close()
         client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
+    """A worker places a call on another worker for the coordinator (the SSD
+    target starting the drafts' lookups): the peer answers the coordinator."""
+    key = new_key()
+    peer = CommandServer(Recorder(), ALLOWED, key, host=host, name="draft")
+    client = CommandClient("draft", peer.endpoint, key, timeout_s=20)
+    forwarder = CallForwarder(key)
+    try:
+        client.call("add", "t", "first")  # the peer knows the client's reply socket
+        cid, fut = client.expect("add")
+        forwarder.call(peer.endpoint, client.identity, cid, "add", ["t", "forwarded"])
+        assert fut.result(20).value == 2 and forwarder.forwarded == 1
+        assert client.call("history", "t") == ["first", "forwarded"]
+        # a withdrawn call fails at once; an answer that still comes counts as late
+        cid, fut = client.expect("add")
+        client.forget(cid)
+        with pytest.raises(ControlError, match="withdrawn"):
+            fut.result(1)
+        forwarder.call(peer.endpoint, client.identity, cid, "add", ["t", "late"])
+        deadline = time.monotonic() + 20
+        while client.late_replies == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(ValueError):
+            forwarder.call(peer.endpoint, "not bytes", cid, "add", ["t", "x"])  # type: ignore[arg-type]
+    finally:
+        forwarder.close()
+        client.close()
+        peer.close()
+
+
+class Rounds:
+    """A draft in miniature: a lookup needs the build of its round."""
+
+    def __init__(self) -> None:
+        self.built: int | None = None
+        self.order: list[str] = []
+
+    def build(self, r: int) -> None:
+        self.built = r
+        self.order.append(f"build {r}")
+
+    def lookup(self, r: int) -> bool:
+        self.order.append(f"lookup {r}")
+        return self.built == r
+
+    def history(self) -> list[str]:
+        return list(self.order)
+
+
+def test_a_call_that_is_not_ready_waits_for_the_call_that_readies_it():
+    """A forwarded lookup may overtake its round's build (another connection):
+    it waits while later calls run, and runs once the build has; with no build
+    coming it runs when its time is up."""
+    key = new_key()
+    logic = Rounds()
+    ready = lambda method, args: method != "lookup" or (logic.built is not None and logic.built >= args[0])  # noqa: E731
+    server = CommandServer(logic, ["build", "lookup", "history"], key, name="d", ready=ready, max_defer_s=0.5)
+    coordinator = CommandClient("d", server.endpoint, key, timeout_s=20)
+    target = CommandClient("d", server.endpoint, key, timeout_s=20)  # another connection
+    try:
+        early = target.submit("lookup", 1)  # overtakes the build
+        time.sleep(0.1)
+        assert not early.done()
+        coordinator.call("build", 1)
+        assert early.result(20).value is True
+        t0 = time.monotonic()
+        assert target.call("lookup", 2) is False  # no build 2 comes: a miss, after the wait
+        waited = time.monotonic() - t0
+        assert waited >= 0.4, waited
+        assert coordinator.call("history") == ["build 1", "lookup 1", "lookup 2"]
+        assert coordinator.server_stats()["deferred_calls"] == 2
+    finally:
+        coordinator.close()
+        target.close()
         server.close()

@@ -87,6 +87,7 @@ class DraftLogic(RunnerLogic):
         # the round whose build the cache holds (None: none complete); a lookup names the
         # round it expects, since it may be sent before that round's build is done
         self._round: int | None = None
+        self._started: int | None = None  # round id of the latest build begun
         self._items: dict[int, BuildItem] = {}  # that build's item per sequence (a miss's backup starts from it)
 
     # ------------------------------------------------------------ propose
@@ -159,6 +160,7 @@ class DraftLogic(RunnerLogic):
         """Pre-compute next round's speculation for the likely outcomes (SSD).
         ``round_id`` names the round for :meth:`lookup`'s check."""
         self._round = None  # until this build is complete
+        self._started = round_id if round_id is not None else self._started
         self._items = {it.step.seq_id: it for it in items}
         plans = [self._glue_plan(it) for it in items]
         fwd = [(i, st) for i, (st, _) in enumerate(plans) if st is not None]
@@ -248,6 +250,11 @@ class DraftLogic(RunnerLogic):
         return {"branches": len(branches)}
 
     # ------------------------------------------------------------- lookup
+    def awaits_build(self, round_id: int | None) -> bool:
+        """Is a lookup for ``round_id`` ahead of every build begun here (its
+        build is still on the way)? Round ids increase from round to round."""
+        return round_id is not None and (self._started is None or self._started < round_id)
+
     def lookup(
         self,
         keys: Sequence[tuple[int, int, int]],

@@ -91,6 +91,11 @@ class Outcome:
     def emitted(self, proposal: Proposal) -> list[int]:
         return proposal.tokens[: self.accepted] + [self.next_token]
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """What an SSD lookup looks up: (seq_id, k, t*)."""
+        return (self.seq_id, self.accepted, self.next_token)
+
 
 @dataclass
 class Extension:

@@ -21,6 +21,7 @@ authoritative token history of every sequence (:class:`SequenceState`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -80,6 +81,7 @@ class RoundRecord:
     back: float | None = None
     lookup_sent: float | None = None
     lookup_back: float | None = None
+    forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -95,6 +97,22 @@ class RoundRecord:
 ArgsFn = Callable[[bool], tuple]
 # one call to many workers at once: (workers, method, args) -> one future per worker
 BroadcastFn = Callable[[Sequence[WorkerHandle], str, tuple], "list[Future[Timed]]"]
+
+
+@dataclass
+class Forwarded:
+    """A call another worker places on ``worker`` for this coordinator:
+    ``address`` is what that worker needs to send it (endpoint, reply routing
+    id, call id), ``future`` its answer, ``forget()`` withdraws it."""
+
+    worker: WorkerHandle
+    address: list[Any]
+    future: "Future[Timed]"
+    forget: Callable[[], None]
+
+
+# register one forwarded call per worker: (workers, method) -> Forwarded per worker
+ForwardFn = Callable[[Sequence[WorkerHandle], str], list[Forwarded]]
 
 
 def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":
@@ -120,6 +138,7 @@ class _Call:
     def __init__(self, worker: WorkerHandle, method: str, args_fn: ArgsFn, degradable: bool = False, fut: "Future[Timed] | None" = None) -> None:
         self.worker, self.method, self.args_fn, self.degradable = worker, method, args_fn, degradable
         self.fut = worker.submit(method, *args_fn(False)) if fut is None else fut  # ``fut``: already sent (a broadcast)
+        self.resent = False  # the answer came from a self-contained re-send, not the first call
 
     def result(self, attempts: int = 3) -> Timed:
         for _ in range(attempts):
@@ -132,6 +151,7 @@ class _Call:
                     raise
                 log.warning("%s lost; recovering and re-prefilling", self.worker.name)
                 self.worker.recover()
+            self.resent = True
             self.fut = self.worker.submit(self.method, *self.args_fn(True))
         return self.fut.result()
 
@@ -178,12 +198,16 @@ class RoundLoop:
         draft: WorkerHandle | Sequence[WorkerHandle] | None = None,
         qualifier: WorkerHandle | None = None,
         broadcast: BroadcastFn = submit_each,
+        forward: ForwardFn | None = None,
     ) -> None:
+        """``forward``: the transport can have the target place the SSD lookups
+        on the drafts itself when verification ends (see :meth:`_round_ssd`)."""
         self.spec = spec
         self.target = target
         drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
         self.drafts = DraftPool(drafts)
         self.broadcast = broadcast
+        self.forward = forward
         self.qualifier = qualifier
         self.eos_ids = eos_ids
         self.max_context = max_context
@@ -192,7 +216,9 @@ class RoundLoop:
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
+        self._round_ids = itertools.count()  # round ids keep increasing when the timeline is full
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
+        self._build_ratio = 0.0  # SSD: moving average of cache-build time / verification time
         # the KV delta of each sequence's latest hit, and the draft that served it
         self._extensions: dict[int, tuple[WorkerHandle, Extension]] = {}
 
@@ -243,10 +269,11 @@ class RoundLoop:
         """KV tokens a round may hold beyond the emitted ones (proposal + pending token)."""
         return max(self.spec.k, self.spec.lq + self.spec.ld) + 1
 
-    def spec_len(self, s: SequenceState, k: int) -> int:
-        """Draft tokens worth proposing: never past max_tokens or the context."""
-        remaining = s.params.max_tokens - len(s.output_ids) - 1
-        room = self.max_context - len(s.all_ids)
+    def spec_len(self, s: SequenceState, k: int, ahead: int = 0) -> int:
+        """Draft tokens worth proposing: never past max_tokens or the context
+        (``ahead``: once ``s`` has emitted that many more tokens)."""
+        remaining = s.params.max_tokens - len(s.output_ids) - ahead - 1
+        room = self.max_context - len(s.all_ids) - ahead
         return max(0, min(k, remaining, room))
 
     def _fanout_for(self, proposal: Proposal, shards: int = 1) -> list[int]:
@@ -289,7 +316,7 @@ class RoundLoop:
         Returns those still running; finished ones are released and finalised."""
         if not new:
             return []
-        rec = RoundRecord(index=len(self.timeline), batch=len(new), start=time.perf_counter(), prefill=True)
+        rec = RoundRecord(index=next(self._round_ids), batch=len(new), start=time.perf_counter(), prefill=True)
         prefill = lambda full: ([self.step(s, full) for s in new],)  # noqa: E731
         call_t = _Call(self.target, "verify", lambda full: ([VerifyItem(self.step(s, full), Proposal([])) for s in new],))
         calls_d = [self._draft_call("prefill", prefill, d) for d in self.drafts.up()]
@@ -309,7 +336,7 @@ class RoundLoop:
     def advance(self, running: list[SequenceState]) -> list[SequenceState]:
         """One round of the configured mode for every running sequence; returns
         those still running (finished ones are released and finalised)."""
-        rec = RoundRecord(index=len(self.timeline), batch=len(running), start=time.perf_counter())
+        rec = RoundRecord(index=next(self._round_ids), batch=len(running), start=time.perf_counter())
         mode = self.spec.mode
         if mode == "ar":
             self._round_ar(running, rec)
@@ -336,13 +363,24 @@ class RoundLoop:
             self._finish_stats(s)
         return [s for s in running if not s.finished]
 
-    def _verify(self, running: list[SequenceState], proposals: list[Proposal], rec: RoundRecord, rule: str = "exact", tau: float = 0.0) -> _Call:
+    def _verify(
+        self,
+        running: list[SequenceState],
+        proposals: list[Proposal],
+        rec: RoundRecord,
+        rule: str = "exact",
+        tau: float = 0.0,
+        then: dict[str, Any] | None = None,
+    ) -> _Call:
+        """Send the verification; ``then`` (first attempt only) is the call the
+        target places on the drafts when it is done (see :meth:`_round_ssd`)."""
         div = self.spec.div
-        call = _Call(
-            self.target,
-            "verify",
-            lambda full: ([VerifyItem(self.step(s, full), _local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)],),
-        )
+
+        def args(full: bool) -> tuple:
+            items = [VerifyItem(self.step(s, full), _local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)]
+            return (items,) if then is None or full else (items, then)
+
+        call = _Call(self.target, "verify", args)
         rec.sent = time.perf_counter()
         return call
 
@@ -376,66 +414,92 @@ class RoundLoop:
             rec.backup, rec.draft = self._backup(need, len(running))
         # a cached speculation may be longer than what is still worth verifying
         proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
-        call_v = self._verify(running, proposals, rec)
         # every draft that is up builds its share of the outcomes (one budget each)
         builders = self.drafts.up()
         shards = max(1, len(builders))
-        fanouts = [self._fanout_for(p, shards) for p in proposals]
-        ks = [self.spec_len(s, self.spec.k) for s in running]
-        exts = [self._extensions.pop(s.seq_id, None) for s in running]
+        share = shards > 1  # peers take the owner's KV delta instead of recomputing
+        # one backup decision per round, for this round's misses
+        kind = self._backup_kind(len(running))
+        # Where the transport allows, the target itself places the lookups on the
+        # drafts, with the real outcomes, the moment verification ends: the
+        # drafts answer here, and this loop's own bookkeeping overlaps them.
+        # Everything a lookup needs but the outcomes is known now.
+        ahead = self._ahead(running, proposals, builders, kind, share, rec.index)
 
-        def build_items(full: bool, shard: int, draft: WorkerHandle) -> tuple:
-            return (
-                [
-                    BuildItem(
-                        self.step(s, full),
-                        Proposal(p.tokens, None, p.source),  # the build needs the tokens only
-                        f,
-                        k,
-                        self.spec.saguaro_c,
-                        shard,
-                        shards,
-                        None if full or e is None or e[0] is draft else e[1],
-                    )
-                    for s, p, f, k, e in zip(running, proposals, fanouts, ks, exts)
-                ],
-                rec.index,
-            )
+        def send_builds() -> list[tuple[WorkerHandle, _Call]]:
+            fanouts = [self._fanout_for(p, shards) for p in proposals]
+            ks = [self.spec_len(s, self.spec.k) for s in running]
+            exts = [self._extensions.pop(s.seq_id, None) for s in running]
 
-        calls_b = [
-            (d, c)
-            for d, c in ((d, self._draft_call("build", lambda full, i=i, d=d: build_items(full, i, d), d)) for i, d in enumerate(builders))
-            if c is not None
-        ]
+            def build_items(full: bool, shard: int, draft: WorkerHandle) -> tuple:
+                return (
+                    [
+                        BuildItem(
+                            self.step(s, full),
+                            Proposal(p.tokens, None, p.source),  # the build needs the tokens only
+                            f,
+                            k,
+                            self.spec.saguaro_c,
+                            shard,
+                            shards,
+                            None if full or e is None or e[0] is draft else e[1],
+                        )
+                        for s, p, f, k, e in zip(running, proposals, fanouts, ks, exts)
+                    ],
+                    rec.index,
+                )
+
+            calls = ((d, self._draft_call("build", lambda full, i=i, d=d: build_items(full, i, d), d)) for i, d in enumerate(builders))
+            return [(d, c) for d, c in calls if c is not None]
+
+        # whichever of the two has been taking longer is sent first
+        if self._build_ratio > 1.0:
+            calls_b = send_builds()
+            call_v = self._verify(running, proposals, rec, then=ahead[0] if ahead else None)
+        else:
+            call_v = self._verify(running, proposals, rec, then=ahead[0] if ahead else None)
+            calls_b = send_builds()
         outcomes = self._verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
         self._emit(running, proposals, outcomes, rec)
-        live = [(s, p, out) for s, p, out in zip(running, proposals, outcomes) if not s.finished]
-        # The real outcomes go to every draft that is building, as one broadcast,
-        # without waiting for the builds: each draft runs the lookup right after
-        # its build (in order on its command socket), so a build that outlives
-        # verification costs no extra control round trip. The round id makes a
-        # lookup that overtook its build (a re-sent build) answer misses.
-        keys = [(s.seq_id, o.accepted, o.next_token) for s, _, o in live]
-        share = len(calls_b) > 1  # peers take the owner's KV delta instead of recomputing
+        live = [i for i, s in enumerate(running) if not s.finished]
         lookers = [d for d, _ in calls_b]
-        # one backup decision per round, for this round's misses
-        kind = self._backup_kind(len(running))
-        backups = self._lookup_backups([s for s, _, _ in live]) if kind == "neural" and len(lookers) == 1 else None
-        args_l = (keys, share, rec.index, backups)
-        futs = self.broadcast(lookers, "lookup", args_l) if live and lookers else []
-        rec.lookup_sent = time.perf_counter() if futs else None
-        calls_l = [(d, _Call(d, "lookup", lambda full: args_l, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
+        if ahead is not None and not call_v.resent:
+            # the target placed the lookups (for every sequence of the round)
+            rec.lookup_sent, rec.forwarded = rec.verify[1], True
+            _, forwarded, backups, deferred = ahead
+            args_l = ([o.key for o in outcomes], share, rec.index, backups)
+            calls_l = [(f.worker, _Call(f.worker, "lookup", lambda full: args_l, degradable=True, fut=f.future)) for f in forwarded]
+            at = live  # where each live sequence's answer sits
+        else:
+            if ahead is not None:  # verification was re-sent: its lookups were never placed
+                for f in ahead[1]:
+                    f.forget()
+            # The real outcomes go to every draft that is building, as one broadcast,
+            # without waiting for the builds: each draft runs the lookup right after
+            # its build (in order on its command socket), so a build that outlives
+            # verification costs no extra control round trip. The round id makes a
+            # lookup that overtook its build (a re-sent build) answer misses.
+            backups = self._lookup_backups([running[i] for i in live]) if kind == "neural" and len(lookers) == 1 else None
+            deferred = [False] * len(live)
+            args_l = ([outcomes[i].key for i in live], share, rec.index, backups)
+            futs = self.broadcast(lookers, "lookup", args_l) if live and lookers else []
+            rec.lookup_sent = time.perf_counter() if futs else None
+            calls_l = [(d, _Call(d, "lookup", lambda full: args_l, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
+            at = list(range(len(live)))
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
             rec.build = _span([span for _, span in built])
             t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
             self.backup_stats.observe_latency(t_primary=t_primary)
             self.budget.observe(t_primary)
+            self._build_ratio += 0.2 * (t_primary - self._build_ratio)
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
             self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else p.source)
-        if not live:
+        if not live:  # every sequence finished: nothing to wait for (the target placed lookups anyway)
+            for f in ahead[1] if rec.forwarded else []:
+                f.forget()
             return
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
         spans = []
@@ -448,7 +512,8 @@ class RoundLoop:
             rec.lookup = _span(spans)
             rec.lookup_back = time.perf_counter()
         drafted = False
-        for idx, (s, p, out) in enumerate(live):
+        for i, idx in zip(live, at):
+            s, p, out = running[i], proposals[i], outcomes[i]
             cached, rank, backup = None, None, None
             for d, res in answers:
                 r = res[idx]
@@ -465,7 +530,7 @@ class RoundLoop:
             s.hits += int(hit)
             rec.hits += int(hit)
             rec.misses += int(not hit)
-            if backup is None and backups is not None and backups[idx] is None:
+            if backup is None and backups is not None and backups[idx] is None and not deferred[idx]:
                 backup = Proposal([], None, "neural")  # nothing left worth drafting
             s.proposal = cached or backup  # neither: next round's backup serves it
             drafted = drafted or (not hit and backup is not None)
@@ -473,9 +538,32 @@ class RoundLoop:
             rec.backup = "neural"
             self.backup_policy.served("neural")
             self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
-        missed = [s for s, _, _ in live if s.proposal is None]
+        missed = [running[i] for i in live if running[i].proposal is None]
         if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
             rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
+
+    def _ahead(
+        self, running: list[SequenceState], proposals: list[Proposal], lookers: list[WorkerHandle], kind: str, share: bool, round_id: int
+    ) -> tuple[dict[str, Any], list[Forwarded], list[tuple[int, list[int]] | None] | None, list[bool]] | None:
+        """The lookups the target places itself when verification ends: the
+        ``then`` of the verification call, the calls registered at each draft,
+        and the neural backups asked for (one draft only) — per sequence (K,
+        fan-out) when its K is the same whatever the outcome, else ``None``
+        and ``deferred`` (a sequence near its length limit: the loop drafts its
+        backup after the lookup, from the state the outcome leaves)."""
+        if self.forward is None or not lookers:
+            return None
+        backups, deferred = None, [False] * len(running)
+        if kind == "neural" and len(lookers) == 1:
+            backups = []
+            for i, (s, p) in enumerate(zip(running, proposals)):
+                k_after = {self.spec_len(s, self.spec.k, ahead=n) for n in range(1, len(p.tokens) + 2)}
+                k = k_after.pop() if len(k_after) == 1 else None
+                deferred[i] = k is None
+                backups.append((k, self._fanout(k, "neural")) if k else None)
+        forwarded = self.forward(lookers, "lookup")
+        then = {"method": "lookup", "args": [share, round_id, backups], "to": [f.address for f in forwarded]}
+        return then, forwarded, backups, deferred
 
     def _backup_kind(self, batch_size: int) -> str:
         """``auto`` weighs the backups at the live batch size (a batch of b

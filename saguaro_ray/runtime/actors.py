@@ -27,7 +27,7 @@ from saguaro_ray.engine.frontend import Frontend, open_models
 from saguaro_ray.engine.rounds import RoundLoop, submit_each
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
-from saguaro_ray.runtime.control import Broadcaster, CommandServer, ControlError
+from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.ray_transport import RayWorkerHandle
@@ -75,9 +75,9 @@ class WorkerActor:
         self.logic = _LOGIC[kind](self._make_runner(model, config))
         node = ray.util.get_node_ip_address()
         # tensors to and from peers live on the device the model runs on
-        self.routed = RoutedLogic(self.logic, str(self.logic.runner.device), node)
+        self.routed = RoutedLogic(self.logic, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
-        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role)
+        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready)
 
     def _make_runner(self, model: str, config: EngineConfig) -> Any:
         """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""
@@ -98,11 +98,14 @@ class WorkerActor:
             "block_size": self.logic.runner.kv.block_size,
             "dropped_frames": self.server.dropped_frames,
             "broadcast_calls": self.server.stats()["broadcast_calls"],
+            "forwarded_calls": 0 if self.routed.forwarder is None else self.routed.forwarder.forwarded,
             "data_plane": None if self.routed.plane is None else self.routed.plane.stats(),
         }
 
     def shutdown(self) -> None:
         self.server.close()
+        if self.routed.forwarder is not None:  # its sockets were the server thread's
+            self.routed.forwarder.close()
         self.routed.leave_data_plane()
 
 
@@ -146,6 +149,7 @@ class CoordinatorActor:
             draft=[c for role, c in self.clients.items() if role.startswith("draft")],
             qualifier=self.clients.get("qualifier"),
             broadcast=self._broadcast,
+            forward=lambda workers, method: [w.forwarded(method) for w in workers],
         )
         infos = [worker_info(a) for a in workers.values()]
         self.scheduler = Scheduler(

@@ -15,6 +15,15 @@ Commands — ROUTER (worker, binds) ⇄ DEALER (coordinator, connects).
     :class:`CommandServer` runs calls on *one* thread in arrival order — the
     same guarantee a Ray actor (and ``InProcessWorker``) gives.
 
+Forwarded calls — DEALER (a worker, connects) → ROUTER (another worker).
+    A :class:`CallForwarder` lets a worker place a call on another worker's
+    command socket on the coordinator's behalf: the coordinator registers the
+    call (:meth:`CommandClient.expect`) and hands the worker the peer's
+    endpoint, its own client's routing id and the call id; the request names
+    that routing id as ``reply_to``, so the peer answers the coordinator as if
+    it had sent the call itself. The SSD target uses it to start the drafts'
+    cache lookups the moment verification ends.
+
 Broadcast — XPUB (coordinator, binds) → SUB (workers, connect), in
     ``XPUB_MANUAL`` mode. A :class:`Subscriber` sends, as a subscription, an
     authenticated hello naming its topics; only on receiving it does the
@@ -52,10 +61,10 @@ import threading
 import time
 import traceback
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import zmq
 
@@ -69,6 +78,7 @@ __all__ = [
     "Broadcaster",
     "ClientClosed",
     "CommandClient",
+    "CallForwarder",
     "CommandServer",
     "ControlError",
     "RemoteError",
@@ -219,6 +229,12 @@ class CommandServer:
     answering its own entry through this ROUTER to the named client (see
     :meth:`CommandClient.expect`), in order with its other calls.
 
+    A call that ``ready(method, args)`` says cannot run yet waits, up to
+    ``max_defer_s``, while later calls run, and runs as soon as one of them
+    has made it ready (or when its time is up): a forwarded SSD lookup (see
+    :class:`CallForwarder`) may arrive before the build it looks into, which
+    the coordinator sent first but over another connection.
+
     Bind to ``endpoint`` exactly, or (default) via :func:`bind_endpoint` on
     ``host`` (``None``: ipc). ``poll_interval_s`` bounds how long ``close()``
     waits for an idle loop; a call in progress is waited for up to
@@ -236,9 +252,15 @@ class CommandServer:
         name: str = "worker",
         poll_interval_s: float = 0.1,
         max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
+        ready: Callable[[str, list], bool] | None = None,
+        max_defer_s: float = 0.5,
     ) -> None:
         self.name = name
         self._target = target
+        self._ready = ready
+        self._max_defer_s = max_defer_s
+        self._deferred: deque[tuple[float, str, list, Callable[[], None]]] = deque()  # server thread only
+        self._deferred_calls = 0
         self._allowed = frozenset(allowed)
         for m in sorted(self._allowed):
             if not isinstance(m, str) or not m or m.startswith("_"):
@@ -287,6 +309,7 @@ class CommandServer:
             "drop_reasons": self._drops.reasons(),
             "unroutable_replies": self._unroutable,
             "broadcast_calls": self._broadcast_calls,
+            "deferred_calls": self._deferred_calls,
         }
 
     # loop ---------------------------------------------------------------
@@ -301,7 +324,7 @@ class CommandServer:
                     polled_sub = self._sub
                     poller.register(polled_sub._sock, zmq.POLLIN)
                 try:
-                    events = dict(poller.poll(self._poll_ms))
+                    events = dict(poller.poll(self._wait_ms()))
                     # direct calls first: a broadcast (e.g. an SSD lookup) is sent after
                     # the direct calls it follows (that round's build), so run whatever
                     # of those has already arrived before it
@@ -310,6 +333,7 @@ class CommandServer:
                     if polled_sub is not None and polled_sub._sock in events:
                         self._drain(sock)
                         self._handle_broadcast(polled_sub)
+                    self._run_deferred()
                 except zmq.ZMQError as e:
                     if e.errno == zmq.ETERM:
                         break
@@ -331,6 +355,43 @@ class CommandServer:
                 self._handle(parts)
             except Exception:  # never let one frame kill the loop
                 log.exception("command server %r: unexpected error handling a frame", self.name)
+            self._run_deferred()
+
+    def _wait_ms(self) -> int:
+        if not self._deferred:
+            return self._poll_ms
+        return max(0, min(self._poll_ms, int((self._deferred[0][0] - time.monotonic()) * 1000) + 1))
+
+    def _is_ready(self, method: str, args: list) -> bool:
+        if self._ready is None:
+            return True
+        try:
+            return bool(self._ready(method, args))
+        except Exception:  # the call itself will report what is wrong with it
+            return True
+
+    def _run_or_defer(self, method: str, args: list, run: Callable[[], None]) -> None:
+        if self._is_ready(method, args):
+            run()
+        else:
+            self._deferred_calls += 1
+            self._deferred.append((time.monotonic() + self._max_defer_s, method, args, run))
+
+    def _run_deferred(self) -> None:
+        """Run the waiting calls that are ready now, or out of time, in arrival order."""
+        if not self._deferred:
+            return
+        now, waiting = time.monotonic(), deque()
+        while self._deferred:
+            entry = self._deferred.popleft()
+            if entry[0] <= now or self._is_ready(entry[1], entry[2]):
+                try:
+                    entry[3]()
+                except Exception:
+                    log.exception("command server %r: unexpected error running a deferred call", self.name)
+            else:
+                waiting.append(entry)
+        self._deferred = waiting
 
     def _handle_broadcast(self, sub: "Subscriber") -> None:
         """Execute this server's entry of a broadcast call; reply to the named client."""
@@ -353,7 +414,8 @@ class CommandServer:
             return
         ident, cid = entry
         self._broadcast_calls += 1
-        self._reply(ident, cid, self._execute(cid, msg["method"], msg["args"]), msg["method"])
+        method, args = msg["method"], msg["args"]
+        self._run_or_defer(method, args, lambda: self._reply(ident, cid, self._execute(cid, method, args), method))
 
     def _handle(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
@@ -379,7 +441,7 @@ class CommandServer:
         reply_to = msg.get("reply_to")
         if type(reply_to) is bytes and 0 < len(reply_to) <= 255:
             ident = reply_to
-        self._reply(ident, cid, self._execute(cid, method, args), method)
+        self._run_or_defer(method, args, lambda: self._reply(ident, cid, self._execute(cid, method, args), method))
 
     def _reply(self, ident: bytes, cid: int, reply: dict[str, Any], method: str) -> None:
         try:
@@ -452,6 +514,48 @@ class CommandServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class CallForwarder:
+    """Places calls on other workers' command sockets, to be answered to a
+    third party (see "Forwarded calls" in the module doc).
+
+    One DEALER per peer endpoint, opened on first use and kept (a restarted
+    peer has a new endpoint, hence a new socket). Not thread-safe: a worker
+    forwards from its :class:`CommandServer` thread only. Sends never block:
+    a full queue raises :class:`ControlError`, and the coordinator's expected
+    call then times out or is replaced by its own fallback.
+    """
+
+    def __init__(self, key: bytes, *, max_peers: int = 64, max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._codec = FrameCodec(key)
+        self._max_peers = max_peers
+        self._max_frame_bytes = max_frame_bytes
+        self._socks: dict[str, zmq.Socket] = {}
+        self.forwarded = 0
+
+    def call(self, endpoint: str, reply_to: bytes, cid: int, method: str, args: list) -> None:
+        """Send ``method(*args)`` to the server at ``endpoint``; it replies to the
+        client whose reply socket has routing id ``reply_to``, under call id ``cid``."""
+        if type(reply_to) is not bytes or not 0 < len(reply_to) <= 255 or type(cid) is not int:
+            raise ValueError("a forwarded call needs the client's routing id (bytes) and an integer call id")
+        frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": reply_to})
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            if len(self._socks) >= self._max_peers:  # peers that restarted left their old endpoints here
+                self._socks.pop(next(iter(self._socks))).close(0)
+            sock = self._socks[endpoint] = _sock(zmq.DEALER, self._max_frame_bytes)
+            sock.connect(endpoint)
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            raise ControlError(f"the send queue to {endpoint} is full; is that worker alive?") from None
+        self.forwarded += 1
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
 
 
 class _ClockMap:
@@ -649,6 +753,15 @@ class CommandClient:
                 raise ClientClosed(f"command client {self.name!r} is closed")
             self._pending[cid] = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
         return cid, fut
+
+    def forget(self, cid: int) -> None:
+        """Withdraw an expected call: its future fails now, and an answer that
+        still comes counts as a late reply."""
+        with self._lock:
+            p = self._pending.pop(cid, None)
+        if p is not None:
+            self._settled(p)
+            _fail(p.future, ControlError(f"call {cid} ({p.method}) to worker {self.name!r} was withdrawn"))
 
     def call(self, method: str, *args: Any) -> Any:
         """Blocking convenience: the call's value."""
