@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from saguaro_ray.algorithms.backup import BackupPolicy, BackupStats
-from saguaro_ray.algorithms.fanout import BudgetController, FanoutEstimator
+from saguaro_ray.algorithms.fanout import BudgetController, BudgetSearch, FanoutEstimator
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.engine.drafts import DraftPool
@@ -82,6 +82,7 @@ class RoundRecord:
     lookup_sent: float | None = None
     lookup_back: float | None = None
     forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
+    budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -212,7 +213,11 @@ class RoundLoop:
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.fanout = FanoutEstimator()
-        self.budget = BudgetController(spec.budget)  # auto fan-outs spend what stays hidden behind verification
+        # auto fan-outs spend the budget that delivers the most tokens/s at the batch
+        # size (measured), never more than stays hidden behind verification
+        self.budget = BudgetController(spec.budget)
+        self.budget_search = BudgetSearch(spec.budget)
+        self._spend = spec.budget  # this round's budget per sequence
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
@@ -284,7 +289,7 @@ class RoundLoop:
 
     def _fanout(self, k: int, regime: bool | str, shards: int = 1) -> list[int]:
         if self.spec.fanout == "auto":
-            return self.fanout.allocation(self.budget.budget * shards, k, after_backup=regime)
+            return self.fanout.allocation(self._spend * shards, k, after_backup=regime)
         return [f * shards for f in self.spec.fanout[: k + 1]]
 
     def _emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
@@ -347,6 +352,8 @@ class RoundLoop:
         else:
             self._round_pyramid(running, rec)
         rec.end = time.perf_counter()
+        if mode == "ssd" and self.spec.fanout == "auto":
+            self.budget_search.observe(rec.batch, sum(a + 1 for a in rec.accepted), rec.end - rec.start)
         self.timeline.append(rec)
         return self._retire(running)
 
@@ -409,6 +416,8 @@ class RoundLoop:
 
     # ---------------------------------------------------------------- SSD
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
+        self._spend = min(self.budget.budget, self.budget_search.budget(len(running)))
+        rec.budget = self._spend if self.spec.fanout == "auto" else None
         need = [s for s in running if s.proposal is None]
         if need:  # newly admitted sequences (a miss is served at its own round's lookup)
             rec.backup, rec.draft = self._backup(need, len(running))
