@@ -470,7 +470,12 @@ def test_broadcast_calls_reach_each_addressed_server_once(host):
         bus.publish({"method": "add", "calls": calls})  # no args: malformed
         assert clients["d0"].call("history", "t") == ["direct", "bcast"]
         assert clients["d2"].call("history", "t") == []
-        # everyone drops the argless call; only d2 is named by the bad entry
+        # everyone drops the argless call; only d2 is named by the bad entry (a direct
+        # call that arrives while a broadcast waits runs first, so wait for the drops)
+        deadline = time.monotonic() + 20
+        while servers["d0"].drop_reasons.get("malformed", 0) < 1 or servers["d2"].drop_reasons.get("malformed", 0) < 2:
+            assert time.monotonic() < deadline, (servers["d0"].drop_reasons, servers["d2"].drop_reasons)
+            time.sleep(0.01)
         assert servers["d0"].drop_reasons.get("malformed", 0) == 1 and servers["d2"].drop_reasons.get("malformed", 0) == 2
         assert servers["d0"].stats()["broadcast_calls"] == 1 and servers["d2"].stats()["broadcast_calls"] == 0
     finally:
@@ -532,6 +537,19 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
             time.sleep(0.01)
         with pytest.raises(ValueError):
             forwarder.call(peer.endpoint, "not bytes", cid, "add", ["t", "x"])  # type: ignore[arg-type]
+        with pytest.raises(ControlError, match="cannot forward"):
+            forwarder.call("bogus://nowhere", client.identity, cid, "add", ["t", "x"])
+        # a verification whose lookup cannot be placed still stands (that lookup is lost)
+        from saguaro_ray.runtime.routing import RoutedLogic
+
+        routed = RoutedLogic(Recorder(), forwarder=forwarder)
+        item = VerifyItem(SeqStep(1, 0, [5], SamplingParams(), 0, 0, []), Proposal([7], torch.eye(4)[[2]]))
+        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", client.identity, 99]]}
+        assert routed.verify([item], then) == [Outcome(1, 1, 2, 1)]
+        cid, fut = client.expect("echo")
+        then["to"] = [[peer.endpoint, client.identity, cid]]
+        routed.verify([item], then)
+        assert list(fut.result(20).value) == [[(1, 1, 2)], "more"]  # the outcomes' keys, then the given args
     finally:
         forwarder.close()
         client.close()

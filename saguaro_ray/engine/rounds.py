@@ -116,6 +116,18 @@ class Forwarded:
 ForwardFn = Callable[[Sequence[WorkerHandle], str], list[Forwarded]]
 
 
+@dataclass
+class _Lookups:
+    """An SSD round's lookup calls in flight, and how to read their answers:
+    ``at[j]`` is where the j-th live sequence's answer sits in each reply;
+    ``backups`` / ``deferred`` are per reply position (see ``RoundLoop._ahead``)."""
+
+    calls: list[tuple[WorkerHandle, "_Call"]]
+    backups: list[tuple[int, list[int]] | None] | None
+    deferred: list[bool]
+    at: list[int]
+
+
 def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":
     """The plain broadcast: one call per worker (in process, or without a broadcast socket)."""
     return [w.submit(method, *args) for w in workers]
@@ -472,30 +484,13 @@ class RoundLoop:
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
         self._emit(running, proposals, outcomes, rec)
         live = [i for i, s in enumerate(running) if not s.finished]
-        lookers = [d for d, _ in calls_b]
         if ahead is not None and not call_v.resent:
-            # the target placed the lookups (for every sequence of the round)
-            rec.lookup_sent, rec.forwarded = rec.verify[1], True
-            _, forwarded, backups, deferred = ahead
-            args_l = ([o.key for o in outcomes], share, rec.index, backups)
-            calls_l = [(f.worker, _Call(f.worker, "lookup", lambda full: args_l, degradable=True, fut=f.future)) for f in forwarded]
-            at = live  # where each live sequence's answer sits
+            lookups = self._placed_lookups(ahead, outcomes, live, share, rec)
         else:
             if ahead is not None:  # verification was re-sent: its lookups were never placed
                 for f in ahead[1]:
                     f.forget()
-            # The real outcomes go to every draft that is building, as one broadcast,
-            # without waiting for the builds: each draft runs the lookup right after
-            # its build (in order on its command socket), so a build that outlives
-            # verification costs no extra control round trip. The round id makes a
-            # lookup that overtook its build (a re-sent build) answer misses.
-            backups = self._lookup_backups([running[i] for i in live]) if kind == "neural" and len(lookers) == 1 else None
-            deferred = [False] * len(live)
-            args_l = ([outcomes[i].key for i in live], share, rec.index, backups)
-            futs = self.broadcast(lookers, "lookup", args_l) if live and lookers else []
-            rec.lookup_sent = time.perf_counter() if futs else None
-            calls_l = [(d, _Call(d, "lookup", lambda full: args_l, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
-            at = list(range(len(live)))
+            lookups = self._send_lookups(running, outcomes, live, [d for d, _ in calls_b], kind, share, rec)
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
             rec.build = _span([span for _, span in built])
@@ -510,9 +505,42 @@ class RoundLoop:
             for f in ahead[1] if rec.forwarded else []:
                 f.forget()
             return
+        self._take_lookups(running, proposals, outcomes, live, lookups, rec)
+        missed = [running[i] for i in live if running[i].proposal is None]
+        if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
+            rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
+
+    def _placed_lookups(self, ahead: tuple, outcomes: list[Outcome], live: list[int], share: bool, rec: RoundRecord) -> _Lookups:
+        """The lookups the target placed when verification ended (one key per sequence of the round)."""
+        rec.lookup_sent, rec.forwarded = rec.verify[1], True
+        _, forwarded, backups, deferred = ahead
+        args = ([o.key for o in outcomes], share, rec.index, backups)
+        calls = [(f.worker, _Call(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in forwarded]
+        return _Lookups(calls, backups, deferred, live)
+
+    def _send_lookups(
+        self, running: list[SequenceState], outcomes: list[Outcome], live: list[int], lookers: list[WorkerHandle], kind: str, share: bool, rec: RoundRecord
+    ) -> _Lookups:
+        """The coordinator sends the live sequences' outcomes to every draft that
+        is building, as one broadcast, without waiting for the builds: each draft
+        runs the lookup after its build (a lookup that arrives first waits for it),
+        so a build that outlives verification costs no extra round trip. The round
+        id makes a lookup that overtook a re-sent build answer misses."""
+        backups = self._lookup_backups([running[i] for i in live]) if kind == "neural" and len(lookers) == 1 else None
+        args = ([outcomes[i].key for i in live], share, rec.index, backups)
+        futs = self.broadcast(lookers, "lookup", args) if live and lookers else []
+        rec.lookup_sent = time.perf_counter() if futs else None
+        calls = [(d, _Call(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
+        return _Lookups(calls, backups, [False] * len(live), list(range(len(live))))
+
+    def _take_lookups(
+        self, running: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], live: list[int], lookups: _Lookups, rec: RoundRecord
+    ) -> None:
+        """Collect the drafts' answers: each live sequence's next proposal is a hit,
+        else the neural backup its lookup drafted; observe hits and ranks."""
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
         spans = []
-        for d, c in calls_l:
+        for d, c in lookups.calls:
             got = self._draft_value(c)
             if got is not None:
                 answers.append((d, got[0]))
@@ -520,8 +548,9 @@ class RoundLoop:
         if spans:
             rec.lookup = _span(spans)
             rec.lookup_back = time.perf_counter()
+        backups, deferred = lookups.backups, lookups.deferred
         drafted = False
-        for i, idx in zip(live, at):
+        for i, idx in zip(live, lookups.at):
             s, p, out = running[i], proposals[i], outcomes[i]
             cached, rank, backup = None, None, None
             for d, res in answers:
@@ -547,9 +576,6 @@ class RoundLoop:
             rec.backup = "neural"
             self.backup_policy.served("neural")
             self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
-        missed = [running[i] for i in live if running[i].proposal is None]
-        if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
-            rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
 
     def _ahead(
         self, running: list[SequenceState], proposals: list[Proposal], lookers: list[WorkerHandle], kind: str, share: bool, round_id: int

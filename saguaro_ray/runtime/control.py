@@ -540,16 +540,19 @@ class CallForwarder:
         if type(reply_to) is not bytes or not 0 < len(reply_to) <= 255 or type(cid) is not int:
             raise ValueError("a forwarded call needs the client's routing id (bytes) and an integer call id")
         frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": reply_to})
-        sock = self._socks.get(endpoint)
-        if sock is None:
-            if len(self._socks) >= self._max_peers:  # peers that restarted left their old endpoints here
-                self._socks.pop(next(iter(self._socks))).close(0)
-            sock = self._socks[endpoint] = _sock(zmq.DEALER, self._max_frame_bytes)
-            sock.connect(endpoint)
         try:
+            sock = self._socks.get(endpoint)
+            if sock is None:
+                if len(self._socks) >= self._max_peers:  # peers that restarted left their old endpoints here
+                    self._socks.pop(next(iter(self._socks))).close(0)
+                sock = _sock(zmq.DEALER, self._max_frame_bytes)
+                self._socks[endpoint] = sock
+                sock.connect(endpoint)
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             raise ControlError(f"the send queue to {endpoint} is full; is that worker alive?") from None
+        except zmq.ZMQError as e:
+            raise ControlError(f"cannot forward a call to {endpoint}: {e}") from None
         self.forwarded += 1
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from saguaro_ray.runtime.control import CallForwarder
+from saguaro_ray.runtime.control import CallForwarder, ControlError
 from saguaro_ray.runtime.data_plane import DataPlane, offload_kv, offload_q, resolve
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,10 @@ class RoutedLogic:
                 raise ValueError("this worker cannot forward calls (it has no forwarder)")
             args = [[o.key for o in outcomes], *then["args"]]
             for endpoint, reply_to, cid in then["to"]:
-                self.forwarder.call(endpoint, reply_to, cid, then["method"], args)
+                try:
+                    self.forwarder.call(endpoint, reply_to, cid, then["method"], args)
+                except ControlError as e:  # the verification stands; that draft's lookup is lost (degradable)
+                    log.warning("could not place %s on %s: %s", then["method"], endpoint, e)
         return outcomes
 
     def qualify(self, items: Any) -> Any:
