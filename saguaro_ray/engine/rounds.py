@@ -128,6 +128,18 @@ class _Lookups:
     at: list[int]
 
 
+@dataclass
+class _Ahead:
+    """The lookups the target places when verification ends (``RoundLoop._ahead``):
+    ``then`` rides the verification call, ``forwarded`` are the calls registered
+    at the drafts; ``backups`` / ``deferred`` per sequence of the round."""
+
+    then: dict[str, Any]
+    forwarded: list[Forwarded]
+    backups: list[tuple[int, list[int]] | None] | None
+    deferred: list[bool]
+
+
 def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":
     """The plain broadcast: one call per worker (in process, or without a broadcast socket)."""
     return [w.submit(method, *args) for w in workers]
@@ -235,7 +247,6 @@ class RoundLoop:
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
         self._round_ids = itertools.count()  # round ids keep increasing when the timeline is full
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
-        self._build_ratio = 0.0  # SSD: moving average of cache-build time / verification time
         # the KV delta of each sequence's latest hit, and the draft that served it
         self._extensions: dict[int, tuple[WorkerHandle, Extension]] = {}
 
@@ -474,11 +485,12 @@ class RoundLoop:
             return [(d, c) for d, c in calls if c is not None]
 
         # whichever of the two has been taking longer is sent first
-        if self._build_ratio > 1.0:
+        then = ahead.then if ahead else None
+        if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
             calls_b = send_builds()
-            call_v = self._verify(running, proposals, rec, then=ahead[0] if ahead else None)
+            call_v = self._verify(running, proposals, rec, then=then)
         else:
-            call_v = self._verify(running, proposals, rec, then=ahead[0] if ahead else None)
+            call_v = self._verify(running, proposals, rec, then=then)
             calls_b = send_builds()
         outcomes = self._verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
@@ -488,7 +500,7 @@ class RoundLoop:
             lookups = self._placed_lookups(ahead, outcomes, live, share, rec)
         else:
             if ahead is not None:  # verification was re-sent: its lookups were never placed
-                for f in ahead[1]:
+                for f in ahead.forwarded:
                     f.forget()
             lookups = self._send_lookups(running, outcomes, live, [d for d, _ in calls_b], kind, share, rec)
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
@@ -497,12 +509,11 @@ class RoundLoop:
             t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
             self.backup_stats.observe_latency(t_primary=t_primary)
             self.budget.observe(t_primary)
-            self._build_ratio += 0.2 * (t_primary - self._build_ratio)
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
             self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else p.source)
         if not live:  # every sequence finished: nothing to wait for (the target placed lookups anyway)
-            for f in ahead[1] if rec.forwarded else []:
+            for f in ahead.forwarded if ahead is not None and rec.forwarded else []:
                 f.forget()
             return
         self._take_lookups(running, proposals, outcomes, live, lookups, rec)
@@ -510,13 +521,12 @@ class RoundLoop:
         if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
             rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
 
-    def _placed_lookups(self, ahead: tuple, outcomes: list[Outcome], live: list[int], share: bool, rec: RoundRecord) -> _Lookups:
+    def _placed_lookups(self, ahead: _Ahead, outcomes: list[Outcome], live: list[int], share: bool, rec: RoundRecord) -> _Lookups:
         """The lookups the target placed when verification ended (one key per sequence of the round)."""
         rec.lookup_sent, rec.forwarded = rec.verify[1], True
-        _, forwarded, backups, deferred = ahead
-        args = ([o.key for o in outcomes], share, rec.index, backups)
-        calls = [(f.worker, _Call(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in forwarded]
-        return _Lookups(calls, backups, deferred, live)
+        args = ([o.key for o in outcomes], share, rec.index, ahead.backups)
+        calls = [(f.worker, _Call(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in ahead.forwarded]
+        return _Lookups(calls, ahead.backups, ahead.deferred, live)
 
     def _send_lookups(
         self, running: list[SequenceState], outcomes: list[Outcome], live: list[int], lookers: list[WorkerHandle], kind: str, share: bool, rec: RoundRecord
@@ -526,7 +536,9 @@ class RoundLoop:
         runs the lookup after its build (a lookup that arrives first waits for it),
         so a build that outlives verification costs no extra round trip. The round
         id makes a lookup that overtook a re-sent build answer misses."""
-        backups = self._lookup_backups([running[i] for i in live]) if kind == "neural" and len(lookers) == 1 else None
+        backups = None
+        if kind == "neural" and len(lookers) == 1:
+            backups, _ = self._lookup_backups([running[i] for i in live], [range(1)] * len(live))
         args = ([outcomes[i].key for i in live], share, rec.index, backups)
         futs = self.broadcast(lookers, "lookup", args) if live and lookers else []
         rec.lookup_sent = time.perf_counter() if futs else None
@@ -579,7 +591,7 @@ class RoundLoop:
 
     def _ahead(
         self, running: list[SequenceState], proposals: list[Proposal], lookers: list[WorkerHandle], kind: str, share: bool, round_id: int
-    ) -> tuple[dict[str, Any], list[Forwarded], list[tuple[int, list[int]] | None] | None, list[bool]] | None:
+    ) -> _Ahead | None:
         """The lookups the target places itself when verification ends: the
         ``then`` of the verification call, the calls registered at each draft,
         and the neural backups asked for (one draft only) — per sequence (K,
@@ -589,29 +601,34 @@ class RoundLoop:
         if self.forward is None or not lookers:
             return None
         backups, deferred = None, [False] * len(running)
-        if kind == "neural" and len(lookers) == 1:
-            backups = []
-            for i, (s, p) in enumerate(zip(running, proposals)):
-                k_after = {self.spec_len(s, self.spec.k, ahead=n) for n in range(1, len(p.tokens) + 2)}
-                k = k_after.pop() if len(k_after) == 1 else None
-                deferred[i] = k is None
-                backups.append((k, self._fanout(k, "neural")) if k else None)
+        if kind == "neural" and len(lookers) == 1:  # the outcome will emit 1 .. len(proposal) + 1 tokens
+            backups, deferred = self._lookup_backups(running, [range(1, len(p.tokens) + 2) for p in proposals])
         forwarded = self.forward(lookers, "lookup")
         then = {"method": "lookup", "args": [share, round_id, backups], "to": [f.address for f in forwarded]}
-        return then, forwarded, backups, deferred
+        return _Ahead(then, forwarded, backups, deferred)
 
     def _backup_kind(self, batch_size: int) -> str:
         """``auto`` weighs the backups at the live batch size (a batch of b
         hits fully only with probability p_hit^b); without a draft: fast."""
         return self.backup_policy.choose(batch_size, self.backup_stats) if self.drafts.primary is not None else "fast"
 
-    def _lookup_backups(self, seqs: list[SequenceState]) -> list[tuple[int, list[int]] | None]:
+    def _lookup_backups(
+        self, seqs: list[SequenceState], emitted: list[range]
+    ) -> tuple[list[tuple[int, list[int]] | None], list[bool]]:
         """What a lookup by the only draft drafts on a miss: per sequence (K,
         fan-out) of the neural backup for its next round (None: nothing to
-        draft). A single draft knows a miss is a miss, so it drafts the backup
-        in the same call; with several, a miss at one may be another's hit."""
-        ks = [self.spec_len(s, self.spec.k) for s in seqs]
-        return [(k, self._fanout(k, "neural")) if k > 0 else None for k in ks]
+        draft), once it has emitted any of ``emitted[i]`` more tokens. A K that
+        depends on how many is ``deferred``: that backup is drafted after the
+        lookup, from the state the outcome leaves. A single draft knows a miss
+        is a miss, so it drafts the backup in the same call; with several, a
+        miss at one may be another's hit."""
+        backups, deferred = [], []
+        for s, ns in zip(seqs, emitted):
+            ks = {self.spec_len(s, self.spec.k, ahead=n) for n in ns}
+            k = ks.pop() if len(ks) == 1 else None
+            deferred.append(k is None)
+            backups.append((k, self._fanout(k, "neural")) if k else None)
+        return backups, deferred
 
     def _backup(self, seqs: list[SequenceState], batch_size: int, kind: str | None = None) -> tuple[str, tuple[float, float]]:
         """Give ``seqs`` (no speculation yet, or a miss) a backup speculation
