@@ -537,8 +537,10 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
             time.sleep(0.01)
         with pytest.raises(ValueError):
             forwarder.call(peer.endpoint, "not bytes", cid, "add", ["t", "x"])  # type: ignore[arg-type]
-        with pytest.raises(ControlError, match="cannot forward"):
-            forwarder.call("bogus://nowhere", client.identity, cid, "add", ["t", "x"])
+        for _ in range(2):  # a bad endpoint is refused each time, and no socket is kept for it
+            with pytest.raises(ControlError, match="cannot forward"):
+                forwarder.call("bogus://nowhere", client.identity, cid, "add", ["t", "x"])
+        assert "bogus://nowhere" not in forwarder._socks
         # a verification whose lookup cannot be placed still stands (that lookup is lost)
         from saguaro_ray.runtime.routing import RoutedLogic
 

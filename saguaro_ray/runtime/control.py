@@ -199,6 +199,11 @@ class _Drops:
             return dict(self._counts)
 
 
+def _poll_ms(poll_ms: int, deadline: float) -> int:
+    """How long a loop may poll: ``poll_ms``, or less to wake by ``deadline`` (monotonic)."""
+    return max(0, min(poll_ms, int((deadline - time.monotonic()) * 1000) + 1))
+
+
 def _sock(kind: int, max_frame_bytes: int | None) -> zmq.Socket:
     s = zmq.Context.instance().socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -358,9 +363,7 @@ class CommandServer:
             self._run_deferred()
 
     def _wait_ms(self) -> int:
-        if not self._deferred:
-            return self._poll_ms
-        return max(0, min(self._poll_ms, int((self._deferred[0][0] - time.monotonic()) * 1000) + 1))
+        return _poll_ms(self._poll_ms, self._deferred[0][0]) if self._deferred else self._poll_ms
 
     def _is_ready(self, method: str, args: list) -> bool:
         if self._ready is None:
@@ -543,11 +546,15 @@ class CallForwarder:
         try:
             sock = self._socks.get(endpoint)
             if sock is None:
+                sock = _sock(zmq.DEALER, self._max_frame_bytes)
+                try:
+                    sock.connect(endpoint)
+                except zmq.ZMQError:
+                    sock.close(0)  # a bad endpoint leaves nothing behind
+                    raise
                 if len(self._socks) >= self._max_peers:  # peers that restarted left their old endpoints here
                     self._socks.pop(next(iter(self._socks))).close(0)
-                sock = _sock(zmq.DEALER, self._max_frame_bytes)
                 self._socks[endpoint] = sock
-                sock.connect(endpoint)
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             raise ControlError(f"the send queue to {endpoint} is full; is that worker alive?") from None
@@ -844,7 +851,7 @@ class CommandClient:
             if not self._pending:
                 return self._poll_ms
             soonest = min(p.deadline for p in self._pending.values())
-        return max(0, min(self._poll_ms, int((soonest - time.monotonic()) * 1000) + 1))
+        return _poll_ms(self._poll_ms, soonest)
 
     def _forward(self) -> None:
         while True:
