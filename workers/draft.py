@@ -33,6 +33,7 @@ from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, position_uniforms, process_logits, sample_from
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
+from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
 from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, Proposal, SeqStep
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
@@ -62,21 +63,12 @@ def _draw(
     return tokens, q
 
 
-RANK_DEPTH = 64  # how far down each glue row we remember the draft's ranking (for fitting r)
-
-
-def top_order(logits: torch.Tensor) -> torch.Tensor:
-    """Token ids of each row by descending logit, the first ``RANK_DEPTH + 1``
-    (one more than kept, since the drafted token is excluded from a row)."""
-    return torch.topk(logits, min(RANK_DEPTH + 1, logits.shape[-1]), dim=-1, sorted=True).indices
-
-
 class DraftLogic(RunnerLogic):
     def __init__(self, runner: ModelRunner) -> None:
         super().__init__(runner)
         self.cache = SpeculationCache()
-        # per sequence, per k: the draft's candidate ranking of row k (s_{k+1} excluded)
-        self._rankings: dict[int, list[list[int]]] = {}
+        # per sequence, per k: the draft's ranking of row k (s_{k+1} excluded)
+        self._rankings: dict[int, list[RowOrder]] = {}
         # the latest build's tree and its logits per step ([N, V] each): a hit's
         # rankings are read from them (ranking every branch up front costs more)
         self._tree: TreeState | None = None
@@ -121,7 +113,7 @@ class DraftLogic(RunnerLogic):
         return [Proposal(t, torch.stack(q) if q else None, "draft") for t, q in zip(tokens, qrows)]
 
     # -------------------------------------------------------------- build
-    def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[list[int]]]:
+    def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[RowSource]]:
         """How to get the glue rows (the draft's law after each token of
         ``new_tokens + proposal``) for one item: rows already known from a KV
         delta (this draft's own hit, or a peer's ``it.extension``), and the
@@ -165,27 +157,31 @@ class DraftLogic(RunnerLogic):
         plans = [self._glue_plan(it) for it in items]
         fwd = [(i, st) for i, (st, _) in enumerate(plans) if st is not None]
         n_rows = [len(it.proposal.tokens) + 1 for it in items]
-        orders: list[list[list[int]]] = [list(known) for _, known in plans]
+        rows: list[list[RowSource]] = [list(known) for _, known in plans]
         if fwd:
             want = [min(len(st.new_tokens), n_rows[i]) for i, st in fwd]
             self.glue_tokens += sum(len(st.new_tokens) for _, st in fwd)
             glue = feed(self.runner, [st for _, st in fwd], [[]] * len(fwd), want)
-            top = top_order(glue).tolist()
             offset = 0
             for (i, _), w in zip(fwd, want):
-                orders[i].extend(top[offset : offset + w])
+                rows[i].extend(glue[offset : offset + w].unbind(0))
                 offset += w
-        # -- choose branches: (sequence index, k, first token)
-        branches: list[tuple[int, int, int]] = []
+        # -- choose branches: (sequence index, k, first token) — candidate (k, j)
+        # is the j-th token of row k, the drafted s_{k+1} left out
+        picks: list[tuple[int, int, int]] = []
         for i, it in enumerate(items):
             toks = it.proposal.tokens
-            ranking = [[t for t in row if t != (toks[k] if k < len(toks) else None)][:RANK_DEPTH] for k, row in enumerate(orders[i])]
+            ranking = [RowOrder(row, toks[k] if k < len(toks) else None) for k, row in enumerate(rows[i])]
             self._rankings[it.step.seq_id] = ranking
             self.cache.put_round(it.step.seq_id, {})
             if it.k_next > 0:
-                for k, j in deal_candidates(it.fanout, n_rows[i], it.shard, it.num_shards):
-                    if j < len(ranking[k]):
-                        branches.append((i, k, ranking[k][j]))
+                picks.extend((i, k, j) for k, j in deal_candidates(it.fanout, n_rows[i], it.shard, it.num_shards))
+        depth: dict[tuple[int, int], int] = {}
+        for i, k, j in picks:
+            depth[i, k] = max(depth.get((i, k), 0), j + 1)
+        wanted = list(depth)
+        tops = dict(zip(wanted, top_tokens([self._rankings[items[i].step.seq_id][k] for i, k in wanted], [depth[r] for r in wanted])))
+        branches = [(i, k, tops[i, k][j]) for i, k, j in picks if j < len(tops[i, k])]
         self._tree, self._tree_logits = None, []
         if not branches:
             self._round = round_id
@@ -282,17 +278,16 @@ class DraftLogic(RunnerLogic):
         backups: the cache holds another round's speculations."""
         if round_id is not None and round_id != self._round:
             return [LookupResult(None, None) for _ in keys]
+        rows = [self._rankings.get(seq_id, []) for seq_id, _, _ in keys]
+        found = ranks([r[k] if k < len(r) else None for r, (_, k, _) in zip(rows, keys)], [t for _, _, t in keys])
         out: list[LookupResult] = []
-        for seq_id, k, t in keys:
+        for (seq_id, k, t), rank in zip(keys, found):
             spec = self.cache.lookup(seq_id, k, t)
-            ranking = self._rankings.get(seq_id, [])
-            row = ranking[k] if k < len(ranking) else []
-            rank = row.index(t) + 1 if t in row else None
             if spec is None:
                 out.append(LookupResult(None, rank))
                 continue
             ext = self._commit_hit(seq_id, t, spec, share_kv)
-            out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext if share_kv else None))
+            out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext))
         todo = [i for i, r in enumerate(out) if r.proposal is None and backups is not None and backups[i] is not None and keys[i][0] in self._items]
         if todo:
             steps = [self._next_step(*keys[i]) for i in todo]
@@ -316,17 +311,19 @@ class DraftLogic(RunnerLogic):
         return SeqStep(seq_id, st.start + len(held), [t], st.params, st.seed, st.output_pos + k + 1, recent)
 
     def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> Extension | None:
-        """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's cache."""
+        """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's
+        cache; with ``share_kv``, return the KV delta for peer drafts (its
+        rankings as token lists — this draft keeps the logit rows)."""
         tree, n = self._tree, len(spec.tokens)
         if tree is None or n == 0 or not self.runner.has_sequence(seq_id):
             return None
         start = tree.prefix_lens[spec.branch]
         kv = self.runner.tree_export(tree, spec.branch, n) if share_kv else None
         self.runner.tree_commit(tree, spec.branch, n)
-        rankings = top_order(torch.stack([lg[spec.branch] for lg in self._tree_logits[:n]])).tolist()
-        ext = Extension(seq_id, start, [t] + list(spec.tokens[: n - 1]), rankings)
+        rows = [lg[spec.branch] for lg in self._tree_logits[:n]]
+        ext = Extension(seq_id, start, [t] + list(spec.tokens[: n - 1]), rows)
         self._own[seq_id] = ext
-        return replace(ext, kv=kv)
+        return replace(ext, rankings=top_order(torch.stack(rows)).tolist(), kv=kv) if share_kv else None
 
     def release(self, seq_ids: Sequence[int]) -> None:
         super().release(seq_ids)

@@ -103,8 +103,10 @@ class Extension:
     the speculation it served, so no draft recomputes it.
 
     ``tokens`` = [t*, x_1, .., x_{K-1}] sit at positions ``start``, ``start+1``,
-    … of sequence ``seq_id``; ``rankings[j]`` is the draft's top-token order
-    after ``tokens[: j + 1]`` (the glue rows the next build needs);
+    … of sequence ``seq_id``; ``rankings[j]`` is the draft's ranking of the
+    next token after ``tokens[: j + 1]`` (the glue rows the next build needs):
+    its top tokens in order on the wire, the logit row itself in the draft
+    that computed it (see :mod:`saguaro_ray.algorithms.ranking`);
     ``kv`` is the draft model's per-layer (K, V) rows ``[len(tokens), Hkv, D]``
     for those tokens — tensors in process, a data-plane descriptor between
     actors, or ``None`` where the receiver already holds them (the owner).
@@ -113,7 +115,7 @@ class Extension:
     seq_id: int
     start: int
     tokens: list[int]
-    rankings: list[list[int]]
+    rankings: list[Any]
     kv: Any = None
 
 
