@@ -325,6 +325,30 @@ def test_backup_stats_updates():
         s.observe_sequence(False, tokens=2, backup="random")
 
 
+def test_budget_controller_keeps_the_build_behind_verification():
+    """Builds slower than verification shrink the spent budget (never below 1);
+    builds comfortably faster let it grow back, never past the ceiling; a
+    ratio inside the dead band leaves it alone."""
+    from saguaro_ray.algorithms.fanout import BudgetController
+
+    c = BudgetController(16)
+    assert c.budget == 16
+    for _ in range(5):
+        c.observe(1.5)
+    assert c.budget == round(16 * 0.8**5)
+    for _ in range(100):
+        c.observe(3.0)
+    assert c.budget == 1
+    held = c.budget
+    c.observe(1.0)  # inside [low, high]: no change
+    assert c.budget == held
+    for _ in range(100):
+        c.observe(0.5)
+    assert c.budget == 16
+    with pytest.raises(ValueError):
+        BudgetController(0)
+
+
 def test_budget_search_settles_on_the_fastest_level_per_batch_size():
     """Each batch-size bucket finds the budget with the most tokens/s (measured
     with 5% noise): the ceiling at batch 1, a small budget at batch 16 — and

@@ -240,7 +240,7 @@ def test_ssd_rounds_record_the_budget_they_spent(models):
         for _ in range(4):  # enough rounds for the search to leave its first level
             _, recs = generate_run(eng, PROMPTS, ragged_params(0.0))
         decode = [r for r in eng.timeline if not r.prefill]
-        assert decode and all(r.budget in (1, 2, 4, 6) for r in decode)
+        assert decode and all(r.budget is not None and 1 <= r.budget <= 6 for r in decode)
         assert len({r.budget for r in decode}) > 1  # after its first window the search tries the level below
     finally:
         eng.close()

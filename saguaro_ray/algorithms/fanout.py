@@ -310,6 +310,37 @@ def deal_candidates(fanout: list[int], rows: int, shard: int = 0, num_shards: in
     return cands[shard::num_shards]
 
 
+class BudgetController:
+    """The SSD budget actually spent per sequence: as much of the configured
+    ceiling as the draft can build while the target verifies.
+
+    Theorem 7's denominator holds ``max(1, T_p)``: a cache build that outlasts
+    verification (T_p > 1) adds its excess to every round, which at a large
+    batch — where the tree grows with batch × budget and a full-batch hit is
+    unlikely anyway — costs more than the extra hits return. So the budget
+    shrinks multiplicatively while the measured build/verify ratio is above
+    ``high`` and grows back towards the ceiling while it is below ``low``.
+    """
+
+    def __init__(self, ceiling: int, high: float = 1.1, low: float = 0.9, shrink: float = 0.8, grow: float = 1.1) -> None:
+        if ceiling < 1:
+            raise ValueError(f"budget ceiling must be at least 1, got {ceiling}")
+        self.ceiling = ceiling
+        self.high, self.low, self.shrink, self.grow = high, low, shrink, grow
+        self._budget = float(ceiling)
+
+    @property
+    def budget(self) -> int:
+        return max(1, min(self.ceiling, round(self._budget)))
+
+    def observe(self, build_over_verify: float) -> None:
+        """One round's cache-build time divided by its verification time."""
+        if build_over_verify > self.high:
+            self._budget = max(1.0, self._budget * self.shrink)
+        elif build_over_verify < self.low:
+            self._budget = min(float(self.ceiling), self._budget * self.grow)
+
+
 @dataclass
 class _SearchState:
     level: int  # index into BudgetSearch.levels
@@ -336,14 +367,8 @@ class BudgetSearch:
     search moves to a neighbouring level that is better by ``margin``. A
     neighbour not yet measured is tried first, and every ``explore_every``
     windows a neighbour is re-measured so an estimate does not go stale.
-
-    There is no separate cap for a build that outlasts verification: its
-    excess is round time, so a window's throughput already counts it. (A cap
-    that shrank the budget while builds took longer than verification was
-    wrong on a CPU, where a build's time is mostly per-step overhead that a
-    smaller budget does not remove: it gave up hits for nothing — b = 1
-    through Ray: hit rate 30% → 53–59%, SSD 1.18–1.26× → 1.29–1.30× SD
-    without it.)
+    :class:`BudgetController` still caps what is spent by what the draft can
+    build while the target verifies.
     """
 
     def __init__(self, ceiling: int, window: int = 8, margin: float = 0.03, explore_every: int = 10, smoothing: float = 0.5) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from saguaro_ray.algorithms.backup import BackupPolicy, BackupStats
-from saguaro_ray.algorithms.fanout import BudgetSearch, FanoutEstimator
+from saguaro_ray.algorithms.fanout import BudgetController, BudgetSearch, FanoutEstimator
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.engine.drafts import DraftPool
@@ -237,7 +237,9 @@ class RoundLoop:
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.fanout = FanoutEstimator()
-        # auto fan-outs spend the budget that delivers the most tokens/s at the batch size (measured)
+        # auto fan-outs spend the budget that delivers the most tokens/s at the batch
+        # size (measured), never more than stays hidden behind verification
+        self.budget = BudgetController(spec.budget)
         self.budget_search = BudgetSearch(spec.budget)
         self._spend = spec.budget  # this round's budget per sequence
         self.backup_policy = BackupPolicy(spec.backup)
@@ -437,7 +439,7 @@ class RoundLoop:
 
     # ---------------------------------------------------------------- SSD
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        self._spend = self.budget_search.budget(len(running))
+        self._spend = min(self.budget.budget, self.budget_search.budget(len(running)))
         rec.budget = self._spend if self.spec.fanout == "auto" else None
         need = [s for s in running if s.proposal is None]
         if need:  # newly admitted sequences (a miss is served at its own round's lookup)
@@ -504,7 +506,9 @@ class RoundLoop:
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
             rec.build = _span([span for _, span in built])
-            self.backup_stats.observe_latency(t_primary=(rec.build[1] - rec.build[0]) / self._verify_seconds)
+            t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
+            self.backup_stats.observe_latency(t_primary=t_primary)
+            self.budget.observe(t_primary)
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
             self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else p.source)
