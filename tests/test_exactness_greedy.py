@@ -509,3 +509,37 @@ def test_lookup_for_another_round_than_the_built_one_misses(tmp_path):
     served = draft.lookup(keys[:1], round_id=7)
     assert served[0].proposal is not None and served[0].proposal.source == "cache"
     assert 1 in draft._own  # the hit's branch is now part of the sequence
+
+
+def test_draft_shards_build_disjoint_outcomes_that_cover_the_fan_out(tmp_path):
+    """With D drafts each builds the candidates dealt to its shard: the outcome
+    sets (k, t) are disjoint, together they are exactly what one draft builds
+    for the whole fan-out, and each is the draft's j-th ranked token of row k
+    (the drafted token left out) — every draft ranks a row the same way."""
+    from saguaro_ray.algorithms.fanout import deal_candidates
+    from saguaro_ray.config import SamplingParams
+    from saguaro_ray.workers.draft import DraftLogic
+    from saguaro_ray.workers.messages import BuildItem, Proposal, SeqStep
+    from saguaro_ray.workers.runner import ModelRunner
+
+    ckpt = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=50)
+    fanout = [3, 2, 1, 2]
+    built = []
+    for shard, shards in [(0, 1), (0, 3), (1, 3), (2, 3)]:
+        draft = DraftLogic(ModelRunner(str(ckpt)))
+        draft.prefill([SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0)])
+        draft.build([BuildItem(SeqStep(1, 3, [9], greedy, 0, 1), Proposal([11, 12, 13]), fanout, 2, 1.0, shard, shards)])
+        built.append(set(draft.cache.keys(1)))
+        if shards == 1:
+            rows = draft._rankings[1]
+            full = {(k, rows[k].source.clone()) for k in range(len(fanout))}
+    whole, parts = built[0], built[1:]
+    assert len(whole) == sum(fanout)
+    assert all(not (a & b) for i, a in enumerate(parts) for b in parts[i + 1 :])
+    assert set().union(*parts) == whole
+    drafted = [11, 12, 13, None]
+    for k, row in full:
+        order = [t for t in torch.argsort(row, descending=True, stable=True).tolist() if t != drafted[k]]
+        assert {t for kk, t in whole if kk == k} == set(order[: fanout[k]])
+    assert len(deal_candidates(fanout, len(fanout), 0, 3)) == len(built[1])

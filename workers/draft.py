@@ -176,11 +176,10 @@ class DraftLogic(RunnerLogic):
             self.cache.put_round(it.step.seq_id, {})
             if it.k_next > 0:
                 picks.extend((i, k, j) for k, j in deal_candidates(it.fanout, n_rows[i], it.shard, it.num_shards))
-        depth: dict[tuple[int, int], int] = {}
-        for i, k, j in picks:
-            depth[i, k] = max(depth.get((i, k), 0), j + 1)
-        wanted = list(depth)
-        tops = dict(zip(wanted, top_tokens([self._rankings[items[i].step.seq_id][k] for i, k in wanted], [depth[r] for r in wanted])))
+        # every row of the fan-out is read as deep as its F_k (not just this shard's
+        # picks): every draft makes the same topk call, so the shares stay disjoint
+        wanted = [(i, k) for i, it in enumerate(items) if it.k_next > 0 for k in range(n_rows[i]) if k < len(it.fanout) and it.fanout[k] > 0]
+        tops = dict(zip(wanted, top_tokens([self._rankings[items[i].step.seq_id][k] for i, k in wanted], [items[i].fanout[k] for i, k in wanted])))
         branches = [(i, k, tops[i, k][j]) for i, k, j in picks if j < len(tops[i, k])]
         self._tree, self._tree_logits = None, []
         if not branches:
