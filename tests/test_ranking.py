@@ -51,4 +51,3 @@ def test_top_tokens_are_the_first_of_the_order_without_the_excluded_token():
     assert top5 == [reference_order(logits[r], None)[:5] for r in range(6)]
     listed = [RowOrder(top5[r], e) for r, e in enumerate(excludes)]
     assert top_tokens(listed, depths) == [[t for t in top5[r] if t != e][:d] for r, (e, d) in enumerate(zip(excludes, depths))]
-    assert RowOrder(logits[2]).listed(4) == reference_order(logits[2], None)[:4]

@@ -46,12 +46,6 @@ class RowOrder:
         """Read from logits (True) or from a token list."""
         return isinstance(self.source, torch.Tensor)
 
-    def listed(self, depth: int = RANK_DEPTH + 1) -> list[int]:
-        """The row's first ``depth`` tokens (the drafted one included), for the wire."""
-        if self.lazy:
-            return top_order(self.source.unsqueeze(0), depth)[0].tolist()  # type: ignore[union-attr]
-        return list(self.source)[:depth]  # type: ignore[arg-type]
-
 
 def top_tokens(rows: Sequence[RowOrder], depths: Sequence[int]) -> list[list[int]]:
     """The first ``depths[r]`` tokens of each row, its excluded token left out
