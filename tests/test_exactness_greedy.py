@@ -531,15 +531,14 @@ def test_draft_shards_build_disjoint_outcomes_that_cover_the_fan_out(tmp_path):
         draft.prefill([SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0)])
         draft.build([BuildItem(SeqStep(1, 3, [9], greedy, 0, 1), Proposal([11, 12, 13]), fanout, 2, 1.0, shard, shards)])
         built.append(set(draft.cache.keys(1)))
-        if shards == 1:
-            rows = draft._rankings[1]
-            full = {(k, rows[k].source.clone()) for k in range(len(fanout))}
+        if shards == 1:  # the glue rows the whole fan-out was ranked from
+            rows = [row.source.clone() for row in draft._rankings[1]]
     whole, parts = built[0], built[1:]
     assert len(whole) == sum(fanout)
     assert all(not (a & b) for i, a in enumerate(parts) for b in parts[i + 1 :])
     assert set().union(*parts) == whole
     drafted = [11, 12, 13, None]
-    for k, row in full:
+    for k, row in enumerate(rows):
         order = [t for t in torch.argsort(row, descending=True, stable=True).tolist() if t != drafted[k]]
         assert {t for kk, t in whole if kk == k} == set(order[: fanout[k]])
     assert len(deal_candidates(fanout, len(fanout), 0, 3)) == len(built[1])
