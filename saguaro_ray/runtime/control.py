@@ -373,7 +373,9 @@ class CommandServer:
         except Exception:  # the call itself will report what is wrong with it
             return True
 
-    def _run_or_defer(self, method: str, args: list, run: Callable[[], None]) -> None:
+    def _serve_call(self, ident: bytes, cid: int, method: str, args: list) -> None:
+        """Execute a call and answer ``ident`` now, or hold it until it is ready."""
+        run = lambda: self._reply(ident, cid, self._execute(cid, method, args), method)  # noqa: E731
         if self._is_ready(method, args):
             run()
         else:
@@ -418,7 +420,7 @@ class CommandServer:
         ident, cid = entry
         self._broadcast_calls += 1
         method, args = msg["method"], msg["args"]
-        self._run_or_defer(method, args, lambda: self._reply(ident, cid, self._execute(cid, method, args), method))
+        self._serve_call(ident, cid, method, args)
 
     def _handle(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
@@ -444,7 +446,7 @@ class CommandServer:
         reply_to = msg.get("reply_to")
         if type(reply_to) is bytes and 0 < len(reply_to) <= 255:
             ident = reply_to
-        self._run_or_defer(method, args, lambda: self._reply(ident, cid, self._execute(cid, method, args), method))
+        self._serve_call(ident, cid, method, args)
 
     def _reply(self, ident: bytes, cid: int, reply: dict[str, Any], method: str) -> None:
         try:
