@@ -266,6 +266,7 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
                 "control_floor_fraction": (hops * rtt_s / 2 / (bd["wall"] / n_rounds)) if rtt_s and hops and bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
+                "build_ahead_fraction": _ahead_fraction(rs) if mode == "ssd" else None,
                 **_control_quantiles(rs),
                 "hops_ms": _hops(rs),
                 "repeats": len(rs),
@@ -385,18 +386,23 @@ def _control_quantiles(rs: Iterable[RunResult]) -> dict[str, float | None]:
     return {"control_us_median": statistics.median(xs), "control_us_p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
 
+def _build_rounds(rs: Iterable[RunResult]) -> list[dict[str, Any]]:
+    """The SSD decode rounds that ran a cache build."""
+    return [rd for r in rs for rd in r.rounds if not rd.get("prefill") and rd.get("build") is not None]
+
+
+def _ahead_fraction(rs: Iterable[RunResult]) -> float | None:
+    """Share of SSD builds the draft started itself after the previous lookup."""
+    builds = _build_rounds(rs)
+    return sum(bool(rd.get("ahead")) for rd in builds) / len(builds) if builds else None
+
+
 def _hidden_fraction(rs: Iterable[RunResult]) -> float | None:
     """Share of SSD rounds whose drafting cost nothing on the critical path:
     served from the cache (no backup drafting) and the build done in time."""
-    total = hidden = 0
-    for r in rs:
-        for rd in r.rounds:
-            if rd.get("prefill") or rd.get("build") is None:
-                continue
-            total += 1
-            build, verify = rd["build"], rd["verify"]
-            hidden += int(rd.get("backup") is None and build[1] <= verify[1])
-    return hidden / total if total else None
+    builds = _build_rounds(rs)
+    hidden = sum(rd.get("backup") is None and rd["build"][1] <= rd["verify"][1] for rd in builds)
+    return hidden / len(builds) if builds else None
 
 
 def step_costs(

@@ -35,6 +35,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
         assert e["hops_ms"]["send"] is not None and e["hops_ms"]["reply"] is not None
         if e["mode"] == "ssd":
             assert 0 <= e["cache_hit_rate"] <= 1 and e["efficiency"] > 0
+            assert 0 <= e["build_ahead_fraction"] <= 1 and 0 <= e["drafting_hidden_fraction"] <= 1
             assert None not in (e["hops_ms"]["bookkeeping"], e["hops_ms"]["lookup_send"], e["hops_ms"]["lookup_reply"])
         else:
             assert e["cache_hit_rate"] is None and e["efficiency"] is None
@@ -81,12 +82,17 @@ def test_ideal_ceiling_and_control_floor_follow_their_definitions():
     ssd = _run("ssd", "ray", _rounds(10, 0.006, 0.004), 20, 10, 400.0)
     for rd in ssd.rounds[:5]:  # half the lookups placed by the target: one hop less
         rd["forwarded"] = True
+    for i, rd in enumerate(ssd.rounds[1:]):  # nine builds; three started ahead, two of those outlived verification
+        start = rd["verify"][0] - (0.001 if i < 3 else 0.0)
+        rd["build"], rd["ahead"] = [start, rd["verify"][1] + (0.001 if i < 2 else -0.0005)], i < 3
     inproc = _run("ar", "inprocess", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
     by = {(e["mode"], e["runtime"]): e for e in summarise([ar, ssd, inproc], rtt_s=100e-6)}
     e_ar, e_ssd = by["ar", "ray"], by["ssd", "ray"]
     assert e_ar["ideal_tokens_per_s"] == pytest.approx(1 / 0.003)
     assert e_ssd["ideal_tokens_per_s"] == pytest.approx(3 / 0.004)
     assert e_ssd["efficiency"] == pytest.approx(400 / 750)
+    assert e_ssd["build_ahead_fraction"] == pytest.approx(3 / 9) and e_ar["build_ahead_fraction"] is None
+    assert e_ssd["drafting_hidden_fraction"] == pytest.approx(7 / 9)
     assert e_ar["efficiency"] is None
     assert e_ssd["ideal_speedup_vs_ar"] == pytest.approx(750 / (1 / 0.003))
     assert e_ar["ideal_speedup_vs_ar"] == pytest.approx(1.0)

@@ -26,6 +26,7 @@ unscaled q instead of q') it rejects with p-values far below α.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,19 @@ def chi_square(counts: Counter, law: dict[tuple[int, ...], float]) -> tuple[floa
 
 
 def run(
-    models, mode: str, *, n: int = N, top_k: int = TOP_K, m: int = M, draft: str = "draft", qualifier: str | None = None, num_drafts: int = 1, **spec
+    models,
+    mode: str,
+    *,
+    n: int = N,
+    top_k: int = TOP_K,
+    m: int = M,
+    draft: str = "draft",
+    qualifier: str | None = None,
+    num_drafts: int = 1,
+    timeline: list | None = None,
+    **spec,
 ):
+    """``n`` samples of ``m`` tokens (``timeline``: receives the engine's rounds)."""
     eng = LocalEngine(
         LocalEngineConfig(
             target=str(models["target"]),
@@ -139,6 +151,8 @@ def run(
     try:
         params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=m, ignore_eos=True, seed=SEED)
         res = eng.generate([PROMPT], params, n=n)
+        if timeline is not None:
+            timeline.extend(eng.timeline)
     finally:
         eng.close()
     assert all(len(r.token_ids) == m for r in res)
@@ -202,6 +216,22 @@ def test_ssd_k1_mostly_cache_fed_matches_exact_law(models, target_law):
     res = run(models, "ssd", k=1, fanout="auto", budget=2, backup="auto")
     assert mean_stat(res, "cache_hit_rate") > 0.3
     assert_law(res, target_law, "ssd k=1 auto budget 2 backup auto")
+
+
+def test_ssd_builds_started_ahead_match_exact_law(models, target_law):
+    """The only draft starts each next build itself once its lookup is answered
+    (hits and neural backups are all known to it) — for the whole batch, as
+    long as no sequence is so near its length limit that its next K depends on
+    the outcome. With 6 more tokens to go, the second and third rounds, which
+    emit most of the measured M tokens, are served by builds started ahead;
+    the first M tokens of a longer sample have the law of an M-token sample."""
+    rounds: list = []
+    res = run(models, "ssd", k=2, fanout="auto", budget=4, backup="neural", m=M + 6, timeline=rounds)
+    spec_rounds = [r for r in rounds if r.build is not None]
+    assert [r.ahead for r in spec_rounds[:3]] == [False, True, True], [r.ahead for r in spec_rounds]
+    assert mean_stat(res, "cache_hit_rate") > 0.3
+    first = [replace(r, token_ids=r.token_ids[:M]) for r in res]
+    assert_law(first, target_law, "ssd k=2 auto budget 4, builds started ahead")
 
 
 def test_ssd_all_miss_fast_backup_matches_exact_law(models, target_law):

@@ -15,6 +15,13 @@ Three jobs, all batched over sequences:
 * :meth:`DraftLogic.lookup` — after verification, return the cached
   speculation for the real outcome, or ``None`` (a miss).
 
+The only draft knows the next proposal the moment its lookup has served it
+(a hit, or the neural backup it drafted), so with the lookup's
+:class:`NextRound` plans it starts the next round's build itself once the
+lookup is answered (:meth:`DraftLogic.follow_up`), instead of waiting for the
+build call to come back through the coordinator; the build call is then
+answered from it when it asks for the same items.
+
 Every sampled token records the exact law it was drawn from (Saguaro-rescaled
 when C < 1). Random draws come from the draft stream of (seed, output
 position), so a hit and a neural backup propose the same tokens for the same
@@ -23,8 +30,10 @@ outcome.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,9 +43,11 @@ from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, positio
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
-from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, Proposal, SeqStep
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Proposal, SeqStep
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
+
+log = logging.getLogger(__name__)
 
 
 def _draw(
@@ -81,10 +92,19 @@ class DraftLogic(RunnerLogic):
         self._round: int | None = None
         self._started: int | None = None  # round id of the latest build begun
         self._items: dict[int, BuildItem] = {}  # that build's item per sequence (a miss's backup starts from it)
+        # the next round's build, known since the latest lookup (to start once it is answered) ...
+        self._next: list[BuildItem] | None = None
+        # ... and, once run, its items per sequence, span and result, until the build call comes
+        self._ahead: tuple[dict[int, BuildItem], tuple[float, float], dict[str, object]] | None = None
+        # per sequence: the part of its own hit's delta the latest build kept in the KV (a build
+        # called with other items than the one started ahead reuses it instead of recomputing)
+        self._glued: dict[int, Extension] = {}
+        self.ahead_builds = 0  # build calls answered from a build started ahead
 
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
+        self._next = self._ahead = None  # a build started ahead assumed the sequences untouched
         logits = feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
         tokens: list[list[int]] = [[] for _ in steps]
         qrows: list[list[torch.Tensor]] = [[] for _ in steps]
@@ -120,7 +140,8 @@ class DraftLogic(RunnerLogic):
         step that forwards the rest (None when nothing is left to forward)."""
         st, seq = it.step, it.step.seq_id
         glue = list(st.new_tokens) + list(it.proposal.tokens)
-        ext = self._own.pop(seq, None) or it.extension
+        own = self._own.pop(seq, None)
+        ext = own or it.extension
         usable = (
             ext is not None
             and ext.seq_id == seq
@@ -144,14 +165,55 @@ class DraftLogic(RunnerLogic):
             return replace(st, new_tokens=glue), []
         known = ext.rankings[: min(m, n_rows)]
         self.runner.truncate(seq, ext.start + m)
+        if own is not None:  # the KV now holds its first m tokens: what a later build of this round may reuse
+            self._glued[seq] = replace(own, tokens=own.tokens[:m], rankings=own.rankings[:m])
         if m == len(glue):
             return None, known
         return SeqStep(seq, ext.start + m, glue[m:], st.params, st.seed, st.output_pos, []), known
 
-    def build(self, items: Sequence[BuildItem], round_id: int | None = None) -> dict[str, int]:
+    def build(self, items: Sequence[BuildItem], round_id: int | None = None) -> dict[str, object]:
         """Pre-compute next round's speculation for the likely outcomes (SSD).
-        ``round_id`` names the round for :meth:`lookup`'s check."""
+        ``round_id`` names the round for :meth:`lookup`'s check.
+
+        When this draft already ran the build for these very items (started
+        ahead, see :meth:`follow_up`) — field by field the same, for every
+        sequence still running — that build is the answer, and ``"ahead"``
+        in the result is the span it really ran; anything else (a sequence
+        admitted, a fan-out or step that differs) is built now."""
+        ahead, self._ahead, self._next = self._ahead, None, None
+        if ahead is not None and items and all(ahead[0].get(it.step.seq_id) == it for it in items):
+            self._started = round_id if round_id is not None else self._started
+            self._round = round_id
+            self.ahead_builds += 1
+            return {**ahead[2], "ahead": ahead[1]}
+        if ahead is not None:  # built for nothing: the hits' deltas it consumed are still in the KV
+            self._own.update(self._glued)
+        return self._build(items, round_id)
+
+    def follow_up(self) -> Callable[[], None] | None:
+        """Work for the worker to run once the call just served has been
+        answered: the next round's build, when the latest lookup made it known
+        (every sequence's next proposal is here and the lookup brought its
+        :class:`NextRound`). None: nothing to do."""
+        return self._build_ahead if self._next is not None else None
+
+    def _build_ahead(self) -> None:
+        items, self._next = self._next, None
+        if not items:
+            return
+        start = time.perf_counter()
+        try:
+            got = self._build(items, None)
+        except Exception as e:  # the build call will run it again and report what is wrong
+            log.debug("a build started ahead failed: %s", e)
+            self._tree, self._tree_logits = None, []
+            self._own.update(self._glued)
+            return
+        self._ahead = ({it.step.seq_id: it for it in items}, (start, time.perf_counter()), got)
+
+    def _build(self, items: Sequence[BuildItem], round_id: int | None) -> dict[str, object]:
         self._round = None  # until this build is complete
+        self._glued = {}
         self._started = round_id if round_id is not None else self._started
         self._items = {it.step.seq_id: it for it in items}
         plans = [self._glue_plan(it) for it in items]
@@ -256,6 +318,7 @@ class DraftLogic(RunnerLogic):
         share_kv: bool = False,
         round_id: int | None = None,
         backups: Sequence[tuple[int, list[int]] | None] | None = None,
+        plans: Sequence[NextRound | None] | None = None,
     ) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
 
@@ -272,9 +335,15 @@ class DraftLogic(RunnerLogic):
         the round loop's only draft, which knows a miss is a miss, saves the
         round trip a separate ``propose`` costs.
 
+        ``plans[i]``: what the next round will build for key i's sequence
+        (:class:`NextRound`); with a plan for every key, and every next
+        proposal known here, that build starts once this lookup is answered
+        (:meth:`follow_up`).
+
         A ``round_id`` other than the latest complete build's (the lookup
         overtook a re-sent build, or that build failed) gets misses and no
         backups: the cache holds another round's speculations."""
+        self._next = None
         if round_id is not None and round_id != self._round:
             return [LookupResult(None, None) for _ in keys]
         rows = [self._rankings.get(seq_id, []) for seq_id, _, _ in keys]
@@ -298,7 +367,33 @@ class DraftLogic(RunnerLogic):
             )
             for i, p in zip(todo, got):
                 out[i] = replace(out[i], backup=replace(p, source="neural"))
+        if plans is not None and len(plans) == len(keys):
+            self._next = self._next_items(keys, out, plans, backups is not None)
         return out
+
+    def _next_items(
+        self, keys: Sequence[tuple[int, int, int]], results: Sequence[LookupResult], plans: Sequence[NextRound | None], drafting: bool
+    ) -> list[BuildItem] | None:
+        """The build items the next round will send, as the round loop makes
+        them, when they are all known here: per key, the step
+        :meth:`_next_step` gives, the hit clipped to the plan's K (else the
+        neural backup, empty when K is 0 and this lookup ``drafting`` them),
+        and the plan's fan-out for it. None when any is unknown (a miss the
+        round loop serves itself, an outcome-dependent K) or several drafts
+        share the outcomes (their builds need the hit's KV delta first)."""
+        items = []
+        for (seq_id, k, t), res, plan in zip(keys, results, plans):
+            it = self._items.get(seq_id)
+            if plan is None or it is None or it.num_shards != 1:
+                return None
+            if res.proposal is not None:
+                proposal, fanout = Proposal(res.proposal.tokens[: plan.k], None, "cache"), plan.after_hit
+            elif res.backup is not None or (drafting and plan.k == 0):
+                proposal, fanout = Proposal(res.backup.tokens if res.backup else [], None, "neural"), plan.after_backup
+            else:
+                return None
+            items.append(BuildItem(self._next_step(seq_id, k, t), proposal, list(fanout), plan.k, it.saguaro_c))
+        return items
 
     def _next_step(self, seq_id: int, k: int, t: int) -> SeqStep:
         """The step the round loop would send next for outcome (k, t) of the
@@ -324,10 +419,18 @@ class DraftLogic(RunnerLogic):
         self._own[seq_id] = ext
         return replace(ext, rankings=top_order(torch.stack(rows)).tolist(), kv=kv) if share_kv else None
 
+    def prefill(self, steps: Sequence[SeqStep]) -> None:
+        self._next = self._ahead = None  # the next build has new sequences: it is built when called
+        super().prefill(steps)
+
     def release(self, seq_ids: Sequence[int]) -> None:
         super().release(seq_ids)
+        if self._ahead is not None:  # finished sequences leave the next build; the others stand
+            for s in seq_ids:
+                self._ahead[0].pop(s, None)
         for s in seq_ids:
             self.cache.drop(s)
             self._rankings.pop(s, None)
             self._own.pop(s, None)
+            self._glued.pop(s, None)
             self._items.pop(s, None)

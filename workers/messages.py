@@ -140,6 +140,23 @@ class BuildItem:
 
 
 @dataclass
+class NextRound:
+    """What the round after a lookup will ask a draft to build for one
+    sequence, whatever the outcome — sent with the lookup so that the only
+    draft can start that build itself the moment it knows the next proposal
+    (its hit, or the neural backup it drafted), instead of waiting for the
+    build call. ``k``: the next round's speculation length (a cached
+    speculation is clipped to it); ``after_hit`` / ``after_backup``: the
+    fan-out of that build when the next proposal is a hit / a neural backup.
+    The build call still comes and is answered from the started build only
+    when its items are the same (see ``DraftLogic.build``)."""
+
+    k: int
+    after_hit: list[int]
+    after_backup: list[int]
+
+
+@dataclass
 class LookupResult:
     """A draft's answer for one real outcome: the cached speculation (None on
     a miss here), the rank of t* in the draft's ranking of row k (for fitting

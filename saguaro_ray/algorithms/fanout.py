@@ -344,7 +344,7 @@ class BudgetController:
 @dataclass
 class _SearchState:
     level: int  # index into BudgetSearch.levels
-    skip: int = 1  # rounds still to leave out of the window (the previous level's build is being served)
+    skip: int  # rounds still to leave out of the window (builds of the previous level are being served)
     rounds: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
@@ -361,8 +361,9 @@ class BudgetSearch:
     almost never hits in full, while the tree grows with batch × budget. So
     the budget is searched per batch size (power-of-two buckets) over the
     levels 1, 2, 4, … up to the ceiling, from the ceiling down: each level is
-    held for ``window`` rounds (the first round after a change is left out —
-    it serves the previous level's build), a window's throughput (tokens
+    held for ``window`` rounds (the first ``settle`` rounds after a change are
+    left out — they serve builds of the previous level: the round loop fixes
+    each round's budget one round ahead, so the default is 2), a window's throughput (tokens
     emitted per second of round time) updates that level's estimate, and the
     search moves to a neighbouring level that is better by ``margin``. A
     neighbour not yet measured is tried first, and every ``explore_every``
@@ -371,9 +372,12 @@ class BudgetSearch:
     build while the target verifies.
     """
 
-    def __init__(self, ceiling: int, window: int = 8, margin: float = 0.03, explore_every: int = 10, smoothing: float = 0.5) -> None:
-        if ceiling < 1 or window < 1 or explore_every < 1 or not 0 < smoothing <= 1:
-            raise ValueError("BudgetSearch needs ceiling, window, explore_every >= 1 and smoothing in (0, 1]")
+    def __init__(
+        self, ceiling: int, window: int = 8, margin: float = 0.03, explore_every: int = 10, smoothing: float = 0.5, settle: int = 2
+    ) -> None:
+        if ceiling < 1 or window < 1 or explore_every < 1 or not 0 < smoothing <= 1 or settle < 0:
+            raise ValueError("BudgetSearch needs ceiling, window, explore_every >= 1, settle >= 0 and smoothing in (0, 1]")
+        self.settle = settle
         self.levels = sorted({ceiling} | {1 << i for i in range(ceiling.bit_length()) if 1 << i < ceiling})
         self.window, self.margin, self.explore_every, self.smoothing = window, margin, explore_every, smoothing
         self._rate: dict[tuple[int, int], float] = {}  # (bucket, level index) -> tokens/s
@@ -387,7 +391,7 @@ class BudgetSearch:
         """The level to spend at this batch size now."""
         b = self.bucket(batch)
         if b not in self._state:
-            self._state[b] = _SearchState(level=len(self.levels) - 1)
+            self._state[b] = _SearchState(level=len(self.levels) - 1, skip=self.settle)
         return self.levels[self._state[b].level]
 
     def rate(self, batch: int, budget: int) -> float | None:
@@ -416,7 +420,7 @@ class BudgetSearch:
         st.windows += 1
         nxt = self._next(b, st)
         if nxt != st.level:
-            st.level, st.skip = nxt, 1
+            st.level, st.skip = nxt, self.settle
 
     def _next(self, b: int, st: _SearchState) -> int:
         near = [i for i in (st.level - 1, st.level + 1) if 0 <= i < len(self.levels)]

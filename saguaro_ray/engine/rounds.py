@@ -44,6 +44,7 @@ from saguaro_ray.workers.messages import (
     Extension,
     LookupResult,
     NeedsPrefillError,
+    NextRound,
     Outcome,
     Proposal,
     QualifyItem,
@@ -83,6 +84,7 @@ class RoundRecord:
     lookup_back: float | None = None
     forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
     budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
+    ahead: bool = False  # SSD: the draft started this round's build itself, after the previous lookup
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -120,7 +122,7 @@ ForwardFn = Callable[[Sequence[WorkerHandle], str], list[Forwarded]]
 class _Lookups:
     """An SSD round's lookup calls in flight, and how to read their answers:
     ``at[j]`` is where the j-th live sequence's answer sits in each reply;
-    ``backups`` / ``deferred`` are per reply position (see ``RoundLoop._ahead``)."""
+    ``backups`` / ``deferred`` are per reply position (see ``RoundLoop._lookup_plan``)."""
 
     calls: list[tuple[WorkerHandle, "_Call"]]
     backups: list[tuple[int, list[int]] | None] | None
@@ -136,6 +138,17 @@ class _Ahead:
 
     then: dict[str, Any]
     forwarded: list[Forwarded]
+    plan: "_LookupPlan"
+
+
+@dataclass
+class _LookupPlan:
+    """What an SSD round's lookups ask of the drafts besides the outcomes:
+    per sequence the next round's :class:`NextRound` (one draft only, else
+    None), the neural backups to draft on a miss, and which sequences'
+    backups wait for the outcome (``deferred``) — see ``RoundLoop._lookup_plan``."""
+
+    plans: list[NextRound | None] | None
     backups: list[tuple[int, list[int]] | None] | None
     deferred: list[bool]
 
@@ -241,7 +254,10 @@ class RoundLoop:
         # size (measured), never more than stays hidden behind verification
         self.budget = BudgetController(spec.budget)
         self.budget_search = BudgetSearch(spec.budget)
-        self._spend = spec.budget  # this round's budget per sequence
+        self._spend = spec.budget  # the budget per sequence of this round's builds
+        self._next_spend: int | None = None  # ... and of the next round's, fixed one round ahead
+        # per sequence: the fan-outs promised to the only draft for this round's build (NextRound)
+        self._promised: dict[int, NextRound] = {}
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
@@ -310,10 +326,21 @@ class RoundLoop:
         over ``shards`` drafts that each build a budget's worth."""
         return self._fanout(len(proposal.tokens), _regime(proposal), shards)
 
-    def _fanout(self, k: int, regime: bool | str, shards: int = 1) -> list[int]:
+    def _fanout(self, k: int, regime: bool | str, shards: int = 1, spend: int | None = None) -> list[int]:
+        """F_0..F_k at ``spend`` per draft (default: this round's budget)."""
         if self.spec.fanout == "auto":
-            return self.fanout.allocation(self._spend * shards, k, after_backup=regime)
+            return self.fanout.allocation((spend or self._spend) * shards, k, after_backup=regime)
         return [f * shards for f in self.spec.fanout[: k + 1]]
+
+    def _build_fanout(self, proposal: Proposal, promised: NextRound | None, shards: int) -> list[int]:
+        """The fan-out of a build over ``proposal``: the one promised to the
+        only draft with the previous lookup when it is for this proposal (the
+        draft may have built it already), else :meth:`_fanout_for` now."""
+        if promised is not None and shards == 1:
+            f = promised.after_hit if proposal.source == "cache" else promised.after_backup if proposal.source == "neural" else None
+            if f is not None and len(f) == len(proposal.tokens) + 1:
+                return f
+        return self._fanout_for(proposal, shards)
 
     def _emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
         for s, prop, out in zip(running, proposals, outcomes):
@@ -439,13 +466,18 @@ class RoundLoop:
 
     # ---------------------------------------------------------------- SSD
     def _round_ssd(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        self._spend = min(self.budget.budget, self.budget_search.budget(len(running)))
+        # The budget is fixed one round ahead: the next round's fan-outs go out with
+        # this round's lookup, so that the only draft can start that build itself.
+        decided = min(self.budget.budget, self.budget_search.budget(len(running)))
+        self._spend, self._next_spend = self._next_spend or decided, decided
+        promised, self._promised = self._promised, {}
         rec.budget = self._spend if self.spec.fanout == "auto" else None
         need = [s for s in running if s.proposal is None]
         if need:  # newly admitted sequences (a miss is served at its own round's lookup)
             rec.backup, rec.draft = self._backup(need, len(running))
         # a cached speculation may be longer than what is still worth verifying
-        proposals = [_clip(s.proposal, self.spec_len(s, self.spec.k)) for s in running]
+        ks = [self.spec_len(s, self.spec.k) for s in running]
+        proposals = [_clip(s.proposal, k) for s, k in zip(running, ks)]
         # every draft that is up builds its share of the outcomes (one budget each)
         builders = self.drafts.up()
         shards = max(1, len(builders))
@@ -456,11 +488,10 @@ class RoundLoop:
         # drafts, with the real outcomes, the moment verification ends: the
         # drafts answer here, and this loop's own bookkeeping overlaps them.
         # Everything a lookup needs but the outcomes is known now.
-        ahead = self._ahead(running, proposals, builders, kind, share, rec.index)
+        ahead = self._ahead(running, proposals, ks, builders, kind, share, rec.index)
 
         def send_builds() -> list[tuple[WorkerHandle, _Call]]:
-            fanouts = [self._fanout_for(p, shards) for p in proposals]
-            ks = [self.spec_len(s, self.spec.k) for s in running]
+            fanouts = [self._build_fanout(p, promised.get(s.seq_id), shards) for s, p in zip(running, proposals)]
             exts = [self._extensions.pop(s.seq_id, None) for s in running]
 
             def build_items(full: bool, shard: int, draft: WorkerHandle) -> tuple:
@@ -502,10 +533,13 @@ class RoundLoop:
             if ahead is not None:  # verification was re-sent: its lookups were never placed
                 for f in ahead.forwarded:
                     f.forget()
-            lookups = self._send_lookups(running, outcomes, live, [d for d, _ in calls_b], kind, share, rec)
+            lookups = self._send_lookups(running, outcomes, live, ks, [d for d, _ in calls_b], kind, share, rec)
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
-            rec.build = _span([span for _, span in built])
+            # a build the draft started ahead answers with the span it really ran
+            ahead_spans = [value.get("ahead") if isinstance(value, dict) else None for value, _ in built]
+            rec.ahead = any(a is not None for a in ahead_spans)
+            rec.build = _span([tuple(a) if a is not None else span for a, (_, span) in zip(ahead_spans, built)])
             t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
             self.backup_stats.observe_latency(t_primary=t_primary)
             self.budget.observe(t_primary)
@@ -524,26 +558,33 @@ class RoundLoop:
     def _placed_lookups(self, ahead: _Ahead, outcomes: list[Outcome], live: list[int], share: bool, rec: RoundRecord) -> _Lookups:
         """The lookups the target placed when verification ended (one key per sequence of the round)."""
         rec.lookup_sent, rec.forwarded = rec.verify[1], True
-        args = ([o.key for o in outcomes], share, rec.index, ahead.backups)
+        plan = ahead.plan
+        args = ([o.key for o in outcomes], share, rec.index, plan.backups, plan.plans)
         calls = [(f.worker, _Call(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in ahead.forwarded]
-        return _Lookups(calls, ahead.backups, ahead.deferred, live)
+        return _Lookups(calls, plan.backups, plan.deferred, live)
 
     def _send_lookups(
-        self, running: list[SequenceState], outcomes: list[Outcome], live: list[int], lookers: list[WorkerHandle], kind: str, share: bool, rec: RoundRecord
+        self,
+        running: list[SequenceState],
+        outcomes: list[Outcome],
+        live: list[int],
+        ks: list[int],
+        lookers: list[WorkerHandle],
+        kind: str,
+        share: bool,
+        rec: RoundRecord,
     ) -> _Lookups:
         """The coordinator sends the live sequences' outcomes to every draft that
         is building, as one broadcast, without waiting for the builds: each draft
         runs the lookup after its build (a lookup that arrives first waits for it),
         so a build that outlives verification costs no extra round trip. The round
         id makes a lookup that overtook a re-sent build answer misses."""
-        backups = None
-        if kind == "neural" and len(lookers) == 1:
-            backups, _ = self._lookup_backups([running[i] for i in live], [range(1)] * len(live))
-        args = ([outcomes[i].key for i in live], share, rec.index, backups)
+        plan = self._lookup_plan([running[i] for i in live], [range(1)] * len(live), [ks[i] for i in live], lookers, kind)
+        args = ([outcomes[i].key for i in live], share, rec.index, plan.backups, plan.plans)
         futs = self.broadcast(lookers, "lookup", args) if live and lookers else []
         rec.lookup_sent = time.perf_counter() if futs else None
         calls = [(d, _Call(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
-        return _Lookups(calls, backups, [False] * len(live), list(range(len(live))))
+        return _Lookups(calls, plan.backups, [False] * len(live), list(range(len(live))))
 
     def _take_lookups(
         self, running: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], live: list[int], lookups: _Lookups, rec: RoundRecord
@@ -590,45 +631,61 @@ class RoundLoop:
             self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
 
     def _ahead(
-        self, running: list[SequenceState], proposals: list[Proposal], lookers: list[WorkerHandle], kind: str, share: bool, round_id: int
+        self,
+        running: list[SequenceState],
+        proposals: list[Proposal],
+        ks: list[int],
+        lookers: list[WorkerHandle],
+        kind: str,
+        share: bool,
+        round_id: int,
     ) -> _Ahead | None:
         """The lookups the target places itself when verification ends: the
         ``then`` of the verification call, the calls registered at each draft,
-        and the neural backups asked for (one draft only) — per sequence (K,
-        fan-out) when its K is the same whatever the outcome, else ``None``
-        and ``deferred`` (a sequence near its length limit: the loop drafts its
-        backup after the lookup, from the state the outcome leaves)."""
+        and what they ask besides the outcomes (:meth:`_lookup_plan`; the
+        outcome will emit 1 .. len(proposal) + 1 tokens)."""
         if self.forward is None or not lookers:
             return None
-        backups, deferred = None, [False] * len(running)
-        if kind == "neural" and len(lookers) == 1:  # the outcome will emit 1 .. len(proposal) + 1 tokens
-            backups, deferred = self._lookup_backups(running, [range(1, len(p.tokens) + 2) for p in proposals])
+        plan = self._lookup_plan(running, [range(1, len(p.tokens) + 2) for p in proposals], ks, lookers, kind)
         forwarded = self.forward(lookers, "lookup")
-        then = {"method": "lookup", "args": [share, round_id, backups], "to": [f.address for f in forwarded]}
-        return _Ahead(then, forwarded, backups, deferred)
+        then = {"method": "lookup", "args": [share, round_id, plan.backups, plan.plans], "to": [f.address for f in forwarded]}
+        return _Ahead(then, forwarded, plan)
 
     def _backup_kind(self, batch_size: int) -> str:
         """``auto`` weighs the backups at the live batch size (a batch of b
         hits fully only with probability p_hit^b); without a draft: fast."""
         return self.backup_policy.choose(batch_size, self.backup_stats) if self.drafts.primary is not None else "fast"
 
-    def _lookup_backups(
-        self, seqs: list[SequenceState], emitted: list[range]
-    ) -> tuple[list[tuple[int, list[int]] | None], list[bool]]:
-        """What a lookup by the only draft drafts on a miss: per sequence (K,
-        fan-out) of the neural backup for its next round (None: nothing to
-        draft), once it has emitted any of ``emitted[i]`` more tokens. A K that
-        depends on how many is ``deferred``: that backup is drafted after the
-        lookup, from the state the outcome leaves. A single draft knows a miss
-        is a miss, so it drafts the backup in the same call; with several, a
-        miss at one may be another's hit."""
-        backups, deferred = [], []
-        for s, ns in zip(seqs, emitted):
-            ks = {self.spec_len(s, self.spec.k, ahead=n) for n in ns}
-            k = ks.pop() if len(ks) == 1 else None
-            deferred.append(k is None)
-            backups.append((k, self._fanout(k, "neural")) if k else None)
-        return backups, deferred
+    def _lookup_plan(
+        self, seqs: list[SequenceState], emitted: list[range], ks: list[int], lookers: list[WorkerHandle], kind: str
+    ) -> _LookupPlan:
+        """What a lookup by the only draft asks besides the outcomes, per
+        sequence, once it has emitted any of ``emitted[i]`` more tokens: the
+        next round's :class:`NextRound` — its K, and the fan-outs of its build
+        (at the budget fixed for it) after a hit (this round's speculation,
+        ``ks[i]`` long, clipped to K) and after a neural backup — so the draft
+        can start that build itself; and, for ``kind`` neural, the backup (K,
+        fan-out) it drafts on a miss (None: nothing to draft). A single draft
+        knows a miss is a miss, so it drafts the backup in the same call; with
+        several, a miss at one may be another's hit, and each build needs the
+        hit's KV delta: they get neither. A K that depends on how many tokens
+        the outcome emits gets no plan and its backup is ``deferred``: drafted
+        after the lookup, from the state the outcome leaves. The plans are
+        remembered as promised: the next round's build uses their fan-outs."""
+        if len(lookers) != 1:
+            return _LookupPlan(None, None, [False] * len(seqs))
+        plans: list[NextRound | None] = []
+        for s, ns, k_now in zip(seqs, emitted, ks):
+            k_next = {self.spec_len(s, self.spec.k, ahead=n) for n in ns}
+            if len(k_next) != 1:
+                plans.append(None)
+                continue
+            k = k_next.pop()
+            plans.append(NextRound(k, self._fanout(min(k_now, k), False, spend=self._next_spend), self._fanout(k, "neural", spend=self._next_spend)))
+        self._promised = {s.seq_id: p for s, p in zip(seqs, plans) if p is not None}
+        deferred = [p is None for p in plans]
+        backups = [(p.k, p.after_backup) if p is not None and p.k else None for p in plans] if kind == "neural" else None
+        return _LookupPlan(plans, backups, deferred)
 
     def _backup(self, seqs: list[SequenceState], batch_size: int, kind: str | None = None) -> tuple[str, tuple[float, float]]:
         """Give ``seqs`` (no speculation yet, or a miss) a backup speculation

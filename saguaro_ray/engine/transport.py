@@ -46,12 +46,17 @@ class WorkerHandle(Protocol):
 
 
 class InProcessWorker:
-    """Runs a worker-logic object's methods on its own thread, in call order."""
+    """Runs a worker-logic object's methods on its own thread, in call order.
+
+    A logic with a ``follow_up()`` (see ``DraftLogic.follow_up``) names work
+    to run once a call has been answered; it is queued on the worker's
+    thread before the answer is released, so it runs ahead of any later call."""
 
     def __init__(self, name: str, logic: Any) -> None:
         self.name = name
         self.logic = logic
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"saguaro-{name}")
+        self._follow_up = getattr(logic, "follow_up", None)
 
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
         fn = getattr(self.logic, method)
@@ -59,7 +64,14 @@ class InProcessWorker:
         def run() -> Timed:
             start = time.perf_counter()
             value = fn(*args)
-            return Timed(value, start, time.perf_counter())
+            timed = Timed(value, start, time.perf_counter())
+            work = self._follow_up() if self._follow_up is not None else None
+            if work is not None:
+                try:
+                    self._pool.submit(work)
+                except RuntimeError:  # the worker is closing: nothing more will be asked of it
+                    pass
+            return timed
 
         return self._pool.submit(run)
 

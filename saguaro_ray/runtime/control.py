@@ -234,6 +234,10 @@ class CommandServer:
     answering its own entry through this ROUTER to the named client (see
     :meth:`CommandClient.expect`), in order with its other calls.
 
+    After each answer the server runs the work ``follow_up()`` names, if any,
+    before it reads the next call (a draft starts the next round's build as
+    soon as its lookup is answered; see ``DraftLogic.follow_up``).
+
     A call that ``ready(method, args)`` says cannot run yet waits, up to
     ``max_defer_s``, while later calls run, and runs as soon as one of them
     has made it ready (or when its time is up): a forwarded SSD lookup (see
@@ -259,10 +263,12 @@ class CommandServer:
         max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
         ready: Callable[[str, list], bool] | None = None,
         max_defer_s: float = 0.5,
+        follow_up: Callable[[], Callable[[], None] | None] | None = None,
     ) -> None:
         self.name = name
         self._target = target
         self._ready = ready
+        self._follow_up = follow_up
         self._max_defer_s = max_defer_s
         self._deferred: deque[tuple[float, str, list, Callable[[], None]]] = deque()  # server thread only
         self._deferred_calls = 0
@@ -374,8 +380,18 @@ class CommandServer:
             return True
 
     def _serve_call(self, ident: bytes, cid: int, method: str, args: list) -> None:
-        """Execute a call and answer ``ident`` now, or hold it until it is ready."""
-        run = lambda: self._reply(ident, cid, self._execute(cid, method, args), method)  # noqa: E731
+        """Execute a call and answer ``ident`` now, or hold it until it is ready;
+        then run the work the answer left to do (``follow_up``)."""
+
+        def run() -> None:
+            self._reply(ident, cid, self._execute(cid, method, args), method)
+            work = self._follow_up() if self._follow_up is not None else None
+            if work is not None:
+                try:
+                    work()
+                except Exception:
+                    log.exception("command server %r: the work after call %d (%s) failed", self.name, cid, method)
+
         if self._is_ready(method, args):
             run()
         else:

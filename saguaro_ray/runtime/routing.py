@@ -78,6 +78,11 @@ class RoutedLogic:
             return not self.logic.awaits_build(args[2])
         return True
 
+    def follow_up(self) -> Any:
+        """The work the logic has left to do after the call just answered (or None)."""
+        follow_up = getattr(self.logic, "follow_up", None)
+        return follow_up() if follow_up is not None else None
+
     # --------------------------------------------------------- the protocol
     def prefill(self, steps: Any) -> Any:
         return self.logic.prefill(steps)
@@ -110,8 +115,8 @@ class RoutedLogic:
     def build(self, items: Any, round_id: int | None = None) -> Any:
         return self.logic.build(self._in(items), round_id)
 
-    def lookup(self, keys: Any, share_kv: bool = False, round_id: int | None = None, backups: Any = None) -> Any:
-        out = self._out_q(self.logic.lookup(keys, share_kv, round_id, backups))
+    def lookup(self, keys: Any, share_kv: bool = False, round_id: int | None = None, backups: Any = None, plans: Any = None) -> Any:
+        out = self._out_q(self.logic.lookup(keys, share_kv, round_id, backups, plans))
         if self.plane is not None and share_kv:
             out = offload_kv(out, self.plane, self.peers)
         return out

@@ -39,7 +39,7 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.errors import SaguaroError
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
 
 __all__ = [
     "BadFrame",
@@ -138,7 +138,7 @@ def registered_types() -> dict[str, type]:
     return dict(_BY_NAME)
 
 
-for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, QualifyItem, BuildItem, Extension, LookupResult, Outcome, Timed):
+for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, QualifyItem, BuildItem, Extension, LookupResult, NextRound, Outcome, Timed):
     register(_cls)
 
 

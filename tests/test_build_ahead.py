@@ -1,0 +1,202 @@
+"""The only draft starts the next round's build itself (DESIGN §4 SSD protocol).
+
+Once its lookup has served the next proposal (a hit, or the neural backup it
+drafted) and the lookup brought the next round's :class:`NextRound` plans,
+a draft has everything the next build call will carry, so it runs that build
+as soon as the lookup is answered. The build call still comes; it is answered
+from the build already run only when its items are the same, field by field —
+anything else is built as usual. These tests check that the build run ahead
+is the very build the call asks for (same speculations, same q rows), that a
+different call is built afresh, and that the engine uses it round after round
+while staying token-exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+
+from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine.rounds import RoundLoop
+from saguaro_ray.engine.sequence import SequenceState
+from saguaro_ray.workers.draft import DraftLogic
+from saguaro_ray.workers.messages import BuildItem, NextRound, Proposal
+from saguaro_ray.workers.runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ahead_models")
+    target = save_tiny_checkpoint(root, "llama", seed=3, max_position_embeddings=256)
+    return {"target": target, "draft": perturbed_checkpoint(target, root / "draft", 0.1, seed=7)}
+
+
+def _same_cache(a: DraftLogic, b: DraftLogic, seqs) -> None:
+    """The two drafts hold the same speculations (tokens and q rows) for ``seqs``."""
+    for s in seqs:
+        keys = sorted(a.cache.keys(s))
+        assert keys and keys == sorted(b.cache.keys(s))
+        for k, t in keys:
+            x, y = a.cache.lookup(s, k, t), b.cache.lookup(s, k, t)
+            assert x.tokens == y.tokens
+            assert (x.q is None) == (y.q is None) and (x.q is None or torch.equal(x.q, y.q))
+
+
+def _round(a: DraftLogic, b: DraftLogic, items, round_id):
+    """Build on both drafts; ``a`` may answer from a build started ahead."""
+    return a.build(items, round_id), b.build(items, round_id)
+
+
+def _admit(drafts, seqs: list[SequenceState]) -> None:
+    """Prefill the prompts; the target's first token is ``seq_id + 20``."""
+    for d in drafts:
+        d.prefill([RoundLoop.step(s) for s in seqs])
+    for s in seqs:
+        s.output_ids.append(s.seq_id + 20)
+
+
+def _item(s: SequenceState, proposal: Proposal, fanout: list[int], k_next: int) -> BuildItem:
+    """The build item the round loop sends for ``s`` (its step, the proposal's tokens)."""
+    return BuildItem(RoundLoop.step(s), Proposal(proposal.tokens, None, proposal.source), fanout, k_next)
+
+
+def _outcome(s: SequenceState, proposal: list[int], k: int, t: int) -> tuple[int, int, int]:
+    s.emit(proposal[:k] + [t], ())
+    return (s.seq_id, k, t)
+
+
+def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
+    """``a`` gets the lookup's plans and runs the next build once it has
+    answered; ``b`` builds only when called. Same calls, same speculations
+    and q rows; a call that differs from the plan (another fan-out) is built
+    afresh, the same as ``b``'s."""
+    a, b = (DraftLogic(ModelRunner(str(ckpts["draft"]))) for _ in range(2))
+    seqs = [SequenceState(1, [3, 5, 7], GREEDY, 0), SequenceState(2, [4, 6, 8], SAMPLED, 1)]
+    _admit((a, b), seqs)
+    first = [Proposal([11, 12]), Proposal([13, 14])]
+    got_a, got_b = _round(a, b, [_item(s, p, [2, 1, 1], 2) for s, p in zip(seqs, first)], 1)
+    assert "ahead" not in got_a and got_a == got_b
+
+    # round 1's outcomes: a hit for sequence 1, a miss (served by the neural backup) for sequence 2
+    k1, t1 = sorted(a.cache.keys(1))[0]
+    t2 = next(t for t in range(3, 200) if (0, t) not in a.cache.keys(2) and t != first[1].tokens[0])
+    keys = [_outcome(seqs[0], first[0].tokens, k1, t1), _outcome(seqs[1], first[1].tokens, 0, t2)]
+    backups = [(2, [1, 1, 1]), (2, [1, 1, 1])]
+    plans = [NextRound(2, [2, 1, 1], [1, 1, 1]), NextRound(2, [1, 2, 1], [3, 0, 0])]
+    res_a = a.lookup(keys, round_id=1, backups=backups, plans=plans)
+    res_b = b.lookup(keys, round_id=1, backups=backups)
+    assert b.follow_up() is None  # no plans: nothing to start
+    work = a.follow_up()
+    assert work is not None
+    work()
+    assert a.follow_up() is None
+    hit, backup = res_a[0].proposal, res_a[1].backup
+    assert hit is not None and hit.tokens == res_b[0].proposal.tokens
+    assert res_a[1].proposal is None and backup is not None and backup.tokens == res_b[1].backup.tokens
+    assert backup.q is not None  # the sampled sequence's backup carries its law
+
+    second = [Proposal(hit.tokens[:2], None, "cache"), Proposal(backup.tokens, None, "neural")]
+    got_a, got_b = _round(a, b, [_item(seqs[0], second[0], [2, 1, 1], 2), _item(seqs[1], second[1], [3, 0, 0], 2)], 2)
+    assert "ahead" in got_a and "ahead" not in got_b
+    start, end = got_a["ahead"]
+    assert start <= end
+    assert got_a["branches"] == got_b["branches"] > 0 and a.ahead_builds == 1
+    _same_cache(a, b, (1, 2))
+
+    # round 2: both hit; the lookup plans fan-out [1, 1], the call asks for [2, 1]
+    found = [sorted(a.cache.keys(s.seq_id))[-1] for s in seqs]
+    keys2 = [_outcome(s, p.tokens, k, t) for s, p, (k, t) in zip(seqs, second, found)]
+    res_a = a.lookup(keys2, round_id=2, plans=[NextRound(1, [1, 1], [1, 1])] * 2)
+    res_b = b.lookup(keys2, round_id=2)
+    for x, y in zip(res_a, res_b):  # served from the build started ahead, q rows included
+        assert x.proposal.tokens == y.proposal.tokens and x.rank == y.rank
+        assert (x.proposal.q is None) == (y.proposal.q is None)
+        assert x.proposal.q is None or torch.equal(x.proposal.q, y.proposal.q)
+    a.follow_up()()
+    third = [_item(s, Proposal(r.proposal.tokens[:1], None, "cache"), [2, 1], 1) for s, r in zip(seqs, res_a)]
+    got_a, got_b = _round(a, b, third, 3)
+    assert "ahead" not in got_a and got_a == got_b and a.ahead_builds == 1
+    _same_cache(a, b, (1, 2))
+
+
+def test_a_released_sequence_leaves_the_started_build_standing(ckpts):
+    """A sequence that finished in the round leaves the next build call; the
+    build started ahead still answers for the others."""
+    a, b = (DraftLogic(ModelRunner(str(ckpts["draft"]))) for _ in range(2))
+    seqs = [SequenceState(1, [3, 5, 7], GREEDY, 0), SequenceState(2, [4, 6, 8, 10], GREEDY, 1)]
+    _admit((a, b), seqs)
+    first = Proposal([11, 12])
+    _round(a, b, [_item(s, first, [2, 1, 1], 2) for s in seqs], 1)
+    keys = [_outcome(s, first.tokens, *sorted(a.cache.keys(s.seq_id))[0]) for s in seqs]
+    res = a.lookup(keys, round_id=1, plans=[NextRound(2, [1, 1, 1], [1, 1, 1])] * 2)
+    b.lookup(keys, round_id=1)
+    assert all(r.proposal is not None for r in res)
+    a.follow_up()()
+    for d in (a, b):
+        d.release([2])
+    got_a, got_b = _round(a, b, [_item(seqs[0], Proposal(res[0].proposal.tokens[:2], None, "cache"), [1, 1, 1], 2)], 2)
+    assert "ahead" in got_a and "ahead" not in got_b
+    _same_cache(a, b, (1,))
+
+
+def _engine(ckpts, num_drafts: int = 1, **spec) -> LocalEngine:
+    return LocalEngine(
+        LocalEngineConfig(
+            target=str(ckpts["target"]),
+            draft=str(ckpts["draft"]),
+            spec=SpeculationConfig(mode="ssd", **spec),
+            num_threads=1,
+            num_drafts=num_drafts,
+        )
+    )
+
+
+@pytest.mark.parametrize("backup", ["neural", "fast"])
+def test_the_only_draft_builds_ahead_round_after_round_and_stays_exact(ckpts, backup):
+    """In process (the draft's follow-up runs on its worker thread): after the
+    first speculative round the build starts ahead whenever every next
+    proposal is known to the draft; the output is AR's, token for token."""
+    prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ar = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), spec=SpeculationConfig(mode="ar"), num_threads=1))
+    ssd = _engine(ckpts, k=3, backup=backup)
+    try:
+        expected = [r.token_ids for r in ar.generate(prompts, params)]
+        for p, want in zip(prompts, expected):  # batch 1
+            assert ssd.generate([p], params)[0].token_ids == want
+        assert [r.token_ids for r in ssd.generate(prompts, params)] == expected  # batch 2
+        rounds = [r for r in ssd.timeline if not r.prefill and r.build is not None]
+        ahead = [r for r in rounds if r.ahead]
+        assert ssd.workers["draft"].logic.ahead_builds == len(ahead)
+        if backup == "neural":  # every next proposal is known: a hit, or the backup the lookup drafted
+            assert len(ahead) >= len(rounds) - 3 * 2, (len(ahead), len(rounds))
+        else:  # a miss's fast backup is the coordinator's: only all-hit rounds start ahead
+            assert all(r.ahead <= (prev.misses == 0) for prev, r in zip(rounds, rounds[1:]))
+        for r in ahead:  # the span the build really ran
+            assert r.build[0] <= r.build[1]
+    finally:
+        ar.close()
+        ssd.close()
+
+
+def test_several_drafts_never_build_ahead(ckpts):
+    """With several drafts each build needs the hit's KV delta from its owner,
+    which only the next build call carries: no plans go out, nothing starts ahead."""
+    eng = _engine(ckpts, num_drafts=2, k=2)
+    try:
+        eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        assert not any(r.ahead for r in eng.timeline)
+        assert all(w.logic.ahead_builds == 0 for role, w in eng.workers.items() if role.startswith("draft"))
+    finally:
+        eng.close()
