@@ -22,7 +22,7 @@ from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.workers.draft import DraftLogic
-from saguaro_ray.workers.messages import BuildItem, NextRound, Proposal
+from saguaro_ray.workers.messages import BuildItem, NextRound, Proposal, Timed
 from saguaro_ray.workers.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
@@ -54,8 +54,15 @@ def _same_cache(a: DraftLogic, b: DraftLogic, seqs) -> None:
 
 
 def _round(a: DraftLogic, b: DraftLogic, items, round_id):
-    """Build on both drafts; ``a`` may answer from a build started ahead."""
-    return a.build(items, round_id), b.build(items, round_id)
+    """Build on both drafts; ``a`` may answer from a build started ahead.
+    Returns both results and whether ``a``'s came from a build started ahead
+    (it then reports the span that build ran as the call's :class:`Timed`)."""
+    got_a, got_b = a.build(items, round_id), b.build(items, round_id)
+    assert not isinstance(got_b, Timed)
+    if isinstance(got_a, Timed):
+        assert got_a.start <= got_a.end and got_a.value.pop("ahead") is True
+        return got_a.value, got_b, True
+    return got_a, got_b, False
 
 
 def _admit(drafts, seqs: list[SequenceState]) -> None:
@@ -77,26 +84,25 @@ def _outcome(s: SequenceState, proposal: list[int], k: int, t: int) -> tuple[int
 
 
 def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
-    """``a`` gets the lookup's plans and runs the next build once it has
-    answered; ``b`` builds only when called. Same calls, same speculations
-    and q rows; a call that differs from the plan (another fan-out) is built
-    afresh, the same as ``b``'s."""
+    """Both drafts get the same calls; ``a`` runs the follow-up work (the next
+    build, once a lookup has been answered), ``b`` — like a worker host that
+    ignores it — builds only when called. Same speculations and q rows; a call
+    that differs from the plan (another fan-out) is built afresh, the same as
+    ``b``'s."""
     a, b = (DraftLogic(ModelRunner(str(ckpts["draft"]))) for _ in range(2))
     seqs = [SequenceState(1, [3, 5, 7], GREEDY, 0), SequenceState(2, [4, 6, 8], SAMPLED, 1)]
     _admit((a, b), seqs)
     first = [Proposal([11, 12]), Proposal([13, 14])]
-    got_a, got_b = _round(a, b, [_item(s, p, [2, 1, 1], 2) for s, p in zip(seqs, first)], 1)
-    assert "ahead" not in got_a and got_a == got_b
+    got_a, got_b, ahead = _round(a, b, [_item(s, p, [2, 1, 1], 2) for s, p in zip(seqs, first)], 1)
+    assert not ahead and got_a == got_b
 
     # round 1's outcomes: a hit for sequence 1, a miss (served by the neural backup) for sequence 2
     k1, t1 = sorted(a.cache.keys(1))[0]
     t2 = next(t for t in range(3, 200) if (0, t) not in a.cache.keys(2) and t != first[1].tokens[0])
     keys = [_outcome(seqs[0], first[0].tokens, k1, t1), _outcome(seqs[1], first[1].tokens, 0, t2)]
-    backups = [(2, [1, 1, 1]), (2, [1, 1, 1])]
-    plans = [NextRound(2, [2, 1, 1], [1, 1, 1]), NextRound(2, [1, 2, 1], [3, 0, 0])]
-    res_a = a.lookup(keys, round_id=1, backups=backups, plans=plans)
-    res_b = b.lookup(keys, round_id=1, backups=backups)
-    assert b.follow_up() is None  # no plans: nothing to start
+    plans = [NextRound(2, [2, 1, 1], "neural", [1, 1, 1]), NextRound(2, [1, 2, 1], "neural", [3, 0, 0])]
+    res_a = a.lookup(keys, round_id=1, plans=plans)
+    res_b = b.lookup(keys, round_id=1, plans=plans)
     work = a.follow_up()
     assert work is not None
     work()
@@ -107,26 +113,23 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     assert backup.q is not None  # the sampled sequence's backup carries its law
 
     second = [Proposal(hit.tokens[:2], None, "cache"), Proposal(backup.tokens, None, "neural")]
-    got_a, got_b = _round(a, b, [_item(seqs[0], second[0], [2, 1, 1], 2), _item(seqs[1], second[1], [3, 0, 0], 2)], 2)
-    assert "ahead" in got_a and "ahead" not in got_b
-    start, end = got_a["ahead"]
-    assert start <= end
-    assert got_a["branches"] == got_b["branches"] > 0 and a.ahead_builds == 1
+    got_a, got_b, ahead = _round(a, b, [_item(seqs[0], second[0], [2, 1, 1], 2), _item(seqs[1], second[1], [3, 0, 0], 2)], 2)
+    assert ahead and got_a == got_b and got_a["branches"] > 0 and a.ahead_builds == a.ahead_started == 1
     _same_cache(a, b, (1, 2))
 
     # round 2: both hit; the lookup plans fan-out [1, 1], the call asks for [2, 1]
     found = [sorted(a.cache.keys(s.seq_id))[-1] for s in seqs]
     keys2 = [_outcome(s, p.tokens, k, t) for s, p, (k, t) in zip(seqs, second, found)]
-    res_a = a.lookup(keys2, round_id=2, plans=[NextRound(1, [1, 1], [1, 1])] * 2)
-    res_b = b.lookup(keys2, round_id=2)
+    res_a = a.lookup(keys2, round_id=2, plans=[NextRound(1, [1, 1], "neural", [1, 1])] * 2)
+    res_b = b.lookup(keys2, round_id=2, plans=[NextRound(1, [1, 1], "neural", [1, 1])] * 2)
     for x, y in zip(res_a, res_b):  # served from the build started ahead, q rows included
         assert x.proposal.tokens == y.proposal.tokens and x.rank == y.rank
         assert (x.proposal.q is None) == (y.proposal.q is None)
         assert x.proposal.q is None or torch.equal(x.proposal.q, y.proposal.q)
     a.follow_up()()
     third = [_item(s, Proposal(r.proposal.tokens[:1], None, "cache"), [2, 1], 1) for s, r in zip(seqs, res_a)]
-    got_a, got_b = _round(a, b, third, 3)
-    assert "ahead" not in got_a and got_a == got_b and a.ahead_builds == 1
+    got_a, got_b, ahead = _round(a, b, third, 3)
+    assert not ahead and got_a == got_b and a.ahead_builds == 1 and a.ahead_started == 2
     _same_cache(a, b, (1, 2))
 
 
@@ -139,15 +142,48 @@ def test_a_released_sequence_leaves_the_started_build_standing(ckpts):
     first = Proposal([11, 12])
     _round(a, b, [_item(s, first, [2, 1, 1], 2) for s in seqs], 1)
     keys = [_outcome(s, first.tokens, *sorted(a.cache.keys(s.seq_id))[0]) for s in seqs]
-    res = a.lookup(keys, round_id=1, plans=[NextRound(2, [1, 1, 1], [1, 1, 1])] * 2)
+    res = a.lookup(keys, round_id=1, plans=[NextRound(2, [1, 1, 1], "neural", [1, 1, 1])] * 2)
     b.lookup(keys, round_id=1)
     assert all(r.proposal is not None for r in res)
     a.follow_up()()
     for d in (a, b):
         d.release([2])
-    got_a, got_b = _round(a, b, [_item(seqs[0], Proposal(res[0].proposal.tokens[:2], None, "cache"), [1, 1, 1], 2)], 2)
-    assert "ahead" in got_a and "ahead" not in got_b
+    _, _, ahead = _round(a, b, [_item(seqs[0], Proposal(res[0].proposal.tokens[:2], None, "cache"), [1, 1, 1], 2)], 2)
+    assert ahead  # (its branch count still includes the released sequence's)
     _same_cache(a, b, (1,))
+
+
+def test_a_miss_gets_the_plans_backup_from_the_draft(ckpts):
+    """With a plan, a miss is served in the lookup with the plan's backup: the
+    fast one is the n-gram guess from the sequence's whole history — which
+    the draft keeps from the calls it gets, so it is the guess the round loop
+    would make from its own history — and K = 0 is an empty backup. The draft
+    then builds ahead on it like on a hit."""
+    from saguaro_ray.algorithms.ngram import ngram_guess
+
+    draft = DraftLogic(ModelRunner(str(ckpts["draft"])))
+    # repetitive prompts, so the guesses are not just the last token repeated
+    seqs = [SequenceState(1, [3, 5, 7, 3, 5, 7, 3, 5], GREEDY, 0), SequenceState(2, [9, 8, 9, 8, 9], GREEDY, 1)]
+    _admit([draft], seqs)
+    proposals = [Proposal([40, 41]), Proposal([42, 43])]
+    for round_id in (1, 2, 3):
+        draft.build([_item(s, p, [1, 1, 1], 2) for s, p in zip(seqs, proposals)], round_id)
+        # misses: t not cached for k = 1 (the first drafted token accepted)
+        keys = []
+        for s, p in zip(seqs, proposals):
+            t = next(t for t in (5, 7, 8, 9, 3, 11, 12) if (1, t) not in draft.cache.keys(s.seq_id) and t != p.tokens[1])
+            keys.append(_outcome(s, p.tokens, 1, t))
+        k_next = [2, 0] if round_id == 3 else [2, 2]
+        plans = [NextRound(k, [1] * (k + 1), "fast", [2] + [0] * k) for k in k_next]
+        res = draft.lookup(keys, round_id=round_id, plans=plans)
+        for s, r, k in zip(seqs, res, k_next):
+            assert r.proposal is None and r.backup is not None and r.backup.source == "fast" and r.backup.q is None
+            assert r.backup.tokens == ngram_guess(s.all_ids, k), (round_id, s.all_ids)
+        assert draft.follow_up() is not None  # every next proposal is known: it builds ahead
+        draft.follow_up()()
+        proposals = [r.backup for r in res]
+        got = draft.build([_item(s, p, [2] + [0] * k, k) for s, p, k in zip(seqs, proposals, k_next)], round_id + 1)
+        assert isinstance(got, Timed)  # answered from the build started ahead
 
 
 def _engine(ckpts, num_drafts: int = 1, **spec) -> LocalEngine:
@@ -166,23 +202,28 @@ def _engine(ckpts, num_drafts: int = 1, **spec) -> LocalEngine:
 def test_the_only_draft_builds_ahead_round_after_round_and_stays_exact(ckpts, backup):
     """In process (the draft's follow-up runs on its worker thread): after the
     first speculative round the build starts ahead whenever every next
-    proposal is known to the draft; the output is AR's, token for token."""
+    proposal is known to the draft — a hit, or the backup (neural or fast)
+    its lookup made; the output is AR's, token for token."""
     prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ar = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), spec=SpeculationConfig(mode="ar"), num_threads=1))
     ssd = _engine(ckpts, k=3, backup=backup)
     try:
         expected = [r.token_ids for r in ar.generate(prompts, params)]
+        firsts = []  # each call's first speculative round: its proposals are the round loop's backups
         for p, want in zip(prompts, expected):  # batch 1
+            firsts.append(len(ssd.timeline) + 1)
             assert ssd.generate([p], params)[0].token_ids == want
+        firsts.append(len(ssd.timeline) + 1)
         assert [r.token_ids for r in ssd.generate(prompts, params)] == expected  # batch 2
-        rounds = [r for r in ssd.timeline if not r.prefill and r.build is not None]
+        timeline = ssd.timeline
+        assert all(not timeline[i].ahead and timeline[i].build is not None for i in firsts)
+        rounds = [r for r in timeline if not r.prefill and r.build is not None]
         ahead = [r for r in rounds if r.ahead]
         assert ssd.workers["draft"].logic.ahead_builds == len(ahead)
-        if backup == "neural":  # every next proposal is known: a hit, or the backup the lookup drafted
-            assert len(ahead) >= len(rounds) - 3 * 2, (len(ahead), len(rounds))
-        else:  # a miss's fast backup is the coordinator's: only all-hit rounds start ahead
-            assert all(r.ahead <= (prev.misses == 0) for prev, r in zip(rounds, rounds[1:]))
+        # every miss got its backup from the draft's lookup: all other rounds start ahead,
+        # but for at most one per sequence whose next K would depend on the outcome
+        assert len(rounds) - len(ahead) <= len(firsts) + 4, [int(r.ahead) for r in rounds]
         for r in ahead:  # the span the build really ran
             assert r.build[0] <= r.build[1]
     finally:

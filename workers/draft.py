@@ -42,8 +42,9 @@ from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, position_uniforms, process_logits, sample_from
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
+from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
-from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Proposal, SeqStep
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Proposal, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
 
@@ -92,6 +93,7 @@ class DraftLogic(RunnerLogic):
         self._round: int | None = None
         self._started: int | None = None  # round id of the latest build begun
         self._items: dict[int, BuildItem] = {}  # that build's item per sequence (a miss's backup starts from it)
+        self._history: dict[int, list[int]] = {}  # per sequence: its token ids, as the calls reveal them (fast guesses)
         # the next round's build, known since the latest lookup (to start once it is answered) ...
         self._next: list[BuildItem] | None = None
         # ... and, once run, its items per sequence, span and result, until the build call comes
@@ -99,12 +101,14 @@ class DraftLogic(RunnerLogic):
         # per sequence: the part of its own hit's delta the latest build kept in the KV (a build
         # called with other items than the one started ahead reuses it instead of recomputing)
         self._glued: dict[int, Extension] = {}
+        self.ahead_started = 0  # builds started ahead (those no call asked for were wasted work)
         self.ahead_builds = 0  # build calls answered from a build started ahead
 
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
         self._next = self._ahead = None  # a build started ahead assumed the sequences untouched
+        self._record(steps)
         logits = feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
         tokens: list[list[int]] = [[] for _ in steps]
         qrows: list[list[torch.Tensor]] = [[] for _ in steps]
@@ -171,21 +175,22 @@ class DraftLogic(RunnerLogic):
             return None, known
         return SeqStep(seq, ext.start + m, glue[m:], st.params, st.seed, st.output_pos, []), known
 
-    def build(self, items: Sequence[BuildItem], round_id: int | None = None) -> dict[str, object]:
+    def build(self, items: Sequence[BuildItem], round_id: int | None = None) -> dict[str, object] | Timed:
         """Pre-compute next round's speculation for the likely outcomes (SSD).
         ``round_id`` names the round for :meth:`lookup`'s check.
 
         When this draft already ran the build for these very items (started
         ahead, see :meth:`follow_up`) — field by field the same, for every
-        sequence still running — that build is the answer, and ``"ahead"``
-        in the result is the span it really ran; anything else (a sequence
+        sequence still running — that build is the answer: its result with
+        ``"ahead": True``, as a :class:`Timed` of the span it really ran (the
+        worker reports that span for the call); anything else (a sequence
         admitted, a fan-out or step that differs) is built now."""
         ahead, self._ahead, self._next = self._ahead, None, None
         if ahead is not None and items and all(ahead[0].get(it.step.seq_id) == it for it in items):
             self._started = round_id if round_id is not None else self._started
             self._round = round_id
             self.ahead_builds += 1
-            return {**ahead[2], "ahead": ahead[1]}
+            return Timed({**ahead[2], "ahead": True}, *ahead[1])
         if ahead is not None:  # built for nothing: the hits' deltas it consumed are still in the KV
             self._own.update(self._glued)
         return self._build(items, round_id)
@@ -202,6 +207,7 @@ class DraftLogic(RunnerLogic):
         if not items:
             return
         start = time.perf_counter()
+        self.ahead_started += 1
         try:
             got = self._build(items, None)
         except Exception as e:  # the build call will run it again and report what is wrong
@@ -214,6 +220,7 @@ class DraftLogic(RunnerLogic):
     def _build(self, items: Sequence[BuildItem], round_id: int | None) -> dict[str, object]:
         self._round = None  # until this build is complete
         self._glued = {}
+        self._record([it.step for it in items])
         self._started = round_id if round_id is not None else self._started
         self._items = {it.step.seq_id: it for it in items}
         plans = [self._glue_plan(it) for it in items]
@@ -317,7 +324,6 @@ class DraftLogic(RunnerLogic):
         keys: Sequence[tuple[int, int, int]],
         share_kv: bool = False,
         round_id: int | None = None,
-        backups: Sequence[tuple[int, list[int]] | None] | None = None,
         plans: Sequence[NextRound | None] | None = None,
     ) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
@@ -329,15 +335,14 @@ class DraftLogic(RunnerLogic):
         at once (so the next build forwards at most one glue token), and with
         ``share_kv`` a copy is returned for peer drafts.
 
-        ``backups[i] = (K, fan-out)`` asks for the neural backup on a miss of
-        key i: K draft tokens from the real outcome, drawn exactly as
-        :meth:`propose` would for the next round's step, in this same call —
-        the round loop's only draft, which knows a miss is a miss, saves the
-        round trip a separate ``propose`` costs.
-
-        ``plans[i]``: what the next round will build for key i's sequence
-        (:class:`NextRound`); with a plan for every key, and every next
-        proposal known here, that build starts once this lookup is answered
+        ``plans[i]`` (the round loop's only draft; :class:`NextRound`): what
+        the next round verifies and builds for key i's sequence. A miss gets
+        the plan's backup in this same call, as ``backup`` — the neural one:
+        K draft tokens from the real outcome, drawn exactly as :meth:`propose`
+        would for the next round's step; the fast one: the n-gram guess from
+        the sequence's history (:func:`ngram_guess`) — which saves the round
+        loop making it after the answer; and with every next proposal known
+        here, the next build starts once this lookup is answered
         (:meth:`follow_up`).
 
         A ``round_id`` other than the latest complete build's (the lookup
@@ -356,31 +361,45 @@ class DraftLogic(RunnerLogic):
                 continue
             ext = self._commit_hit(seq_id, t, spec, share_kv)
             out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext))
-        todo = [i for i, r in enumerate(out) if r.proposal is None and backups is not None and backups[i] is not None and keys[i][0] in self._items]
-        if todo:
-            steps = [self._next_step(*keys[i]) for i in todo]
-            got = self.propose(
-                steps,
-                [backups[i][0] for i in todo],
-                min(self._items[keys[i][0]].saguaro_c for i in todo),
-                [backups[i][1] for i in todo],
-            )
-            for i, p in zip(todo, got):
-                out[i] = replace(out[i], backup=replace(p, source="neural"))
+        self._record_outcomes(keys)
         if plans is not None and len(plans) == len(keys):
-            self._next = self._next_items(keys, out, plans, backups is not None)
+            self._serve_backups(keys, out, plans)
+            self._next = self._next_items(keys, out, plans)
         return out
 
-    def _next_items(
-        self, keys: Sequence[tuple[int, int, int]], results: Sequence[LookupResult], plans: Sequence[NextRound | None], drafting: bool
-    ) -> list[BuildItem] | None:
+    def _serve_backups(self, keys: Sequence[tuple[int, int, int]], out: list[LookupResult], plans: Sequence[NextRound | None]) -> None:
+        """Give each miss with a plan its backup of the plan's kind, from the
+        real outcome (see :meth:`lookup`); none where this draft does not know
+        the sequence's step (or, for the fast guess, its history)."""
+        neural: list[int] = []
+        for i, (res, plan) in enumerate(zip(out, plans)):
+            seq_id, k, t = keys[i]
+            if res.proposal is not None or plan is None or seq_id not in self._items:
+                continue
+            if plan.k == 0:  # nothing left worth speculating
+                out[i] = replace(res, backup=Proposal([], None, plan.backup))
+            elif plan.backup == "neural":
+                neural.append(i)
+            elif (history := self._history_after(seq_id, k, t)) is not None:
+                out[i] = replace(res, backup=Proposal(ngram_guess(history, plan.k), None, "fast"))
+        if neural:
+            got = self.propose(
+                [self._next_step(*keys[i]) for i in neural],
+                [plans[i].k for i in neural],
+                min(self._items[keys[i][0]].saguaro_c for i in neural),
+                [plans[i].after_backup for i in neural],
+            )
+            for i, p in zip(neural, got):
+                out[i] = replace(out[i], backup=replace(p, source="neural"))
+
+    def _next_items(self, keys: Sequence[tuple[int, int, int]], results: Sequence[LookupResult], plans: Sequence[NextRound | None]) -> list[BuildItem] | None:
         """The build items the next round will send, as the round loop makes
         them, when they are all known here: per key, the step
         :meth:`_next_step` gives, the hit clipped to the plan's K (else the
-        neural backup, empty when K is 0 and this lookup ``drafting`` them),
-        and the plan's fan-out for it. None when any is unknown (a miss the
-        round loop serves itself, an outcome-dependent K) or several drafts
-        share the outcomes (their builds need the hit's KV delta first)."""
+        backup this lookup made), and the plan's fan-out for it. None when any
+        is unknown (a miss the round loop serves itself, an outcome-dependent
+        K) or several drafts share the outcomes (their builds need the hit's
+        KV delta first)."""
         items = []
         for (seq_id, k, t), res, plan in zip(keys, results, plans):
             it = self._items.get(seq_id)
@@ -388,12 +407,49 @@ class DraftLogic(RunnerLogic):
                 return None
             if res.proposal is not None:
                 proposal, fanout = Proposal(res.proposal.tokens[: plan.k], None, "cache"), plan.after_hit
-            elif res.backup is not None or (drafting and plan.k == 0):
-                proposal, fanout = Proposal(res.backup.tokens if res.backup else [], None, "neural"), plan.after_backup
+            elif res.backup is not None and res.backup.source == plan.backup:
+                proposal, fanout = Proposal(res.backup.tokens, None, plan.backup), plan.after_backup
             else:
                 return None
             items.append(BuildItem(self._next_step(seq_id, k, t), proposal, list(fanout), plan.k, it.saguaro_c))
         return items
+
+    def _history_after(self, seq_id: int, k: int, t: int) -> list[int] | None:
+        """The sequence's token ids once outcome (k, t) of the latest build is
+        emitted (the round loop's history then), or None if not all known."""
+        it, history = self._items[seq_id], self._history.get(seq_id)
+        if history is None or len(history) != it.step.start + len(it.step.new_tokens) + k:
+            return None
+        return history + [t]
+
+    def _record(self, steps: Sequence[SeqStep]) -> None:
+        """Keep each sequence's token ids as the steps reveal them (in place:
+        a step rewrites what follows its start; a few missing tokens come from
+        its ``recent``). A step that starts further on than that leaves the
+        history unknown until the whole of it is sent again."""
+        for st in steps:
+            history = self._history.get(st.seq_id)
+            gap = st.start - (len(history) if history is not None else 0)
+            if history is None and st.start > 0:
+                continue
+            if history is None:
+                self._history[st.seq_id] = list(st.new_tokens)
+            elif gap <= 0:
+                del history[st.start :]
+                history.extend(st.new_tokens)
+            elif gap <= len(st.recent):
+                history.extend(st.recent[len(st.recent) - gap :])
+                history.extend(st.new_tokens)
+            else:
+                del self._history[st.seq_id]
+
+    def _record_outcomes(self, keys: Sequence[tuple[int, int, int]]) -> None:
+        """The accepted draft tokens of each outcome (seq, k, t) are part of the
+        sequence now (t comes with the next step)."""
+        for seq_id, k, _ in keys:
+            it, history = self._items.get(seq_id), self._history.get(seq_id)
+            if it is not None and history is not None and len(history) == it.step.start + len(it.step.new_tokens):
+                history.extend(it.proposal.tokens[:k])
 
     def _next_step(self, seq_id: int, k: int, t: int) -> SeqStep:
         """The step the round loop would send next for outcome (k, t) of the
@@ -421,6 +477,7 @@ class DraftLogic(RunnerLogic):
 
     def prefill(self, steps: Sequence[SeqStep]) -> None:
         self._next = self._ahead = None  # the next build has new sequences: it is built when called
+        self._record(steps)
         super().prefill(steps)
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -434,3 +491,4 @@ class DraftLogic(RunnerLogic):
             self._own.pop(s, None)
             self._glued.pop(s, None)
             self._items.pop(s, None)
+            self._history.pop(s, None)

@@ -141,18 +141,21 @@ class BuildItem:
 
 @dataclass
 class NextRound:
-    """What the round after a lookup will ask a draft to build for one
-    sequence, whatever the outcome — sent with the lookup so that the only
-    draft can start that build itself the moment it knows the next proposal
-    (its hit, or the neural backup it drafted), instead of waiting for the
-    build call. ``k``: the next round's speculation length (a cached
-    speculation is clipped to it); ``after_hit`` / ``after_backup``: the
-    fan-out of that build when the next proposal is a hit / a neural backup.
-    The build call still comes and is answered from the started build only
-    when its items are the same (see ``DraftLogic.build``)."""
+    """What the round after a lookup will verify and build for one sequence,
+    whatever the outcome — sent to the only draft with the lookup, so that it
+    serves a miss with the backup itself and starts the next build the moment
+    it knows the next proposal (its hit, or that backup), instead of waiting
+    for the build call. ``k``: the next round's speculation length (a cached
+    speculation is clipped to it, a backup is that long); ``backup``: the kind
+    that serves a miss (``neural``: K draft tokens from the real outcome;
+    ``fast``: the n-gram guess from the history); ``after_hit`` /
+    ``after_backup``: the fan-out of the next build when the next proposal is
+    a hit / that backup. The build call still comes and is answered from the
+    started build only when its items are the same (see ``DraftLogic.build``)."""
 
     k: int
     after_hit: list[int]
+    backup: str
     after_backup: list[int]
 
 

@@ -317,8 +317,10 @@ class BudgetController:
     Theorem 7's denominator holds ``max(1, T_p)``: a cache build that outlasts
     verification (T_p > 1) adds its excess to every round, which at a large
     batch — where the tree grows with batch × budget and a full-batch hit is
-    unlikely anyway — costs more than the extra hits return. So the budget
-    shrinks multiplicatively while the measured build/verify ratio is above
+    unlikely anyway — costs more than the extra hits return. T_p is measured
+    as when the build ends, from the start of the verification it overlaps,
+    in verification times (a build the draft started before verification has
+    that head start). The budget shrinks multiplicatively while it is above
     ``high`` and grows back towards the ceiling while it is below ``low``.
     """
 
@@ -334,7 +336,7 @@ class BudgetController:
         return max(1, min(self.ceiling, round(self._budget)))
 
     def observe(self, build_over_verify: float) -> None:
-        """One round's cache-build time divided by its verification time."""
+        """One round's T_p: its build's end, from its verification's start, in verification times."""
         if build_over_verify > self.high:
             self._budget = max(1.0, self._budget * self.shrink)
         elif build_over_verify < self.low:

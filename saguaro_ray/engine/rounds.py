@@ -122,35 +122,22 @@ ForwardFn = Callable[[Sequence[WorkerHandle], str], list[Forwarded]]
 class _Lookups:
     """An SSD round's lookup calls in flight, and how to read their answers:
     ``at[j]`` is where the j-th live sequence's answer sits in each reply;
-    ``backups`` / ``deferred`` are per reply position (see ``RoundLoop._lookup_plan``)."""
+    ``kind`` is the backup a miss's answer carries (see ``RoundLoop._plans``)."""
 
     calls: list[tuple[WorkerHandle, "_Call"]]
-    backups: list[tuple[int, list[int]] | None] | None
-    deferred: list[bool]
     at: list[int]
+    kind: str
 
 
 @dataclass
 class _Ahead:
     """The lookups the target places when verification ends (``RoundLoop._ahead``):
     ``then`` rides the verification call, ``forwarded`` are the calls registered
-    at the drafts; ``backups`` / ``deferred`` per sequence of the round."""
+    at the drafts, ``plans`` what they carry per sequence of the round."""
 
     then: dict[str, Any]
     forwarded: list[Forwarded]
-    plan: "_LookupPlan"
-
-
-@dataclass
-class _LookupPlan:
-    """What an SSD round's lookups ask of the drafts besides the outcomes:
-    per sequence the next round's :class:`NextRound` (one draft only, else
-    None), the neural backups to draft on a miss, and which sequences'
-    backups wait for the outcome (``deferred``) — see ``RoundLoop._lookup_plan``."""
-
     plans: list[NextRound | None] | None
-    backups: list[tuple[int, list[int]] | None] | None
-    deferred: list[bool]
 
 
 def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":
@@ -337,7 +324,7 @@ class RoundLoop:
         only draft with the previous lookup when it is for this proposal (the
         draft may have built it already), else :meth:`_fanout_for` now."""
         if promised is not None and shards == 1:
-            f = promised.after_hit if proposal.source == "cache" else promised.after_backup if proposal.source == "neural" else None
+            f = promised.after_hit if proposal.source == "cache" else promised.after_backup if proposal.source == promised.backup else None
             if f is not None and len(f) == len(proposal.tokens) + 1:
                 return f
         return self._fanout_for(proposal, shards)
@@ -528,7 +515,7 @@ class RoundLoop:
         self._emit(running, proposals, outcomes, rec)
         live = [i for i, s in enumerate(running) if not s.finished]
         if ahead is not None and not call_v.resent:
-            lookups = self._placed_lookups(ahead, outcomes, live, share, rec)
+            lookups = self._placed_lookups(ahead, outcomes, live, kind, share, rec)
         else:
             if ahead is not None:  # verification was re-sent: its lookups were never placed
                 for f in ahead.forwarded:
@@ -536,11 +523,11 @@ class RoundLoop:
             lookups = self._send_lookups(running, outcomes, live, ks, [d for d, _ in calls_b], kind, share, rec)
         built = [got for got in (self._draft_value(c) for _, c in calls_b) if got is not None]
         if built:
-            # a build the draft started ahead answers with the span it really ran
-            ahead_spans = [value.get("ahead") if isinstance(value, dict) else None for value, _ in built]
-            rec.ahead = any(a is not None for a in ahead_spans)
-            rec.build = _span([tuple(a) if a is not None else span for a, (_, span) in zip(ahead_spans, built)])
-            t_primary = (rec.build[1] - rec.build[0]) / self._verify_seconds
+            rec.build = _span([span for _, span in built])  # a build started ahead: the span it really ran
+            rec.ahead = any(isinstance(value, dict) and value.get("ahead") for value, _ in built)
+            # when the build ended, from the verification's start, in verification times: the
+            # round waits for a build that ends after verification, however early it began
+            t_primary = (rec.build[1] - rec.verify[0]) / self._verify_seconds
             self.backup_stats.observe_latency(t_primary=t_primary)
             self.budget.observe(t_primary)
         for p, out in zip(proposals, outcomes):
@@ -555,13 +542,12 @@ class RoundLoop:
         if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
             rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
 
-    def _placed_lookups(self, ahead: _Ahead, outcomes: list[Outcome], live: list[int], share: bool, rec: RoundRecord) -> _Lookups:
+    def _placed_lookups(self, ahead: _Ahead, outcomes: list[Outcome], live: list[int], kind: str, share: bool, rec: RoundRecord) -> _Lookups:
         """The lookups the target placed when verification ended (one key per sequence of the round)."""
         rec.lookup_sent, rec.forwarded = rec.verify[1], True
-        plan = ahead.plan
-        args = ([o.key for o in outcomes], share, rec.index, plan.backups, plan.plans)
+        args = ([o.key for o in outcomes], share, rec.index, ahead.plans)
         calls = [(f.worker, _Call(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in ahead.forwarded]
-        return _Lookups(calls, plan.backups, plan.deferred, live)
+        return _Lookups(calls, live, kind)
 
     def _send_lookups(
         self,
@@ -579,18 +565,18 @@ class RoundLoop:
         runs the lookup after its build (a lookup that arrives first waits for it),
         so a build that outlives verification costs no extra round trip. The round
         id makes a lookup that overtook a re-sent build answer misses."""
-        plan = self._lookup_plan([running[i] for i in live], [range(1)] * len(live), [ks[i] for i in live], lookers, kind)
-        args = ([outcomes[i].key for i in live], share, rec.index, plan.backups, plan.plans)
+        plans = self._plans([running[i] for i in live], [range(1)] * len(live), [ks[i] for i in live], lookers, kind)
+        args = ([outcomes[i].key for i in live], share, rec.index, plans)
         futs = self.broadcast(lookers, "lookup", args) if live and lookers else []
         rec.lookup_sent = time.perf_counter() if futs else None
         calls = [(d, _Call(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
-        return _Lookups(calls, plan.backups, [False] * len(live), list(range(len(live))))
+        return _Lookups(calls, list(range(len(live))), kind)
 
     def _take_lookups(
         self, running: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], live: list[int], lookups: _Lookups, rec: RoundRecord
     ) -> None:
         """Collect the drafts' answers: each live sequence's next proposal is a hit,
-        else the neural backup its lookup drafted; observe hits and ranks."""
+        else the backup its lookup made (the only draft's); observe hits and ranks."""
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
         spans = []
         for d, c in lookups.calls:
@@ -601,8 +587,7 @@ class RoundLoop:
         if spans:
             rec.lookup = _span(spans)
             rec.lookup_back = time.perf_counter()
-        backups, deferred = lookups.backups, lookups.deferred
-        drafted = False
+        served = False
         for i, idx in zip(live, lookups.at):
             s, p, out = running[i], proposals[i], outcomes[i]
             cached, rank, backup = None, None, None
@@ -621,14 +606,13 @@ class RoundLoop:
             s.hits += int(hit)
             rec.hits += int(hit)
             rec.misses += int(not hit)
-            if backup is None and backups is not None and backups[idx] is None and not deferred[idx]:
-                backup = Proposal([], None, "neural")  # nothing left worth drafting
-            s.proposal = cached or backup  # neither: next round's backup serves it
-            drafted = drafted or (not hit and backup is not None)
-        if drafted and rec.lookup is not None:  # this lookup drafted neural backups for its misses
-            rec.backup = "neural"
-            self.backup_policy.served("neural")
-            self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
+            s.proposal = cached or backup  # neither: the round loop's backup serves it
+            served = served or (not hit and backup is not None)
+        if served and rec.lookup is not None:  # this lookup made backups for its misses
+            rec.backup = lookups.kind
+            self.backup_policy.served(lookups.kind)  # type: ignore[arg-type]
+            if lookups.kind == "neural":  # drafting them is part of the lookup's time
+                self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
 
     def _ahead(
         self,
@@ -642,38 +626,38 @@ class RoundLoop:
     ) -> _Ahead | None:
         """The lookups the target places itself when verification ends: the
         ``then`` of the verification call, the calls registered at each draft,
-        and what they ask besides the outcomes (:meth:`_lookup_plan`; the
-        outcome will emit 1 .. len(proposal) + 1 tokens)."""
+        and the plans they carry (:meth:`_plans`; the outcome will emit
+        1 .. len(proposal) + 1 tokens)."""
         if self.forward is None or not lookers:
             return None
-        plan = self._lookup_plan(running, [range(1, len(p.tokens) + 2) for p in proposals], ks, lookers, kind)
+        plans = self._plans(running, [range(1, len(p.tokens) + 2) for p in proposals], ks, lookers, kind)
         forwarded = self.forward(lookers, "lookup")
-        then = {"method": "lookup", "args": [share, round_id, plan.backups, plan.plans], "to": [f.address for f in forwarded]}
-        return _Ahead(then, forwarded, plan)
+        then = {"method": "lookup", "args": [share, round_id, plans], "to": [f.address for f in forwarded]}
+        return _Ahead(then, forwarded, plans)
 
     def _backup_kind(self, batch_size: int) -> str:
         """``auto`` weighs the backups at the live batch size (a batch of b
         hits fully only with probability p_hit^b); without a draft: fast."""
         return self.backup_policy.choose(batch_size, self.backup_stats) if self.drafts.primary is not None else "fast"
 
-    def _lookup_plan(
+    def _plans(
         self, seqs: list[SequenceState], emitted: list[range], ks: list[int], lookers: list[WorkerHandle], kind: str
-    ) -> _LookupPlan:
-        """What a lookup by the only draft asks besides the outcomes, per
-        sequence, once it has emitted any of ``emitted[i]`` more tokens: the
-        next round's :class:`NextRound` — its K, and the fan-outs of its build
-        (at the budget fixed for it) after a hit (this round's speculation,
-        ``ks[i]`` long, clipped to K) and after a neural backup — so the draft
-        can start that build itself; and, for ``kind`` neural, the backup (K,
-        fan-out) it drafts on a miss (None: nothing to draft). A single draft
-        knows a miss is a miss, so it drafts the backup in the same call; with
-        several, a miss at one may be another's hit, and each build needs the
-        hit's KV delta: they get neither. A K that depends on how many tokens
-        the outcome emits gets no plan and its backup is ``deferred``: drafted
-        after the lookup, from the state the outcome leaves. The plans are
-        remembered as promised: the next round's build uses their fan-outs."""
+    ) -> list[NextRound | None] | None:
+        """What a lookup by the only draft carries per sequence besides the
+        outcome, once the sequence has emitted any of ``emitted[i]`` more
+        tokens: the next round's :class:`NextRound` — its K, the backup of
+        ``kind`` that serves a miss, and the fan-outs of its build (at the
+        budget fixed for it) after a hit (this round's speculation, ``ks[i]``
+        long, clipped to K) and after that backup. A single draft knows a miss
+        is a miss, so it makes the backup in the same call and can start the
+        next build itself; with several, a miss at one may be another's hit
+        and each build needs the hit's KV delta: no plans (None). A K that
+        depends on how many tokens the outcome emits gets no plan: the round
+        loop makes that backup after the lookup, from the state the outcome
+        leaves. The plans are remembered as promised: the next round's build
+        uses their fan-outs."""
         if len(lookers) != 1:
-            return _LookupPlan(None, None, [False] * len(seqs))
+            return None
         plans: list[NextRound | None] = []
         for s, ns, k_now in zip(seqs, emitted, ks):
             k_next = {self.spec_len(s, self.spec.k, ahead=n) for n in ns}
@@ -681,11 +665,10 @@ class RoundLoop:
                 plans.append(None)
                 continue
             k = k_next.pop()
-            plans.append(NextRound(k, self._fanout(min(k_now, k), False, spend=self._next_spend), self._fanout(k, "neural", spend=self._next_spend)))
+            after_hit = self._fanout(min(k_now, k), False, spend=self._next_spend)
+            plans.append(NextRound(k, after_hit, kind, self._fanout(k, kind, spend=self._next_spend)))
         self._promised = {s.seq_id: p for s, p in zip(seqs, plans) if p is not None}
-        deferred = [p is None for p in plans]
-        backups = [(p.k, p.after_backup) if p is not None and p.k else None for p in plans] if kind == "neural" else None
-        return _LookupPlan(plans, backups, deferred)
+        return plans
 
     def _backup(self, seqs: list[SequenceState], batch_size: int, kind: str | None = None) -> tuple[str, tuple[float, float]]:
         """Give ``seqs`` (no speculation yet, or a miss) a backup speculation

@@ -64,7 +64,8 @@ class InProcessWorker:
         def run() -> Timed:
             start = time.perf_counter()
             value = fn(*args)
-            timed = Timed(value, start, time.perf_counter())
+            # a method whose work ran before the call (a build started ahead) reports its own span
+            timed = value if isinstance(value, Timed) else Timed(value, start, time.perf_counter())
             work = self._follow_up() if self._follow_up is not None else None
             if work is not None:
                 try:

@@ -100,6 +100,8 @@ class WorkerActor:
             "broadcast_calls": self.server.stats()["broadcast_calls"],
             "forwarded_calls": 0 if self.routed.forwarder is None else self.routed.forwarder.forwarded,
             "data_plane": None if self.routed.plane is None else self.routed.plane.stats(),
+            # a draft: SSD builds it started itself, and how many of them a build call used
+            "builds_ahead": {"started": getattr(self.logic, "ahead_started", 0), "used": getattr(self.logic, "ahead_builds", 0)},
         }
 
     def shutdown(self) -> None:

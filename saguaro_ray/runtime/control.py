@@ -221,7 +221,8 @@ class CommandServer:
     Requests are ``{"id", "method", "args"}``; each is executed on the server
     thread, strictly in arrival order, and answered with ``{"id", "ok": True,
     "result": Timed(value, start, end)}`` (``time.perf_counter`` on this
-    process) or ``{"id", "ok": False, "type", "message", "traceback"}``. A
+    process; a method that returns a :class:`Timed` itself names the span its
+    work really ran) or ``{"id", "ok": False, "type", "message", "traceback"}``. A
     method outside the allow-list is answered with error type
     ``"MethodNotAllowed"``. Built-ins always served: ``__ping__``,
     ``__stats__`` (this server's counters) and ``__subscribe__(endpoint)``
@@ -511,7 +512,9 @@ class CommandServer:
         except Exception as e:
             self._errors += 1
             return self._error(cid, e)
-        return {"id": cid, "ok": True, "result": Timed(value, start, time.perf_counter())}
+        # a method whose work ran before the call (a build started ahead) reports its own span
+        result = value if isinstance(value, Timed) else Timed(value, start, time.perf_counter())
+        return {"id": cid, "ok": True, "result": result}
 
     @staticmethod
     def _error(cid: int, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:

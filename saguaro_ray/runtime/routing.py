@@ -115,8 +115,8 @@ class RoutedLogic:
     def build(self, items: Any, round_id: int | None = None) -> Any:
         return self.logic.build(self._in(items), round_id)
 
-    def lookup(self, keys: Any, share_kv: bool = False, round_id: int | None = None, backups: Any = None, plans: Any = None) -> Any:
-        out = self._out_q(self.logic.lookup(keys, share_kv, round_id, backups, plans))
+    def lookup(self, keys: Any, share_kv: bool = False, round_id: int | None = None, plans: Any = None) -> Any:
+        out = self._out_q(self.logic.lookup(keys, share_kv, round_id, plans))
         if self.plane is not None and share_kv:
             out = offload_kv(out, self.plane, self.peers)
         return out
