@@ -185,6 +185,16 @@ class _Call:
         return timed.value, (timed.start, timed.end)
 
 
+def _released(worker: str, fut: "Future[Timed]") -> None:
+    """Report how a release ended (see ``RoundLoop._release``)."""
+    try:
+        fut.result()
+    except (WorkerLost, WorkerGone, NeedsPrefillError):
+        log.info("release on %s skipped: its state is already gone", worker)
+    except Exception as e:  # the sequences are finished either way; their room is lost until a restart
+        log.warning("release on %s failed: %s", worker, e)
+
+
 def _regime(p: Proposal) -> bool | str:
     """The acceptance regime of a proposal for the fan-out estimator."""
     return p.source if p.source in ("neural", "fast") else False
@@ -338,18 +348,18 @@ class RoundLoop:
             rec.accepted.append(out.accepted)
 
     def _release(self, seqs: Sequence[SequenceState]) -> None:
+        """Free ``seqs`` on every worker, without waiting: each worker runs the
+        release before anything asked of it later (the prefill that reuses the
+        room included), and a draft may still be busy with the next build it
+        started ahead — the round loop has nothing to wait for."""
         ids = [s.seq_id for s in seqs]
         if not ids:
             return
         for i in ids:
             self._extensions.pop(i, None)
         workers = [self.target, *self.drafts.up()] + ([self.qualifier] if self.qualifier is not None else [])
-        futs = [(w, w.submit("release", ids)) for w in workers]
-        for w, f in futs:
-            try:
-                f.result()
-            except (WorkerLost, WorkerGone, NeedsPrefillError):
-                log.info("release on %s skipped: its state is already gone", w.name)
+        for w in workers:
+            w.submit("release", ids).add_done_callback(lambda f, name=w.name: _released(name, f))
 
     # -------------------------------------------------------------- run
     def admit(self, new: list[SequenceState]) -> list[SequenceState]:
