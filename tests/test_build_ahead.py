@@ -186,6 +186,28 @@ def test_a_miss_gets_the_plans_backup_from_the_draft(ckpts):
         assert isinstance(got, Timed)  # answered from the build started ahead
 
 
+def test_the_draft_keeps_each_sequence_history_from_its_calls(ckpts):
+    """What the fast guess reads: a step rewrites what follows its start, a
+    short gap is filled from its ``recent`` tokens, a longer one (or a first
+    step that does not start at 0) leaves the history unknown — no guess —
+    until the whole history is sent again."""
+    from saguaro_ray.workers.messages import SeqStep
+
+    draft = DraftLogic(ModelRunner(str(ckpts["draft"])))
+    record = draft._record
+    record([SeqStep(1, 0, [1, 2, 3], GREEDY, 0, 0)])
+    record([SeqStep(1, 2, [7, 8], GREEDY, 0, 0, [1, 2])])  # rewrites position 2 on
+    assert draft._history[1] == [1, 2, 7, 8]
+    record([SeqStep(1, 6, [9], GREEDY, 0, 0, [8, 4, 5])])  # two tokens behind: taken from recent
+    assert draft._history[1] == [1, 2, 7, 8, 4, 5, 9]
+    record([SeqStep(1, 12, [9], GREEDY, 0, 0, [1, 2, 3, 4])])  # five behind: unknown
+    assert 1 not in draft._history
+    record([SeqStep(2, 4, [9], GREEDY, 0, 0, [1, 2, 3, 4])])  # never seen from its start
+    assert 2 not in draft._history
+    record([SeqStep(1, 0, [5, 6], GREEDY, 0, 0)])  # a full re-send
+    assert draft._history[1] == [5, 6]
+
+
 def _engine(ckpts, num_drafts: int = 1, **spec) -> LocalEngine:
     return LocalEngine(
         LocalEngineConfig(

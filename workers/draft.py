@@ -16,7 +16,7 @@ Three jobs, all batched over sequences:
   speculation for the real outcome, or ``None`` (a miss).
 
 The only draft knows the next proposal the moment its lookup has served it
-(a hit, or the neural backup it drafted), so with the lookup's
+(a hit, or the backup it made for a miss), so with the lookup's
 :class:`NextRound` plans it starts the next round's build itself once the
 lookup is answered (:meth:`DraftLogic.follow_up`), instead of waiting for the
 build call to come back through the coordinator; the build call is then
@@ -429,19 +429,19 @@ class DraftLogic(RunnerLogic):
         history unknown until the whole of it is sent again."""
         for st in steps:
             history = self._history.get(st.seq_id)
-            gap = st.start - (len(history) if history is not None else 0)
-            if history is None and st.start > 0:
-                continue
             if history is None:
-                self._history[st.seq_id] = list(st.new_tokens)
-            elif gap <= 0:
-                del history[st.start :]
-                history.extend(st.new_tokens)
-            elif gap <= len(st.recent):
-                history.extend(st.recent[len(st.recent) - gap :])
-                history.extend(st.new_tokens)
-            else:
+                if st.start == 0:
+                    self._history[st.seq_id] = list(st.new_tokens)
+                continue
+            gap = st.start - len(history)
+            if gap > len(st.recent):
                 del self._history[st.seq_id]
+                continue
+            if gap > 0:
+                history.extend(st.recent[len(st.recent) - gap :])
+            else:
+                del history[st.start :]
+            history.extend(st.new_tokens)
 
     def _record_outcomes(self, keys: Sequence[tuple[int, int, int]]) -> None:
         """The accepted draft tokens of each outcome (seq, k, t) are part of the
