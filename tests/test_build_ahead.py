@@ -208,7 +208,7 @@ def test_the_draft_keeps_each_sequence_history_from_its_calls(ckpts):
     assert draft._history[1] == [5, 6]
 
 
-def _engine(ckpts, num_drafts: int = 1, **spec) -> LocalEngine:
+def _engine(ckpts, num_drafts: int = 1, build_ahead: bool = True, **spec) -> LocalEngine:
     return LocalEngine(
         LocalEngineConfig(
             target=str(ckpts["target"]),
@@ -216,6 +216,7 @@ def _engine(ckpts, num_drafts: int = 1, **spec) -> LocalEngine:
             spec=SpeculationConfig(mode="ssd", **spec),
             num_threads=1,
             num_drafts=num_drafts,
+            build_ahead=build_ahead,
         )
     )
 
@@ -251,6 +252,19 @@ def test_the_only_draft_builds_ahead_round_after_round_and_stays_exact(ckpts, ba
     finally:
         ar.close()
         ssd.close()
+
+
+def test_in_process_the_default_is_to_build_when_called(ckpts):
+    """``LocalEngineConfig.build_ahead`` is off by default (the GIL): the draft
+    still makes the backups in its lookups, but builds only when called."""
+    eng = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), draft=str(ckpts["draft"]), spec=SpeculationConfig(mode="ssd", k=2), num_threads=1))
+    try:
+        eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        rounds = [r for r in eng.timeline if r.build is not None]
+        assert rounds and not any(r.ahead for r in rounds)
+        assert eng.workers["draft"].logic.ahead_started == 0
+    finally:
+        eng.close()
 
 
 def test_several_drafts_never_build_ahead(ckpts):

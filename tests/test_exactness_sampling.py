@@ -133,6 +133,7 @@ def run(
     qualifier: str | None = None,
     num_drafts: int = 1,
     timeline: list | None = None,
+    build_ahead: bool = False,
     **spec,
 ):
     """``n`` samples of ``m`` tokens (``timeline``: receives the engine's rounds)."""
@@ -146,6 +147,7 @@ def run(
             max_batch_size=n,
             max_kv_tokens=32 * n,
             num_drafts=num_drafts,
+            build_ahead=build_ahead,
         )
     )
     try:
@@ -226,7 +228,7 @@ def test_ssd_builds_started_ahead_match_exact_law(models, target_law):
     emit most of the measured M tokens, are served by builds started ahead;
     the first M tokens of a longer sample have the law of an M-token sample."""
     rounds: list = []
-    res = run(models, "ssd", k=2, fanout="auto", budget=4, backup="neural", m=M + 6, timeline=rounds)
+    res = run(models, "ssd", k=2, fanout="auto", budget=4, backup="neural", m=M + 6, timeline=rounds, build_ahead=True)
     spec_rounds = [r for r in rounds if r.build is not None]
     assert [r.ahead for r in spec_rounds[:3]] == [False, True, True], [r.ahead for r in spec_rounds]
     assert mean_stat(res, "cache_hit_rate") > 0.3

@@ -155,7 +155,8 @@ def test_ssd_same_draft_matches_ar(engine, ar_tokens):
 
 
 def test_ssd_unrelated_draft_matches_ar(ray_instance, ckpts, ar_tokens, reference):
-    h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["other"], spec=SPEC))
+    # (with builds started ahead off: the draft builds only when the build call comes)
+    h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["other"], spec=SPEC, build_ahead=False))
     try:
         singles = [bounded(h.generate, [p], GREEDY)[0] for p in PROMPTS]
         assert tokens(singles) == [ar_tokens[tuple(p)] for p in PROMPTS]
@@ -180,6 +181,7 @@ def test_ssd_unrelated_draft_matches_ar(ray_instance, ckpts, ar_tokens, referenc
             assert x["hits"] + x["misses"] == live_after, x
             assert x["forwarded"] or x["lookup"] is None, x
         assert any(x["misses"] for x in recs)
+        assert not any(x["ahead"] for x in h.timeline()) and h.worker_info()["draft0"]["builds_ahead"]["started"] == 0
     finally:
         h.shutdown()
 

@@ -48,15 +48,16 @@ class WorkerHandle(Protocol):
 class InProcessWorker:
     """Runs a worker-logic object's methods on its own thread, in call order.
 
-    A logic with a ``follow_up()`` (see ``DraftLogic.follow_up``) names work
-    to run once a call has been answered; it is queued on the worker's
-    thread before the answer is released, so it runs ahead of any later call."""
+    With ``follow_up``, a logic's ``follow_up()`` (see ``DraftLogic.follow_up``)
+    names work to run once a call has been answered; it is queued on the
+    worker's thread before the answer is released, so it runs ahead of any
+    later call."""
 
-    def __init__(self, name: str, logic: Any) -> None:
+    def __init__(self, name: str, logic: Any, follow_up: bool = False) -> None:
         self.name = name
         self.logic = logic
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"saguaro-{name}")
-        self._follow_up = getattr(logic, "follow_up", None)
+        self._follow_up = getattr(logic, "follow_up", None) if follow_up else None
 
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
         fn = getattr(self.logic, method)

@@ -77,7 +77,8 @@ class WorkerActor:
         # tensors to and from peers live on the device the model runs on
         self.routed = RoutedLogic(self.logic, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
-        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=self.routed.follow_up)
+        follow_up = self.routed.follow_up if config.build_ahead else None  # the work a draft starts after answering
+        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=follow_up)
 
     def _make_runner(self, model: str, config: EngineConfig) -> Any:
         """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""

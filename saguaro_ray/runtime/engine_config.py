@@ -58,6 +58,9 @@ class EngineConfig:
     # q rows and KV deltas go worker-to-worker over a torch.distributed group
     # (gloo on CPU, NCCL on CUDA); False: they ride the ZeroMQ frames
     data_plane: bool = True
+    # SSD with one draft: the draft starts the next round's build itself once its lookup
+    # is answered, one control-plane hop before the build call would reach it
+    build_ahead: bool = True
     call_timeout_s: float = 120.0
     # custom Ray resources per role, e.g. {"target": {"node_a": 1}}: pins roles to nodes
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
