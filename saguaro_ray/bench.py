@@ -137,7 +137,13 @@ class _Runner:
 
             self.engine = LocalEngine(
                 LocalEngineConfig(
-                    target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, num_threads=args.threads, num_drafts=num_drafts
+                    target=args.target,
+                    draft=args.draft,
+                    qualifier=args.qualifier,
+                    spec=spec,
+                    num_threads=args.threads,
+                    num_drafts=num_drafts,
+                    **_build_ahead(args),
                 )
             )
             self._timeline = lambda: [r.to_json() for r in self.engine.timeline]
@@ -154,6 +160,7 @@ class _Runner:
                     spec=spec,
                     num_drafts=num_drafts,
                     target_tp=args.target_tp,
+                    **_build_ahead(args),
                     threads_per_worker=args.threads,
                     address=args.address,
                 )
@@ -216,7 +223,13 @@ class BenchArgs:
     address: str | None = None
     num_prompts: int = 8
     target_tp: int = 1
+    build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
     progress: bool = True
+
+
+def _build_ahead(args: BenchArgs) -> dict[str, bool]:
+    """The engine config's ``build_ahead`` when the command sets it."""
+    return {} if args.build_ahead is None else {"build_ahead": args.build_ahead}
 
 
 def _median_min_max(xs: list[float]) -> tuple[float, float, float]:

@@ -243,6 +243,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--saguaro-c", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism) (ray runtime)")
+    p.add_argument(
+        "--build-ahead",
+        choices=["default", "on", "off"],
+        default="default",
+        help="SSD, one draft: the draft starts the next build itself (default: on through Ray, off in process)",
+    )
     p.add_argument("--address", default=None)
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
@@ -283,6 +289,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             address=args.address,
             num_prompts=args.num_prompts,
             target_tp=args.target_tp,
+            build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
         )
     )
     print(format_table(report))

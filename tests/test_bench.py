@@ -17,12 +17,13 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "saguaro_ray.jobs.bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"),
          "--modes", "ar,sd,ssd", "--prompts", "code", "--max-tokens", "8", "--batch-sizes", "1,2", "--temperatures", "0,0.7",
-         "--repeats", "1", "--runtimes", "inprocess", "--json", str(out_json), "--plot", str(out_png)],
+         "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out_json.read_text())
     assert {"machine", "results", "step_costs_ms"} <= set(report)
+    assert report["config"]["build_ahead"] is True  # in process too, as asked
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["ipc_round_trip_us"] > 0
     results = report["results"]
     assert len(results) == 3 * 2 * 2
