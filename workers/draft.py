@@ -96,8 +96,8 @@ class DraftLogic(RunnerLogic):
         self._history: dict[int, list[int]] = {}  # per sequence: its token ids, as the calls reveal them (fast guesses)
         # the next round's build, known since the latest lookup (to start once it is answered) ...
         self._next: list[BuildItem] | None = None
-        # ... and, once run, its items per sequence, span and result, until the build call comes
-        self._ahead: tuple[dict[int, BuildItem], tuple[float, float], dict[str, object]] | None = None
+        # ... and, once run (its items are then ``_items``), its span and result, until the build call comes
+        self._ahead: tuple[tuple[float, float], dict[str, object]] | None = None
         # per sequence: the part of its own hit's delta the latest build kept in the KV (a build
         # called with other items than the one started ahead reuses it instead of recomputing)
         self._glued: dict[int, Extension] = {}
@@ -186,11 +186,11 @@ class DraftLogic(RunnerLogic):
         worker reports that span for the call); anything else (a sequence
         admitted, a fan-out or step that differs) is built now."""
         ahead, self._ahead, self._next = self._ahead, None, None
-        if ahead is not None and items and all(ahead[0].get(it.step.seq_id) == it for it in items):
+        if ahead is not None and items and all(self._items.get(it.step.seq_id) == it for it in items):
             self._started = round_id if round_id is not None else self._started
             self._round = round_id
             self.ahead_builds += 1
-            return Timed({**ahead[2], "ahead": True}, *ahead[1])
+            return Timed({**ahead[1], "ahead": True}, *ahead[0])
         if ahead is not None:  # built for nothing: the hits' deltas it consumed are still in the KV
             self._own.update(self._glued)
         return self._build(items, round_id)
@@ -215,7 +215,7 @@ class DraftLogic(RunnerLogic):
             self._tree, self._tree_logits = None, []
             self._own.update(self._glued)
             return
-        self._ahead = ({it.step.seq_id: it for it in items}, (start, time.perf_counter()), got)
+        self._ahead = ((start, time.perf_counter()), got)
 
     def _build(self, items: Sequence[BuildItem], round_id: int | None) -> dict[str, object]:
         self._round = None  # until this build is complete
@@ -481,10 +481,7 @@ class DraftLogic(RunnerLogic):
         super().prefill(steps)
 
     def release(self, seq_ids: Sequence[int]) -> None:
-        super().release(seq_ids)
-        if self._ahead is not None:  # finished sequences leave the next build; the others stand
-            for s in seq_ids:
-                self._ahead[0].pop(s, None)
+        super().release(seq_ids)  # (a build started ahead stands for the other sequences)
         for s in seq_ids:
             self.cache.drop(s)
             self._rankings.pop(s, None)
