@@ -11,6 +11,7 @@ first token sampled in this call (it keys the random streams).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,3 +181,10 @@ class Timed:
     value: Any
     start: float
     end: float
+
+    @staticmethod
+    def since(value: Any, start: float) -> "Timed":
+        """A call's answer, timed from ``start`` to now — unless the method
+        returned a :class:`Timed` itself: its work ran before the call (a
+        build started ahead), and it names the span that work really took."""
+        return value if isinstance(value, Timed) else Timed(value, start, time.perf_counter())

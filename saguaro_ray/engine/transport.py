@@ -65,8 +65,7 @@ class InProcessWorker:
         def run() -> Timed:
             start = time.perf_counter()
             value = fn(*args)
-            # a method whose work ran before the call (a build started ahead) reports its own span
-            timed = value if isinstance(value, Timed) else Timed(value, start, time.perf_counter())
+            timed = Timed.since(value, start)
             work = self._follow_up() if self._follow_up is not None else None
             if work is not None:
                 try:

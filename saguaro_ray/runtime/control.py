@@ -512,9 +512,7 @@ class CommandServer:
         except Exception as e:
             self._errors += 1
             return self._error(cid, e)
-        # a method whose work ran before the call (a build started ahead) reports its own span
-        result = value if isinstance(value, Timed) else Timed(value, start, time.perf_counter())
-        return {"id": cid, "ok": True, "result": result}
+        return {"id": cid, "ok": True, "result": Timed.since(value, start)}
 
     @staticmethod
     def _error(cid: int, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
