@@ -22,7 +22,7 @@ from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.workers.draft import DraftLogic
-from saguaro_ray.workers.messages import BuildItem, NextRound, Proposal, Timed
+from saguaro_ray.workers.messages import BuildItem, NextRound, Proposal, Timed, plan_for
 from saguaro_ray.workers.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
@@ -186,6 +186,46 @@ def test_a_miss_gets_the_plans_backup_from_the_draft(ckpts):
         assert isinstance(got, Timed)  # answered from the build started ahead
 
 
+def test_a_plan_per_outcome_is_read_at_the_real_outcome(ckpts):
+    """Near a length limit the next K depends on how many tokens the outcome
+    emits: the lookup then carries one NextRound per outcome (entry k for k
+    accepted) and the draft serves the miss, and builds ahead, with the real
+    outcome's — here K = 1 after one accepted token, where another outcome
+    would have left 2."""
+    table = [NextRound(2, [1, 1, 1], "fast", [1, 1, 1]), NextRound(1, [1, 1], "fast", [2, 0]), NextRound(0, [1], "fast", [1])]
+    assert [plan_for(table, k) for k in range(3)] == table and plan_for(table, 3) is None
+    assert plan_for(table[0], 2) is table[0] and plan_for(None, 0) is None and plan_for(["junk"], 0) is None
+    draft = DraftLogic(ModelRunner(str(ckpts["draft"])))
+    s = SequenceState(1, [3, 5, 7, 3, 5, 7], GREEDY, 0)
+    _admit([draft], [s])
+    p = Proposal([40, 41])
+    draft.build([_item(s, p, [1, 1, 1], 2)], 1)
+    t = next(t for t in (5, 7, 9, 11) if (1, t) not in draft.cache.keys(1))
+    [res] = draft.lookup([_outcome(s, p.tokens, 1, t)], round_id=1, plans=[table])
+    assert res.proposal is None and len(res.backup.tokens) == 1
+    draft.follow_up()()
+    got = draft.build([_item(s, res.backup, [2, 0], 1)], 2)
+    assert isinstance(got, Timed)  # the build started ahead with the chosen plan is the one asked for
+
+
+def test_the_round_loop_plans_per_outcome_only_near_a_length_limit():
+    """``_plans``: one NextRound where every outcome leaves the same K, one per
+    outcome where it does not; the promise is narrowed to the real outcome's."""
+    from saguaro_ray.workers.messages import Outcome
+
+    loop = RoundLoop(SpeculationConfig(mode="ssd", k=3, fanout=(2, 1, 1, 1)), None, (), 1000)  # type: ignore[arg-type]
+    far = SequenceState(1, [1, 2], SamplingParams(temperature=0.0, max_tokens=50), 0)
+    near = SequenceState(2, [1, 2], SamplingParams(temperature=0.0, max_tokens=8), 0)
+    far.output_ids, near.output_ids = [9] * 10, [9] * 2  # near: 6 left, and a round emits 1..4
+    plans = loop._plans([far, near], [range(1, 5)] * 2, [3, 3], ["draft"], "fast")  # type: ignore[list-item]
+    assert isinstance(plans[0], NextRound) and plans[0].k == 3
+    assert isinstance(plans[1], list) and [n.k for n in plans[1]] == [3, 3, 2, 1]  # min(3, 8 - 2 - n - 1)
+    assert [len(n.after_hit) for n in plans[1]] == [4, 4, 3, 2]
+    loop._narrow_promised([far, near], [Outcome(1, 3, 5, 3), Outcome(2, 2, 5, 3)])
+    assert loop._promised == {1: plans[0], 2: plans[1][2]}
+    assert loop._plans([far], [range(1, 5)], [3], ["a", "b"], "fast") is None  # several drafts: no plans
+
+
 def test_the_draft_keeps_each_sequence_history_from_its_calls(ckpts):
     """What the fast guess reads: a step rewrites what follows its start, a
     short gap is filled from its ``recent`` tokens, a longer one (or a first
@@ -244,9 +284,8 @@ def test_the_only_draft_builds_ahead_round_after_round_and_stays_exact(ckpts, ba
         rounds = [r for r in timeline if not r.prefill and r.build is not None]
         ahead = [r for r in rounds if r.ahead]
         assert ssd.workers["draft"].logic.ahead_builds == len(ahead)
-        # every miss got its backup from the draft's lookup: all other rounds start ahead,
-        # but for at most one per sequence whose next K would depend on the outcome
-        assert len(rounds) - len(ahead) <= len(firsts) + 4, [int(r.ahead) for r in rounds]
+        # every miss got its backup from the draft's lookup: all other rounds start ahead
+        assert len(rounds) - len(ahead) == len(firsts), [int(r.ahead) for r in rounds]
         for r in ahead:  # the span the build really ran
             assert r.build[0] <= r.build[1]
     finally:

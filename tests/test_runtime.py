@@ -141,12 +141,12 @@ def test_ssd_same_draft_matches_ar(engine, ar_tokens):
     assert all(x["forwarded"] for x in engine.timeline() if x["lookup"] is not None)
     # every next proposal is a hit the draft served: it starts each next build itself,
     # once its lookup is answered, and the build call is answered from that build —
-    # all but two of each sequence's six rounds: the first (its proposal is the backup
-    # the round loop asked for) and the last (21 of 24 tokens out: the next K would
-    # depend on the outcome, so no plan went out)
+    # all but the first of each sequence's six rounds (its proposal is the backup the
+    # round loop asked for); the last too, whose K depended on the outcome (21 of 24
+    # tokens out after round 5): that lookup carried one plan per outcome
     spec_rounds = [x for x in engine.timeline() if x["build"] is not None]
     assert len(spec_rounds) == 6 * len(PROMPTS)
-    assert sum(x["ahead"] for x in spec_rounds) == 4 * len(PROMPTS), [x["ahead"] for x in spec_rounds]
+    assert sum(x["ahead"] for x in spec_rounds) == 5 * len(PROMPTS), [x["ahead"] for x in spec_rounds]
     four = PROMPTS[:4]  # batch 4
     res = bounded(engine.generate, four, GREEDY)
     assert [r.prompt_index for r in res] == [0, 1, 2, 3]

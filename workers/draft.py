@@ -44,7 +44,7 @@ from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
-from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Proposal, SeqStep, Timed
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Plan, Proposal, SeqStep, Timed, plan_for
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
 
@@ -324,7 +324,7 @@ class DraftLogic(RunnerLogic):
         keys: Sequence[tuple[int, int, int]],
         share_kv: bool = False,
         round_id: int | None = None,
-        plans: Sequence[NextRound | None] | None = None,
+        plans: Sequence[Plan] | None = None,
     ) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
 
@@ -335,8 +335,9 @@ class DraftLogic(RunnerLogic):
         at once (so the next build forwards at most one glue token), and with
         ``share_kv`` a copy is returned for peer drafts.
 
-        ``plans[i]`` (the round loop's only draft; :class:`NextRound`): what
-        the next round verifies and builds for key i's sequence. A miss gets
+        ``plans[i]`` (the round loop's only draft; :class:`NextRound`, or one
+        per outcome — :func:`plan_for`): what the next round verifies and
+        builds for key i's sequence. A miss gets
         the plan's backup in this same call, as ``backup`` — the neural one:
         K draft tokens from the real outcome, drawn exactly as :meth:`propose`
         would for the next round's step; the fast one: the n-gram guess from
@@ -363,8 +364,9 @@ class DraftLogic(RunnerLogic):
             out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext))
         self._record_outcomes(keys)
         if plans is not None and len(plans) == len(keys):
-            self._serve_backups(keys, out, plans)
-            self._next = self._next_items(keys, out, plans)
+            nexts = [plan_for(p, k) for p, (_, k, _) in zip(plans, keys)]
+            self._serve_backups(keys, out, nexts)
+            self._next = self._next_items(keys, out, nexts)
         return out
 
     def _serve_backups(self, keys: Sequence[tuple[int, int, int]], out: list[LookupResult], plans: Sequence[NextRound | None]) -> None:
@@ -396,10 +398,11 @@ class DraftLogic(RunnerLogic):
         """The build items the next round will send, as the round loop makes
         them, when they are all known here: per key, the step
         :meth:`_next_step` gives, the hit clipped to the plan's K (else the
-        backup this lookup made), and the plan's fan-out for it. None when any
-        is unknown (a miss the round loop serves itself, an outcome-dependent
-        K) or several drafts share the outcomes (their builds need the hit's
-        KV delta first)."""
+        backup this lookup made), and the plan's fan-out for it (``plans``:
+        each key's own, see :func:`plan_for`). None when any is unknown (a
+        sequence without a plan, whose miss the round loop serves itself) or
+        several drafts share the outcomes (their builds need the hit's KV
+        delta first)."""
         items = []
         for (seq_id, k, t), res, plan in zip(keys, results, plans):
             it = self._items.get(seq_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -158,6 +158,21 @@ class NextRound:
     after_hit: list[int]
     backup: str
     after_backup: list[int]
+
+
+# What a lookup carries per sequence: one NextRound whatever the outcome, or a list
+# with one per outcome (near a length limit the next K depends on how many tokens
+# the outcome emits) — see plan_for; None: no plan
+Plan = Union[NextRound, list[NextRound], None]
+
+
+def plan_for(plan: Plan, accepted: int) -> NextRound | None:
+    """The :class:`NextRound` of an outcome that accepted ``accepted`` draft
+    tokens: a list holds one per outcome, entry k for k accepted (k + 1
+    tokens emitted); a single one stands for every outcome."""
+    if isinstance(plan, list):
+        return plan[accepted] if 0 <= accepted < len(plan) and isinstance(plan[accepted], NextRound) else None
+    return plan if isinstance(plan, NextRound) else None
 
 
 @dataclass

@@ -46,11 +46,13 @@ from saguaro_ray.workers.messages import (
     NeedsPrefillError,
     NextRound,
     Outcome,
+    Plan,
     Proposal,
     QualifyItem,
     SeqStep,
     Timed,
     VerifyItem,
+    plan_for,
 )
 
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class _Ahead:
 
     then: dict[str, Any]
     forwarded: list[Forwarded]
-    plans: list[NextRound | None] | None
+    plans: list[Plan] | None
 
 
 def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":
@@ -253,8 +255,9 @@ class RoundLoop:
         self.budget_search = BudgetSearch(spec.budget)
         self._spend = spec.budget  # the budget per sequence of this round's builds
         self._next_spend: int | None = None  # ... and of the next round's, fixed one round ahead
-        # per sequence: the fan-outs promised to the only draft for this round's build (NextRound)
-        self._promised: dict[int, NextRound] = {}
+        # per sequence: the fan-outs promised to the only draft for this round's build
+        # (NextRound; one per outcome until the outcome is known, see _plans)
+        self._promised: dict[int, Plan] = {}
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
@@ -329,11 +332,11 @@ class RoundLoop:
             return self.fanout.allocation((spend or self._spend) * shards, k, after_backup=regime)
         return [f * shards for f in self.spec.fanout[: k + 1]]
 
-    def _build_fanout(self, proposal: Proposal, promised: NextRound | None, shards: int) -> list[int]:
+    def _build_fanout(self, proposal: Proposal, promised: Plan, shards: int) -> list[int]:
         """The fan-out of a build over ``proposal``: the one promised to the
         only draft with the previous lookup when it is for this proposal (the
         draft may have built it already), else :meth:`_fanout_for` now."""
-        if promised is not None and shards == 1:
+        if isinstance(promised, NextRound) and shards == 1:
             f = promised.after_hit if proposal.source == "cache" else promised.after_backup if proposal.source == promised.backup else None
             if f is not None and len(f) == len(proposal.tokens) + 1:
                 return f
@@ -523,6 +526,7 @@ class RoundLoop:
         outcomes = self._verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)
         self._emit(running, proposals, outcomes, rec)
+        self._narrow_promised(running, outcomes)
         live = [i for i, s in enumerate(running) if not s.finished]
         if ahead is not None and not call_v.resent:
             lookups = self._placed_lookups(ahead, outcomes, live, kind, share, rec)
@@ -652,7 +656,7 @@ class RoundLoop:
 
     def _plans(
         self, seqs: list[SequenceState], emitted: list[range], ks: list[int], lookers: list[WorkerHandle], kind: str
-    ) -> list[NextRound | None] | None:
+    ) -> list[Plan] | None:
         """What a lookup by the only draft carries per sequence besides the
         outcome, once the sequence has emitted any of ``emitted[i]`` more
         tokens: the next round's :class:`NextRound` — its K, the backup of
@@ -661,24 +665,33 @@ class RoundLoop:
         long, clipped to K) and after that backup. A single draft knows a miss
         is a miss, so it makes the backup in the same call and can start the
         next build itself; with several, a miss at one may be another's hit
-        and each build needs the hit's KV delta: no plans (None). A K that
-        depends on how many tokens the outcome emits gets no plan: the round
-        loop makes that backup after the lookup, from the state the outcome
-        leaves. The plans are remembered as promised: the next round's build
-        uses their fan-outs."""
+        and each build needs the hit's KV delta: no plans (None). Near a
+        length limit the next K depends on how many tokens the outcome emits:
+        then the plan is one NextRound per outcome (``emitted[i]`` starts at
+        1; see :func:`plan_for`). The plans are remembered as promised — the
+        next round's build uses their fan-outs — and one per outcome is
+        narrowed to the real outcome's when it is known (:meth:`_narrow_promised`)."""
         if len(lookers) != 1:
             return None
-        plans: list[NextRound | None] = []
+        plans: list[Plan] = []
         for s, ns, k_now in zip(seqs, emitted, ks):
-            k_next = {self.spec_len(s, self.spec.k, ahead=n) for n in ns}
-            if len(k_next) != 1:
-                plans.append(None)
-                continue
-            k = k_next.pop()
-            after_hit = self._fanout(min(k_now, k), False, spend=self._next_spend)
-            plans.append(NextRound(k, after_hit, kind, self._fanout(k, kind, spend=self._next_spend)))
-        self._promised = {s.seq_id: p for s, p in zip(seqs, plans) if p is not None}
+            table = [self._next_round(s, n, k_now, kind) for n in ns]
+            plans.append(table[0] if all(t == table[0] for t in table) else table)
+        self._promised = {s.seq_id: p for s, p in zip(seqs, plans)}
         return plans
+
+    def _next_round(self, s: SequenceState, emitted: int, k_now: int, kind: str) -> NextRound:
+        """The next round of ``s`` once it has emitted ``emitted`` more tokens (see :meth:`_plans`)."""
+        k = self.spec_len(s, self.spec.k, ahead=emitted)
+        after_hit = self._fanout(min(k_now, k), False, spend=self._next_spend)
+        return NextRound(k, after_hit, kind, self._fanout(k, kind, spend=self._next_spend))
+
+    def _narrow_promised(self, running: list[SequenceState], outcomes: list[Outcome]) -> None:
+        """Each promised plan, now that the outcome it depended on is known."""
+        for s, out in zip(running, outcomes):
+            plan = self._promised.get(s.seq_id)
+            if isinstance(plan, list):
+                self._promised[s.seq_id] = plan_for(plan, out.accepted)
 
     def _backup(self, seqs: list[SequenceState], batch_size: int, kind: str | None = None) -> tuple[str, tuple[float, float]]:
         """Give ``seqs`` (no speculation yet, or a miss) a backup speculation
