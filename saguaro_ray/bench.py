@@ -419,7 +419,14 @@ def _hidden_fraction(rs: Iterable[RunResult]) -> float | None:
 
 
 def step_costs(
-    models: dict[str, str], threads: int = 1, context: int = 128, repeats: int = 30, branches: int = 8, device: str = "cpu", dtype: str | None = None
+    models: dict[str, str],
+    threads: int = 1,
+    context: int = 128,
+    repeats: int = 30,
+    branches: int = 8,
+    device: str = "cpu",
+    dtype: str | None = None,
+    attention_backend: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Median milliseconds of the runner's basic steps per model, on ``threads``
     torch threads: a 1-token decode, an 8-token verify, and one tree-decode
@@ -434,7 +441,7 @@ def step_costs(
     out: dict[str, dict[str, float]] = {}
     try:
         for role, path in models.items():
-            runner = ModelRunner(path, device=device, dtype=dtype)
+            runner = ModelRunner(path, device=device, dtype=dtype, attention_backend=attention_backend)
             runner.add_sequence(0)
             prompt = [(7 * i) % runner.vocab_size for i in range(context)]
             runner.forward([0], [prompt])

@@ -64,6 +64,35 @@ def test_gpu_check_skips_cleanly_without_cuda():
     assert proc.returncode == 0 and "skipped" in proc.stdout
 
 
+def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
+    """Device time is scarce: each gpu_check section runs whatever another did,
+    a failure is reported, not raised; and the end-to-end section's code runs
+    (dry, on the CPU, in process and through Ray actors) and checks exactness."""
+    import ray
+    from helpers import save_tiny_checkpoint
+
+    from saguaro_ray.jobs import gpu_check
+
+    report: dict = {}
+    gpu_check._section(report, "boom", lambda: 1 / 0)
+    gpu_check._section(report, "fine", lambda: {"ok": True, "x": 1.5})
+    assert "ZeroDivisionError" in report["boom"]["error"] and report["fine"] == {"ok": True, "x": 1.5}
+    assert gpu_check._failed(report["boom"]) and not gpu_check._failed(report["fine"])
+    assert gpu_check._failed({"a": {"ssd_equals_ar": False}}) and gpu_check._failed({"returncode": 1})
+    assert not gpu_check._failed({"skipped": "needs 2 GPUs"})
+    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
+    models = {"target": target, "draft": target}
+    got = gpu_check._end_to_end(models, ray=False, device="cpu")
+    assert got["ok"] and got["ssd_tokens_per_s"] > 0
+    started = not ray.is_initialized()
+    try:
+        got = gpu_check._end_to_end(models, ray=True, device="cpu")
+        assert got["ok"] and got["ssd_data_plane_generation"] >= 1
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1):
     from saguaro_ray.bench import RunResult, round_breakdown
 
