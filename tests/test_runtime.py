@@ -222,6 +222,33 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         local.close()
 
 
+def test_ssd_over_ray_samples_match_in_process(ray_instance, ckpts):
+    """At T > 0 with a fixed fan-out and neural backups an SSD run is a
+    function of the seeds, so through the actors — lookups placed by the
+    target, backups and next builds made by the draft from its plans (one per
+    outcome in the last rounds, where the next K depends on it), q rows over
+    the data plane — it gives the in-process engine's tokens, whose law the
+    sampling tests check. The unrelated draft mostly misses (backups), the
+    same one mostly hits (cached speculations)."""
+    sampled = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, ignore_eos=True, seed=5)
+    spec = SpeculationConfig(mode="ssd", k=3, fanout=(2, 2, 1, 1), backup="neural")
+    for draft in ("target", "other"):
+        same = dict(target=ckpts["target"], draft=ckpts[draft], spec=spec)
+        local = LocalEngine(LocalEngineConfig(**same, num_threads=1))
+        try:
+            want = tokens(local.generate(PROMPTS[:3], sampled))
+        finally:
+            local.close()
+        h = Engine.launch(EngineConfig(**same))
+        try:
+            assert tokens(bounded(h.generate, PROMPTS[:3], sampled)) == want, draft
+            decode = [x for x in h.timeline() if not x["prefill"]]
+            assert sum(x["ahead"] for x in decode) >= len(decode) // 2, [x["ahead"] for x in decode]
+            assert h.worker_info()["target"]["data_plane"]["received"] > 0
+        finally:
+            h.shutdown()
+
+
 def test_pyramid_over_ray_matches_in_process(ray_instance, ckpts, ar_tokens):
     """PyramidSD through the actors: T = 0 equals AR; at T > 0 with every model
     the target (all proposals accepted) the samples are a function of the seed,
