@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.engine.rounds import round_components
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.prompt_file import read_prompt_file
 
@@ -69,29 +70,6 @@ def load_prompts(source: str, count: int, chars: int = 200) -> list[str]:
 
 
 # ----------------------------------------------------------------- analysis
-def _span(x: Any) -> tuple[float, float] | None:
-    return None if x is None else (float(x[0]), float(x[1]))
-
-
-def round_components(r: dict[str, Any]) -> dict[str, float]:
-    """One decode round split into verify, drafting (busy and exposed on the
-    critical path), cache lookup, and control plane (the rest of the round)."""
-    wall = r["end"] - r["start"]
-    verify = _span(r.get("verify"))
-    build = _span(r.get("build"))
-    draft = _span(r.get("draft"))
-    after = _span(r.get("miss_backup"))
-    lookup = _span(r.get("lookup"))
-    v = verify[1] - verify[0] if verify else 0.0
-    drafted = (draft[1] - draft[0] if draft else 0.0) + (after[1] - after[0] if after else 0.0)
-    busy = (build[1] - build[0] if build else 0.0) + drafted
-    exposed = drafted  # sequential drafting before verification, or for misses after the lookup
-    if build and verify:
-        exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
-    lk = lookup[1] - lookup[0] if lookup else 0.0
-    return {"wall": wall, "verify": v, "draft_busy": busy, "draft_exposed": exposed, "lookup": lk, "control": max(0.0, wall - v - exposed - lk)}
-
-
 def round_breakdown(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Sum the per-round components over decode (non-prefill) rounds, seconds."""
     out = {"rounds": 0, "wall": 0.0, "verify": 0.0, "draft_busy": 0.0, "draft_exposed": 0.0, "lookup": 0.0, "control": 0.0}

@@ -230,6 +230,46 @@ def test_expected_speedup_hand_computed():
     assert expected_speedup(1.0, 4.0, 2.0, 2.0, 1.0) == pytest.approx(2.0)
 
 
+def test_a_rounds_fixed_cost_counts_against_the_cheap_backup():
+    """T_c, every round's control plane, is paid however few tokens a round
+    emits: a neural backup too slow to win on verification time alone wins
+    once each round also costs half a verification."""
+    # neural: [0.3·2.8 + 0.7·2.7] / [0.3 + 0.7·1.9 + T_c]; fast: [0.3·2.8 + 0.7·1.25] / [1 + T_c]
+    neural = lambda t_c: expected_speedup(0.3, 2.8, 2.7, 1.0, 0.9, t_c=t_c)  # noqa: E731
+    fast = lambda t_c: expected_speedup(0.3, 2.8, 1.25, 1.0, 0.0, t_c=t_c)  # noqa: E731
+    assert neural(0.0) == pytest.approx(2.73 / 1.63) and fast(0.0) == pytest.approx(1.715)
+    assert fast(0.0) > neural(0.0) and neural(0.5) == pytest.approx(2.73 / 2.13) and neural(0.5) > fast(0.5) == pytest.approx(1.715 / 1.5)
+    stats = BackupStats(p_hit=0.3, e_hit=2.8, e_miss_neural=2.7, e_miss_fast=1.25, t_primary=1.0, t_neural=0.9, t_fast=0.0)
+    policy = BackupPolicy("auto", explore_every=0)
+    assert policy.choose(1, stats) == "fast"
+    for _ in range(200):  # the round loop measures it every SSD round
+        stats.observe_latency(t_round=0.5)
+    assert stats.t_round == pytest.approx(0.5, abs=1e-3) and policy.choose(1, stats) == "neural"
+
+
+def test_the_round_loop_measures_each_rounds_fixed_cost(tmp_path):
+    """An SSD run feeds T_c — the round's time beyond verification, exposed
+    drafting and the lookup, in verifications — to the backup statistics."""
+    from helpers import save_tiny_checkpoint
+
+    from saguaro_ray.config import SamplingParams, SpeculationConfig
+    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine.rounds import round_components
+
+    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
+    eng = LocalEngine(LocalEngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="ssd", k=3), num_threads=1))
+    try:
+        eng.generate([[3, 5, 7]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        stats = eng.loop.backup_stats
+        rounds = [r.to_json() for r in eng.timeline if not r.prefill]
+        ema = 0.0  # the statistics' moving average, from its prior of 0
+        for r in rounds:
+            ema += stats.smoothing * (round_components(r)["control"] / (r["verify"][1] - r["verify"][0]) - ema)
+        assert stats.t_round > 0 and stats.t_round == pytest.approx(ema)
+    finally:
+        eng.close()
+
+
 def _argmax_choice(stats: BackupStats, b: int) -> str:
     neural = expected_speedup(stats.p_hit, stats.e_hit, stats.e_miss_neural, stats.t_primary, stats.t_neural, b)
     fast = expected_speedup(stats.p_hit, stats.e_hit, stats.e_miss_fast, stats.t_primary, stats.t_fast, b)

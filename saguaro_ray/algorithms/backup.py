@@ -9,13 +9,17 @@ which happens with probability ``p_hit ** b``; so at large batch the cheap
 backup can win even though it emits fewer tokens. The choice maximises the
 expected speedup of the paper (Speculative Speculative Decoding, Theorem 7):
 
-    [p·E_hit + (1-p)·E_miss] / [P·max(1, T_p) + (1-P)·(1 + T_b)],   P = p^b
+    [p·E_hit + (1-p)·E_miss] / [P·max(1, T_p) + (1-P)·(1 + T_b) + T_c],   P = p^b
 
 with E the expected tokens a sequence emits per round (its own hit or miss
 decides that, whatever the rest of the batch does), P the chance the whole
 batch hits (only then does the round skip the backup), and T latencies
 relative to one target verification (T_p: building the primary speculation, hidden behind the
-verification when ≤ 1). The hit probability p depends on the choice: the cache
+verification when ≤ 1). T_c is what every round costs beyond its worker
+time — the control plane, measured — which the paper's model leaves out: a
+round that emits few tokens (a verified point-mass guess) pays it all the
+same, so with T_c = 0 the fast backup looks better than it is wherever the
+control plane is a sizeable part of a round (a CPU box: 15–20%). The hit probability p depends on the choice: the cache
 built while a backup is verified is allocated for that backup's acceptance, so
 p is the stationary share of cache rounds given how often a lookup hits after
 each kind of speculation (:meth:`BackupStats.hit_rate_with`).
@@ -39,8 +43,10 @@ def expected_speedup(
     t_p: float,
     t_b: float,
     batch_size: int = 1,
+    t_c: float = 0.0,
 ) -> float:
-    """Expected tokens per sequence per unit of verification time (Theorem 7).
+    """Expected tokens per sequence per unit of verification time (Theorem 7,
+    plus ``t_c``: every round's fixed cost beyond its worker time).
 
     ``p_hit`` is the per-sequence hit probability. Tokens are per sequence (a
     sequence's yield does not depend on whether the others hit); the round's
@@ -50,7 +56,7 @@ def expected_speedup(
     p = float(p_hit)
     full = p ** int(batch_size)
     num = p * e_hit + (1.0 - p) * e_miss
-    den = full * max(1.0, t_p) + (1.0 - full) * (1.0 + t_b)
+    den = full * max(1.0, t_p) + (1.0 - full) * (1.0 + t_b) + max(0.0, t_c)
     return num / den
 
 
@@ -76,6 +82,7 @@ class BackupStats:
     t_primary: float = 1.0
     t_neural: float = 0.5
     t_fast: float = 0.0
+    t_round: float = 0.0  # T_c: a round's control plane (no prior: 0 until measured)
     smoothing: float = 0.05
 
     def _ema(self, old: float, new: float) -> float:
@@ -124,8 +131,11 @@ class BackupStats:
         t_primary: float | None = None,
         t_neural: float | None = None,
         t_fast: float | None = None,
+        t_round: float | None = None,
     ) -> None:
         """Measured latencies relative to one verification (None leaves an estimate as is)."""
+        if t_round is not None:
+            self.t_round = self._ema(self.t_round, t_round)
         if t_primary is not None:
             self.t_primary = self._ema(self.t_primary, t_primary)
         if t_neural is not None:
@@ -136,7 +146,7 @@ class BackupStats:
     def speedup(self, kind: BackupKind, batch_size: int) -> float:
         """Expected speedup if misses are served by ``kind``."""
         e_miss, t_b = (self.e_miss_neural, self.t_neural) if kind == "neural" else (self.e_miss_fast, self.t_fast)
-        return expected_speedup(self.hit_rate_with(kind), self.e_hit, e_miss, self.t_primary, t_b, batch_size)
+        return expected_speedup(self.hit_rate_with(kind), self.e_hit, e_miss, self.t_primary, t_b, batch_size, self.t_round)
 
 
 class BackupPolicy:

@@ -99,6 +99,31 @@ class RoundRecord:
         return self.build[1] <= self.verify[1]
 
 
+def _as_span(x: Any) -> tuple[float, float] | None:
+    return None if x is None else (float(x[0]), float(x[1]))
+
+
+def round_components(r: dict[str, Any]) -> dict[str, float]:
+    """One decode round (a :class:`RoundRecord`'s JSON) split into verify,
+    drafting (busy and exposed on the critical path), cache lookup, and
+    control plane (the rest of the round) — for the benchmarks, and for the
+    backup policy's per-round cost (:meth:`RoundLoop.advance`)."""
+    wall = r["end"] - r["start"]
+    verify = _as_span(r.get("verify"))
+    build = _as_span(r.get("build"))
+    draft = _as_span(r.get("draft"))
+    after = _as_span(r.get("miss_backup"))
+    lookup = _as_span(r.get("lookup"))
+    v = verify[1] - verify[0] if verify else 0.0
+    drafted = (draft[1] - draft[0] if draft else 0.0) + (after[1] - after[0] if after else 0.0)
+    busy = (build[1] - build[0] if build else 0.0) + drafted
+    exposed = drafted  # sequential drafting before verification, or for misses after the lookup
+    if build and verify:
+        exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
+    lk = lookup[1] - lookup[0] if lookup else 0.0
+    return {"wall": wall, "verify": v, "draft_busy": busy, "draft_exposed": exposed, "lookup": lk, "control": max(0.0, wall - v - exposed - lk)}
+
+
 ArgsFn = Callable[[bool], tuple]
 # one call to many workers at once: (workers, method, args) -> one future per worker
 BroadcastFn = Callable[[Sequence[WorkerHandle], str, tuple], "list[Future[Timed]]"]
@@ -402,6 +427,9 @@ class RoundLoop:
         else:
             self._round_pyramid(running, rec)
         rec.end = time.perf_counter()
+        if mode == "ssd":
+            # what the round cost beyond its workers' time, for the backup policy's model
+            self.backup_stats.observe_latency(t_round=round_components(rec.to_json())["control"] / self._verify_seconds)
         if mode == "ssd" and self.spec.fanout == "auto":
             self.budget_search.observe(rec.batch, sum(a + 1 for a in rec.accepted), rec.end - rec.start)
         self.timeline.append(rec)
