@@ -32,6 +32,9 @@ def test_ranks_match_a_full_sort_with_ties_exclusions_and_the_depth_cap():
         rank = full.index(t) + 1 if t in full else None
         want.append(rank if rank is not None and rank <= RANK_DEPTH else None)
     assert ranks(rows, tokens) == want
+    # a few rows are read one at a time (a lookup at batch 1): the same ranks
+    assert [ranks([row], [t])[0] for row, t in zip(rows, tokens)] == want
+    assert ranks(rows[:3], tokens[:3]) == want[:3]
     # a row sent between drafts as a token list ranks the same
     listed = [RowOrder(reference_order(logits[r], None)[: RANK_DEPTH + 1], row.exclude) for r, row in enumerate(rows)]
     assert ranks(listed, tokens) == want
