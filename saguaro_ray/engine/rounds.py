@@ -701,18 +701,22 @@ class RoundLoop:
         narrowed to the real outcome's when it is known (:meth:`_narrow_promised`)."""
         if len(lookers) != 1:
             return None
+        # a NextRound depends on the next K and this round's only: one per pair, shared by
+        # every sequence and outcome that has it (the fan-outs cost ~4 µs each to allocate)
+        made: dict[tuple[int, int], NextRound] = {}
+
+        def next_round(k: int, k_now: int) -> NextRound:
+            if (k, k_now) not in made:
+                after_hit = self._fanout(min(k_now, k), False, spend=self._next_spend)
+                made[k, k_now] = NextRound(k, after_hit, kind, self._fanout(k, kind, spend=self._next_spend))
+            return made[k, k_now]
+
         plans: list[Plan] = []
         for s, ns, k_now in zip(seqs, emitted, ks):
-            table = [self._next_round(s, n, k_now, kind) for n in ns]
-            plans.append(table[0] if all(t == table[0] for t in table) else table)
+            table = [next_round(self.spec_len(s, self.spec.k, ahead=n), k_now) for n in ns]
+            plans.append(table[0] if all(t is table[0] for t in table) else table)
         self._promised = {s.seq_id: p for s, p in zip(seqs, plans)}
         return plans
-
-    def _next_round(self, s: SequenceState, emitted: int, k_now: int, kind: str) -> NextRound:
-        """The next round of ``s`` once it has emitted ``emitted`` more tokens (see :meth:`_plans`)."""
-        k = self.spec_len(s, self.spec.k, ahead=emitted)
-        after_hit = self._fanout(min(k_now, k), False, spend=self._next_spend)
-        return NextRound(k, after_hit, kind, self._fanout(k, kind, spend=self._next_spend))
 
     def _narrow_promised(self, running: list[SequenceState], outcomes: list[Outcome]) -> None:
         """Each promised plan, now that the outcome it depended on is known."""
