@@ -27,7 +27,10 @@ import time
 import traceback
 from typing import Any, Callable
 
+from saguaro_ray.config import SamplingParams
+
 PROMPTS = ["def main(", "import os\n", "class Parser:"]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # greedy: every mode's tokens are AR's
 
 
 def _section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
@@ -107,9 +110,8 @@ def _end_to_end(models: dict[str, str], ray: bool, device: str = "cuda") -> dict
     SD's greedy tokens equal AR's; tokens/s per mode (after a warm-up call).
     ``ray``: through the Ray engine, each worker actor on half the GPU.
     (``device="cpu"`` is the dry run the tests make of this code.)"""
-    from saguaro_ray.config import SamplingParams, SpeculationConfig
+    from saguaro_ray.config import SpeculationConfig
 
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     out: dict[str, Any] = {}
     tokens: dict[str, list[list[int]]] = {}
     for mode in ("ar", "sd", "ssd"):
@@ -127,9 +129,9 @@ def _end_to_end(models: dict[str, str], ray: bool, device: str = "cuda") -> dict
             engine = LocalEngine(LocalEngineConfig(target=models["target"], draft=models["draft"], spec=spec, device=device, dtype="fp32"))
             close = engine.close
         try:
-            engine.generate(PROMPTS[:1], params)  # warm-up (CUDA context, kernels)
+            engine.generate(PROMPTS[:1], PARAMS)  # warm-up (CUDA context, kernels)
             t0 = time.perf_counter()
-            results = engine.generate(PROMPTS, params)
+            results = engine.generate(PROMPTS, PARAMS)
             seconds = time.perf_counter() - t0
             tokens[mode] = [r.token_ids for r in results]
             out[f"{mode}_tokens_per_s"] = sum(len(t) for t in tokens[mode]) / seconds
@@ -151,13 +153,12 @@ def tensor_parallel_check(models: dict[str, str]) -> dict[str, Any]:
     if gpus < 2:
         return {"skipped": f"target_tp=2 needs 2 GPUs, found {gpus}"}
     from saguaro_ray import Engine, EngineConfig
-    from saguaro_ray.config import SamplingParams, SpeculationConfig
+    from saguaro_ray.config import SpeculationConfig
     from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ref = LocalEngine(LocalEngineConfig(target=models["target"], spec=SpeculationConfig(mode="ar"), device="cuda", dtype="fp32"))
     try:
-        reference = [r.token_ids for r in ref.generate(PROMPTS, params)]
+        reference = [r.token_ids for r in ref.generate(PROMPTS, PARAMS)]
     finally:
         ref.close()
     out: dict[str, Any] = {"gpus": gpus}
@@ -174,7 +175,7 @@ def tensor_parallel_check(models: dict[str, str]) -> dict[str, Any]:
         )
         handle = Engine.launch(config)
         try:
-            out[f"{mode}_tp2_equals_tp1"] = [r.token_ids for r in handle.generate(PROMPTS, params)] == reference
+            out[f"{mode}_tp2_equals_tp1"] = [r.token_ids for r in handle.generate(PROMPTS, PARAMS)] == reference
         finally:
             handle.shutdown()
     proc = subprocess.run(
