@@ -293,6 +293,32 @@ def test_the_only_draft_builds_ahead_round_after_round_and_stays_exact(ckpts, ba
         ssd.close()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_fan_out_of_zero_is_speculative_decoding_through_the_ssd_round(ckpts, temperature):
+    """With a fan-out of 0 the draft builds no speculation (its empty build
+    still starts ahead), every lookup misses and drafts the neural backup,
+    which is verified next: ordinary speculative decoding through the SSD
+    round — backups drafted in the lookups the target placed, q rows over
+    the data plane, plans, builds ahead. With the same seed its output is
+    SD's token for token (the same proposals from the same laws and
+    uniforms, the same verification draws), at T = 0 and at T > 0."""
+    prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70]]
+    params = SamplingParams(temperature=temperature, max_tokens=24, seed=5, ignore_eos=True)
+    sd = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), draft=str(ckpts["draft"]), spec=SpeculationConfig(mode="sd", k=3), num_threads=1))
+    ssd = _engine(ckpts, k=3, fanout=(0, 0, 0, 0), backup="neural")
+    try:
+        expected = [r.token_ids for r in sd.generate(prompts, params)]
+        assert [r.token_ids for r in ssd.generate(prompts[:1], params)] == expected[:1]  # batch 1
+        assert [r.token_ids for r in ssd.generate(prompts, params)] == expected  # batch 2
+        decode = [r for r in ssd.timeline if not r.prefill]
+        assert decode and all(r.hits == 0 for r in decode) and sum(r.misses for r in decode) > 0
+        assert len(ssd.workers["draft"].logic.cache) == 0
+        assert sum(r.ahead for r in decode) >= len(decode) - 2  # all but each call's first round
+    finally:
+        sd.close()
+        ssd.close()
+
+
 def test_in_process_the_default_is_to_build_when_called(ckpts):
     """``LocalEngineConfig.build_ahead`` is off by default (the GIL): the draft
     still makes the backups in its lookups, but builds only when called."""
