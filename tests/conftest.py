@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
+
+# A shell starts a background job (`cmd &`, no job control) with SIGINT ignored,
+# and an ignored signal stays ignored across exec: a server this suite starts
+# would then never see the Ctrl-C its test sends, and would be killed instead
+# of shutting down. Give the children the default disposition back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

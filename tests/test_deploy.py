@@ -257,7 +257,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serve_runs_a_config_until_ctrl_c(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_cli_serve_runs_a_config_until_ctrl_c(tmp_path, stop):
+    """`saguaro-ray serve --config` serves until Ctrl-C, or the SIGTERM a process
+    manager sends, and then shuts Serve and its own Ray instance down cleanly."""
     from helpers import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
@@ -293,7 +296,7 @@ def test_cli_serve_runs_a_config_until_ctrl_c(tmp_path):
         assert httpx.get(base + "/v1/models", timeout=60).json()["data"][0]["id"] == "tiny"
         resp = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0}, timeout=120)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] <= 4
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.send_signal(stop)
         assert proc.wait(timeout=120) == 0
         assert "shutting down" in (tmp_path / "serve.log").read_text()
     finally:

@@ -63,9 +63,11 @@ def test_result_fields(engine):
 
 def test_prompt_beyond_context_is_refused_before_any_work(engine):
     long_prompt = [5 + i % 100 for i in range(engine.max_context)]
+    kv = engine.workers["target"].logic.runner.kv
+    before = set(kv.seqs)  # earlier tests' sequences, whose releases may still be on their way
     with pytest.raises(PromptTooLongError, match="context window"):
         engine.generate([long_prompt], SamplingParams(max_tokens=1))
-    assert engine.workers["target"].logic.runner.kv.seqs == {}
+    assert set(kv.seqs) <= before  # the refused prompt never reached the target
     with pytest.raises(ConfigError):
         engine.generate(["ok"], SamplingParams(), n=0)
 

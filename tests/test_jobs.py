@@ -277,4 +277,15 @@ def test_cli_serve_detach_leaves_the_app_on_the_cluster(cluster, ckpt, tmp_path)
     # the command has exited; the application is still there
     resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3}, timeout=120)
     assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    # Serve cannot move its HTTP proxy while it runs: a config on another port is refused
+    # before anything is deployed (it would print a URL where nothing listens), and the
+    # running application is left as it was
+    config["http_options"]["port"] = other = free_port()
+    config["applications"][0]["name"] = "elsewhere"
+    path.write_text(yaml.safe_dump(config))
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False)
+    assert res.returncode != 0 and f"already runs on this cluster with HTTP at 127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
+    assert f":{other}" in res.stderr and "RUNNING" not in res.stdout
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3}, timeout=120)
+    assert resp.status_code == 200
 

@@ -7,7 +7,7 @@ command adds what a user of the engine expects: it joins a running cluster
 (or starts a local Ray instance with enough logical CPUs for the engines'
 fractional asks), deploys the applications the same way ``serve run`` does,
 waits (bounded) until every application is RUNNING — or reports why one
-failed — prints the URLs, and then blocks until Ctrl-C (``--detach``: returns
+failed — prints the URLs, and then blocks until Ctrl-C or SIGTERM (``--detach``: returns
 at once and leaves the applications running on the cluster).
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,28 @@ def _connect_or_start(address: str | None, detach: bool) -> bool:
     return True
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+class ServeAlreadyElsewhere(ConfigError):
+    """Serve runs on the cluster with other HTTP options than the config's."""
+
+
+def _check_http(running: Any, wanted: Any) -> None:
+    """Refuse a config whose HTTP host or port differ from those of the Serve
+    instance already running on the cluster: Serve keeps its proxies' address
+    while it runs (it only logs that the new one is ignored), so the
+    applications would be deployed where nothing listens at the URLs this
+    command prints. Checked before anything is deployed."""
+    if (running.host, running.port) != (wanted.host, wanted.port):
+        raise ServeAlreadyElsewhere(
+            f"Ray Serve already runs on this cluster with HTTP at {running.host}:{running.port}, and cannot move to "
+            f"{wanted.host}:{wanted.port} (this config's http_options) while it runs: use {running.host}:{running.port} "
+            "in the config, or stop Serve first (`serve shutdown`)"
+        )
+
+
 def run_config(
     path: str | os.PathLike,
     address: str | None = None,
@@ -110,6 +134,7 @@ def run_config(
             proxy_location=config.proxy_location,
             grpc_options=_grpc_options(config),
         )
+        _check_http(client.http_config, config.http_options)
         client.deploy_apps(config, _blocking=False)
         urls = _wait_running(config, ready_timeout_s)
         host, port = config.http_options.host, config.http_options.port
@@ -118,15 +143,21 @@ def run_config(
         if detach or not block:
             return urls
         print("saguaro-ray serve: serving; press Ctrl-C to stop", flush=True)
+        # a process manager's stop (SIGTERM: systemd, Kubernetes, `kill`) shuts down as Ctrl-C does
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
         try:
             while True:
                 time.sleep(5)
         except KeyboardInterrupt:
             print("saguaro-ray serve: shutting down", flush=True)
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
         serve.shutdown()
         return urls
-    except BaseException:
-        if not detach:
+    except BaseException as exc:
+        if not detach and not isinstance(exc, ServeAlreadyElsewhere):  # (that Serve is not ours to stop)
             try:
                 serve.shutdown()
             except Exception:
