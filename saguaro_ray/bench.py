@@ -13,7 +13,6 @@ time per sequence) with efficiency = achieved / ideal.
 
 from __future__ import annotations
 
-import ast
 import logging
 import os
 import platform
@@ -28,45 +27,10 @@ from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine.rounds import round_components
 from saguaro_ray.errors import ConfigError
-from saguaro_ray.prompt_file import read_prompt_file
+from saguaro_ray.bench_peers import PEER_MODES, PeerRunner
+from saguaro_ray.bench_prompts import load_prompts
 
 log = logging.getLogger(__name__)
-
-PROMPT_SETS = ("code", "text")
-
-
-# ----------------------------------------------------------------- prompts
-def load_prompts(source: str, count: int, chars: int = 200) -> list[str]:
-    """``code``: slices of the zoo's held-out source files; ``text``: docstrings
-    of those same held-out files (prose, never training text); or a JSONL file
-    of ``{"prompt": ...}`` objects."""
-    from saguaro_ray.zoo import heldout_texts
-
-    if source == "code":
-        texts = [t for t in heldout_texts() if len(t) > 2 * chars]
-        step = max(1, len(texts) // max(count, 1))
-        return [texts[(i * step) % len(texts)][:chars] for i in range(count)]
-    if source == "text":
-        docs: list[str] = []
-        for src in heldout_texts():
-            try:
-                tree = ast.parse(src)
-            except SyntaxError:
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) > chars // 2:
-                        docs.append(doc[:chars])
-        if not docs:
-            raise ConfigError("no docstrings found in the held-out files for the 'text' prompt set")
-        step = max(1, len(docs) // max(count, 1))
-        return [docs[(i * step) % len(docs)] for i in range(count)]
-    path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SETS)} or a JSONL file; {source!r} is neither")
-    prompts = [row["prompt"] for row in read_prompt_file(source)]
-    return (prompts * (count // len(prompts) + 1))[:count]
 
 
 # ----------------------------------------------------------------- analysis
@@ -121,6 +85,7 @@ class _Runner:
                     spec=spec,
                     num_threads=args.threads,
                     num_drafts=num_drafts,
+                    dtype=args.dtype,
                     **_build_ahead(args),
                 )
             )
@@ -141,6 +106,7 @@ class _Runner:
                     **_build_ahead(args),
                     threads_per_worker=args.threads,
                     address=args.address,
+                    dtype=args.dtype,
                 )
             )
             self._timeline = lambda: self.engine.timeline()
@@ -202,6 +168,7 @@ class BenchArgs:
     num_prompts: int = 8
     target_tp: int = 1
     build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
+    dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
     progress: bool = True
 
 
@@ -263,9 +230,12 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
                 "repeats": len(rs),
             }
         )
+    ours = [x["runtime"] for x in entries if x["runtime"] != "hf"]
     for e in entries:
+        # a peer (runtime "hf") is compared with our modes of the first runtime measured
+        runtime = e["runtime"] if e["runtime"] != "hf" or not ours else ours[0]
         for base in ("ar", "sd"):
-            ref = [x for x in entries if x["mode"] == base and x["runtime"] == e["runtime"] and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
+            ref = [x for x in entries if x["mode"] == base and x["runtime"] == runtime and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
             e[f"speedup_vs_{base}"] = e["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
             if base == "ar":
                 # the speedup over AR were drafting and the control plane free in both
@@ -475,31 +445,42 @@ def machine_info(args: BenchArgs) -> dict[str, Any]:
 
 
 def run_bench(args: BenchArgs) -> dict[str, Any]:
-    """Run every mode interleaved over every setting; returns the report dict."""
+    """Run every mode interleaved over every setting; returns the report dict.
+
+    Peer modes (``hf-ar``, ``hf-assisted``: :mod:`saguaro_ray.bench_peers`)
+    run interleaved with the first runtime's engines, at batch size 1."""
     from tqdm import tqdm
 
-    prompts = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts))
+    from saguaro_ray.tokenizer import load_tokenizer
+    from saguaro_ray.zoo import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(args.target)) if args.prompts == "chat" else None
+    prompts = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts), tokenizer=tokenizer)
+    engine_modes = [m for m in args.modes if m not in PEER_MODES]
+    peers = [m for m in args.modes if m in PEER_MODES]
     plan = [
         (runtime, mode, nd)
         for runtime in args.runtimes
-        for mode in args.modes
+        for mode in engine_modes
         for nd in (args.num_drafts if mode == "ssd" else [1])
     ]
-    if "ray" in args.runtimes:
+    if "ray" in args.runtimes and engine_modes:
         _start_ray_for(args, [(mode, nd) for runtime, mode, nd in plan if runtime == "ray"])
-    total = len(args.batch_sizes) * len(args.temperatures) * args.repeats * len(plan)
+    settings = len(args.temperatures) * args.repeats
+    total = settings * (len(args.batch_sizes) * len(plan) + (1 in args.batch_sizes) * len(peers))
     runs: list[RunResult] = []
     with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
         # One runtime's engines at a time: modes are compared within a runtime,
         # and engines left idle still cost a small machine (their processes and
         # threads wake up to poll), so only the engines being compared are alive.
-        for runtime in args.runtimes:
-            runs += _run_group(args, [(m, nd) for rt, m, nd in plan if rt == runtime], runtime, prompts, bar)
+        for i, runtime in enumerate(args.runtimes):
+            group = [(m, nd) for rt, m, nd in plan if rt == runtime] + [(m, 1) for m in peers if i == 0]
+            runs += _run_group(args, group, runtime, prompts, bar)
     models = {"target": args.target, "draft": args.draft} | ({"qualifier": args.qualifier} if args.qualifier else {})
     rtt_s = ipc_round_trip_s()
     return {
         "machine": machine_info(args) | {"ipc_round_trip_us": 1e6 * rtt_s},
-        "step_costs_ms": step_costs({k: v for k, v in models.items() if v}, threads=args.threads),
+        "step_costs_ms": step_costs({k: v for k, v in models.items() if v}, threads=args.threads, dtype=args.dtype),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
         "results": summarise(runs, rtt_s),
         "timeline_sample": _timeline_sample(runs),
@@ -507,18 +488,26 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
 
 
 def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
-    """Every setting over one runtime's engines, interleaved (A B C A B C …)."""
-    runners: list[_Runner] = []
+    """Every setting over one runtime's engines (and the peers), interleaved (A B C A B C …)."""
+    from saguaro_ray.zoo import resolve_model_path
+
+    runners: list[Any] = []
     runs: list[RunResult] = []
     try:
         for mode, nd in engines:
-            runners.append(_Runner(mode, runtime, nd, args))
+            if mode in PEER_MODES:
+                draft = str(resolve_model_path(args.draft)) if args.draft else None
+                runners.append(PeerRunner(mode, str(resolve_model_path(args.target)), draft, args.dtype, args.threads))
+            else:
+                runners.append(_Runner(mode, runtime, nd, args))
         for r in runners:  # warm-up: first-call allocations and lazy imports
             r.run(prompts[:1], 0.0, 8, 0)
         for b in args.batch_sizes:
             for t in args.temperatures:
                 for rep in range(args.repeats):
                     for r in runners:
+                        if r.runtime == "hf" and b != 1:
+                            continue  # transformers decodes one request at a time (see bench_peers)
                         # every batch size sees the same prompts: ceil(P / b) generate calls of b
                         runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
                         bar.update(1)
@@ -564,15 +553,18 @@ def format_table(report: dict[str, Any]) -> str:
     rtt = report.get("machine", {}).get("ipc_round_trip_us")
     if rtt is not None:
         pre.append(f"bare pyzmq round trip between two processes: {rtt:.0f} us")
-    head = f"{'mode':<8}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}{'floor':>7}"
+    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}{'floor':>7}"
     lines = pre + [head]
+
+    def f(v: float | None, width: int, fmt: str, suffix: str = "") -> str:
+        return ("-" if v is None else format(v, fmt) + suffix).rjust(width)
+
     for e in report["results"]:
-        f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         lines.append(
-            f"{e['mode']:<8}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{e['temperature']:>5.1f}"
-            f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], '>6.2f')}x{f(e['speedup_vs_sd'], '>6.2f')}x"
-            f"{f(e['mean_accepted'], '>8.2f')}{f(e['cache_hit_rate'], '>6.0%')}{f(e['efficiency'], '>6.2f')}"
-            f"{f(e['ideal_speedup_vs_ar'], '>8.2f')}x{f(e['control_plane_fraction'], '>7.1%')}{f(e['control_floor_fraction'], '>7.1%')}"
+            f"{e['mode']:<12}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{e['temperature']:>5.1f}"
+            f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], 7, '.2f', 'x')}{f(e['speedup_vs_sd'], 7, '.2f', 'x')}"
+            f"{f(e['mean_accepted'], 8, '.2f')}{f(e['cache_hit_rate'], 6, '.0%')}{f(e['efficiency'], 6, '.2f')}"
+            f"{f(e['ideal_speedup_vs_ar'], 9, '.2f', 'x')}{f(e['control_plane_fraction'], 7, '.1%')}{f(e['control_floor_fraction'], 7, '.1%')}"
         )
     return "\n".join(lines)
 

@@ -227,9 +227,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="zoo:small/target")
     p.add_argument("--draft", default="zoo:small/draft")
     p.add_argument("--qualifier", default=None)
-    p.add_argument("--modes", type=_csv(str), default=["ar", "sd", "ssd"])
+    p.add_argument(
+        "--modes",
+        type=_csv(str),
+        default=["ar", "sd", "ssd"],
+        help="ar,sd,ssd,pyramid and the peers hf-ar (transformers generate), hf-assisted (its assisted generation with --draft)",
+    )
     p.add_argument("--num-drafts", type=_csv(int), default=[1])
-    p.add_argument("--prompts", default="code", help="code | text | FILE.jsonl")
+    p.add_argument("--prompts", default="code", help="code | text | humaneval | chat | FILE.jsonl")
+    p.add_argument("--dtype", default=None, help="every engine's and peer's dtype (float32 | bfloat16; default: float32 on CPU)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per setting (each batch size runs all of them)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=_csv(int), default=[1])
@@ -290,6 +296,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts,
             target_tp=args.target_tp,
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
+            dtype=args.dtype,
         )
     )
     print(format_table(report))

@@ -45,7 +45,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
 
 
 def test_text_prompts_come_from_heldout_docstrings(zoo_tiny):
-    from saguaro_ray.bench import load_prompts
+    from saguaro_ray.bench_prompts import load_prompts
     from saguaro_ray.zoo import heldout_texts
 
     prompts = load_prompts("text", 3)
@@ -137,3 +137,40 @@ def test_ipc_round_trip_is_measured_between_two_processes():
 
     rtt = ipc_round_trip_s(n=50)
     assert 0 < rtt < 1.0
+
+
+def test_peers_run_beside_our_modes_at_batch_one(zoo_tiny):
+    """hf-ar and hf-assisted run interleaved with our engines on the same
+    prompts, only at batch 1, and are compared with our AR/SD of that run."""
+    from saguaro_ray.bench import BenchArgs, run_bench
+
+    args = BenchArgs(
+        target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=None, modes=["ar", "sd", "hf-ar", "hf-assisted"],
+        num_drafts=[1], prompts="humaneval", max_tokens=8, batch_sizes=[1, 2], temperatures=[0.0], repeats=1,
+        runtimes=["inprocess"], num_prompts=2, progress=False,
+    )
+    results = run_bench(args)["results"]
+    peers = {e["mode"]: e for e in results if e["runtime"] == "hf"}
+    assert set(peers) == {"hf-ar", "hf-assisted"} and all(e["batch_size"] == 1 for e in peers.values())
+    assert len([e for e in results if e["runtime"] == "inprocess"]) == 2 * 2
+    ours_ar = next(e for e in results if e["mode"] == "ar" and e["batch_size"] == 1)
+    for e in peers.values():
+        assert e["tokens_per_s"] > 0
+        assert e["speedup_vs_ar"] == pytest.approx(e["tokens_per_s"] / ours_ar["tokens_per_s"])
+    assert peers["hf-ar"]["mean_accepted"] is None
+    assert 0 <= peers["hf-assisted"]["mean_accepted"] <= 8
+
+
+def test_humaneval_and_chat_prompt_sets(zoo_tiny):
+    from saguaro_ray.bench_prompts import CHAT_REQUESTS, humaneval_problems, load_prompts
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    problems = humaneval_problems()
+    assert len(problems) == 164 and all("def " + p["entry_point"] in p["prompt"] for p in problems)
+    prompts = load_prompts("humaneval", 4)
+    assert len(set(prompts)) == 4 and set(prompts) <= {p["prompt"] for p in problems}
+    tok = load_tokenizer(zoo_tiny / "target")
+    chat = load_prompts("chat", 3, tokenizer=tok)
+    expected = tok.apply_chat_template([{"role": "user", "content": CHAT_REQUESTS[0]}], tokenize=False, add_generation_prompt=True)
+    assert chat[0] == expected and expected != CHAT_REQUESTS[0]  # through the template, assistant turn opened
+    assert len(set(chat)) == 3

@@ -35,17 +35,18 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], template: str | None = None) -> list[int]:
-    """Token ids of ``messages`` rendered for generation (an assistant turn is
-    opened at the end). The template's own special tokens (e.g. a BOS it
-    writes) are kept; nothing else is added."""
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], template: str | None = None) -> str:
+    """``messages`` as the text the chat template renders for generation (an
+    assistant turn opened at the end), or the plain fallback without one."""
     if template or has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(
-            list(messages), chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-    else:
-        text = render_fallback(messages)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False, add_generation_prompt=True)
+    return render_fallback(messages)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], template: str | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered for generation. The template's own
+    special tokens (e.g. a BOS it writes) are kept; nothing else is added."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages, template), add_special_tokens=False))
 
 
 class StopMatcher:
