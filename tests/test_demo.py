@@ -1,0 +1,17 @@
+"""``saguaro-ray demo``: every mode side by side, one answer, exactness reported."""
+
+import subprocess
+import sys
+
+
+def test_demo_runs_every_mode_and_reports_same_tokens(zoo_tiny):
+    proc = subprocess.run(
+        [sys.executable, "-m", "saguaro_ray", "demo", "--family", "zoo:tiny", "--in-process", "--prompts", "2", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "--- its answer" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["ar"], ["sd"], ["ssd"], ["pyramid"])]
+    assert [r[0] for r in rows] == ["ar", "sd", "ssd", "pyramid"] and all(r[-1] == "yes" for r in rows)
+
