@@ -32,7 +32,8 @@ from saguaro_ray.runtime.control import (
     bind_endpoint,
     release_endpoint,
 )
-from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
+from saguaro_ray.runtime.replay import Sender
+from saguaro_ray.runtime.wire import EncodeError, FrameCodec, Stamp, new_key
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
 ALLOWED = ["add", "history", "echo", "boom", "sleep", "pid", "verify", "unsendable"]
@@ -263,14 +264,27 @@ def test_client_drops_forged_replies():
             fut = c.submit("pid")
             assert rogue.poll(5000)
             ident, frame = rogue.recv_multipart()
+            hello = codec.decode(frame)
+            assert hello["method"] == "__hello__"  # the handshake comes first; the call waits for its answer
+            assert not rogue.poll(200)
+            me = Sender()
+            rogue.send_multipart([ident, codec.encode({"id": 999, "ok": True, "result": Timed(None, 0.0, 1.0)}, me.stamp(ident))])
+            answer = codec.encode({"id": hello["id"], "ok": True, "result": Timed(None, 0.0, 1.0)}, me.stamp(ident))
+            rogue.send_multipart([ident, answer])
+            assert rogue.poll(5000)
+            ident, frame = rogue.recv_multipart()
+            stamp, payload = codec.unseal(frame)
             req = codec.decode(frame)
-            assert req["method"] == "pid" and req["args"] == []
+            assert req["method"] == "pid" and req["args"] == [] and stamp.to == me.id and c.server_id == me.id
             rogue.send_multipart([ident, b"junk"])
-            rogue.send_multipart([ident, FrameCodec(b"w" * 32).encode({"id": req["id"], "ok": True, "result": Timed(666, 0.0, 1.0)})])
-            rogue.send_multipart([ident, codec.encode({"id": 10**6, "ok": True, "result": Timed(1, 0.0, 1.0)})])
-            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(42, 1.0, 2.0)})])
+            rogue.send_multipart([ident, FrameCodec(b"w" * 32).encode({"id": req["id"], "ok": True, "result": Timed(666, 0.0, 1.0)}, me.stamp(ident))])
+            rogue.send_multipart([ident, codec.encode({"id": 10**6, "ok": True, "result": Timed(1, 0.0, 1.0)}, me.stamp(ident))])
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(7, 1.0, 2.0)}, Sender().stamp(ident))])  # not the server
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(8, 1.0, 2.0)}, me.stamp(b"rx-other"))])
+            rogue.send_multipart([ident, answer])  # the handshake's answer again
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(42, 1.0, 2.0)}, me.stamp(ident))])
             assert fut.result(5).value == 42
-            assert c.dropped_frames == 2 and c.drop_reasons == {"bad mac": 2}
+            assert c.drop_reasons == {"bad mac": 2, "misaddressed": 3, "replayed": 1}
             assert c.late_replies == 1
     finally:
         rogue.close(0)
@@ -331,8 +345,8 @@ def test_clock_map_keeps_the_tightest_sample():
 def test_first_broadcast_reaches_every_subscriber(host):
     key = new_key()
     with Broadcaster(key, host=host) as b:
-        subs = [Subscriber(b.endpoint, key, name=f"s{i}") for i in range(4)]
-        only_a = Subscriber(b.endpoint, key, topics=["a"])
+        subs = [Subscriber(b.invitation(), key, name=f"s{i}") for i in range(4)]
+        only_a = Subscriber(b.invitation(), key, topics=["a"])
         try:
             assert b.wait_for_subscribers(5, timeout_s=10) == 5
             first = [Outcome(1, 2, 3), (4, Proposal([5], torch.ones(1, 3)))]
@@ -362,7 +376,7 @@ def test_wait_for_subscribers_times_out():
         with pytest.raises(SubscriberTimeout):
             b.wait_for_subscribers(1, timeout_s=0.2)
         assert time.monotonic() - t0 < 1.5
-        with Subscriber(b.endpoint, b"w" * 32) as wrong:
+        with Subscriber(b.invitation(), b"w" * 32) as wrong:
             with pytest.raises(SubscriberTimeout):
                 b.wait_for_subscribers(1, timeout_s=0.3)
             b.publish("secret")
@@ -382,7 +396,7 @@ def test_forged_subscribers_get_nothing():
         raw.setsockopt(zmq.SUBSCRIBE, b"X")
         raw.connect(b.endpoint)
         try:
-            with Subscriber(b.endpoint, key) as good:
+            with Subscriber(b.invitation(), key) as good:
                 b.wait_for_subscribers(1, timeout_s=10)
                 deadline = time.monotonic() + 5
                 while b.dropped_frames < 4 and time.monotonic() < deadline:
@@ -403,22 +417,26 @@ def test_subscriber_drops_forged_broadcasts():
     rogue = zmq.Context.instance().socket(zmq.XPUB)
     rogue.setsockopt(zmq.LINGER, 0)
     endpoint = bind_endpoint(rogue, None)
+    pub = Sender()  # the broadcaster the subscriber is introduced to
     try:
-        with Subscriber(endpoint, key) as sub:
+        with Subscriber([endpoint, pub.id, 0], key) as sub:
             deadline = time.monotonic() + 5
             seen = set()
             while b"\x01D" not in seen and time.monotonic() < deadline:  # the SUB's filter arrived
                 if rogue.poll(100):
                     seen.add(rogue.recv())
             rogue.send_multipart([b"D", b"garbage"])
-            rogue.send_multipart([b"D", FrameCodec(b"w" * 32).encode({"topic": "", "msg": "evil"})])
-            rogue.send_multipart([b"D", codec.encode(["no envelope"])])
-            rogue.send_multipart([b"Dother", codec.encode({"topic": "", "msg": "retopiced"})])
+            rogue.send_multipart([b"D", FrameCodec(b"w" * 32).encode({"topic": "", "msg": "evil"}, pub.stamp())])
+            rogue.send_multipart([b"D", codec.encode(["no envelope"], pub.stamp())])
+            rogue.send_multipart([b"Dother", codec.encode({"topic": "", "msg": "retopiced"}, pub.stamp())])
             rogue.send_multipart([b"D", b"a", b"b"])
-            rogue.send_multipart([b"D", codec.encode({"topic": "", "msg": "ok"})])
+            rogue.send_multipart([b"D", codec.encode({"topic": "", "msg": "stranger"}, Sender().stamp())])  # another sender
+            ok = codec.encode({"topic": "", "msg": "ok"}, pub.stamp())
+            rogue.send_multipart([b"D", ok])
             assert sub.recv(5) == "ok"
-            assert sub.drop_reasons == {"bad mac": 2, "malformed": 3}
-            assert sub.recv(0.05) is None
+            rogue.send_multipart([b"D", ok])  # the same frame again
+            assert sub.recv(0.3) is None
+            assert sub.drop_reasons == {"bad mac": 2, "malformed": 3, "misaddressed": 1, "replayed": 1}
     finally:
         rogue.close(0)
         release_endpoint(endpoint)
@@ -427,7 +445,7 @@ def test_subscriber_drops_forged_broadcasts():
 def test_subscriber_close_interrupts_recv():
     key = new_key()
     with Broadcaster(key, host=None) as b:
-        sub = Subscriber(b.endpoint, key)
+        sub = Subscriber(b.invitation(), key)
         errors: list[BaseException] = []
 
         def reader() -> None:
@@ -457,7 +475,7 @@ def test_broadcast_calls_reach_each_addressed_server_once(host):
     clients = {n: CommandClient(n, s.endpoint, key, timeout_s=20) for n, s in servers.items()}
     bus = Broadcaster(key, host=host)
     try:
-        ids = [c.call("__subscribe__", bus.endpoint) for c in clients.values()]
+        ids = [c.call("__subscribe__", bus.invitation()) for c in clients.values()]
         bus.wait_for(ids, timeout_s=20)
         clients["d0"].call("add", "t", "direct")
         calls, futs = {}, {}
@@ -496,7 +514,7 @@ def test_direct_calls_that_arrived_first_run_before_a_broadcast(host):
     client = CommandClient("d0", server.endpoint, key, timeout_s=20)
     bus = Broadcaster(key, host=host)
     try:
-        bus.wait_for([client.call("__subscribe__", bus.endpoint)], timeout_s=20)
+        bus.wait_for([client.call("__subscribe__", bus.invitation())], timeout_s=20)
         busy = client.submit("sleep", 0.5)  # both calls below queue up behind it
         time.sleep(0.1)
         direct = client.submit("add", "t", "direct")
@@ -522,7 +540,7 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
     try:
         client.call("add", "t", "first")  # the peer knows the client's reply socket
         cid, fut = client.expect("add")
-        forwarder.call(peer.endpoint, client.identity, cid, "add", ["t", "forwarded"])
+        forwarder.call(client.address_for(cid), "add", ["t", "forwarded"])
         assert fut.result(20).value == 2 and forwarder.forwarded == 1
         assert client.call("history", "t") == ["first", "forwarded"]
         # a withdrawn call fails at once; an answer that still comes counts as late
@@ -530,26 +548,28 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
         client.forget(cid)
         with pytest.raises(ControlError, match="withdrawn"):
             fut.result(1)
-        forwarder.call(peer.endpoint, client.identity, cid, "add", ["t", "late"])
+        forwarder.call(client.address_for(cid), "add", ["t", "late"])
         deadline = time.monotonic() + 20
         while client.late_replies == 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        with pytest.raises(ValueError):
-            forwarder.call(peer.endpoint, "not bytes", cid, "add", ["t", "x"])  # type: ignore[arg-type]
+        with pytest.raises(ControlError):
+            forwarder.call([peer.endpoint, peer.id, "not bytes", cid], "add", ["t", "x"])
+        with pytest.raises(ControlError, match="no server id"):  # a client that has not reached its server yet
+            forwarder.call([peer.endpoint, None, client.identity, cid], "add", ["t", "x"])
         for _ in range(2):  # a bad endpoint is refused each time, and no socket is kept for it
             with pytest.raises(ControlError, match="cannot forward"):
-                forwarder.call("bogus://nowhere", client.identity, cid, "add", ["t", "x"])
+                forwarder.call(["bogus://nowhere", peer.id, client.identity, cid], "add", ["t", "x"])
         assert "bogus://nowhere" not in forwarder._socks
         # a verification whose lookup cannot be placed still stands (that lookup is lost)
         from saguaro_ray.runtime.routing import RoutedLogic
 
         routed = RoutedLogic(Recorder(), forwarder=forwarder)
         item = VerifyItem(SeqStep(1, 0, [5], SamplingParams(), 0, 0, []), Proposal([7], torch.eye(4)[[2]]))
-        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", client.identity, 99]]}
+        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", peer.id, client.identity, 99]]}
         assert routed.verify([item], then) == [Outcome(1, 1, 2, 1)]
         cid, fut = client.expect("echo")
-        then["to"] = [[peer.endpoint, client.identity, cid]]
+        then["to"] = [client.address_for(cid)]
         routed.verify([item], then)
         assert list(fut.result(20).value) == [[(1, 1, 2)], "more"]  # the outcomes' keys, then the given args
     finally:

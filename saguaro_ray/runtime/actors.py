@@ -172,7 +172,7 @@ class CoordinatorActor:
         (so nothing published afterwards can miss it)."""
         self._subscribed.discard(client.name)
         try:
-            sid = client.submit("__subscribe__", self._broadcaster.endpoint).result(timeout=60).value
+            sid = client.submit("__subscribe__", self._broadcaster.invitation()).result(timeout=60).value
             self._broadcaster.wait_for([sid], timeout_s=60)
         except Exception as exc:  # noqa: BLE001 — it gets its calls one by one instead
             log.warning("%s could not join the outcome broadcast (%s); calling it directly", client.name, exc)

@@ -91,19 +91,20 @@ class RoutedLogic:
         return self.logic.release(seq_ids)
 
     def verify(self, items: Any, then: dict[str, Any] | None = None) -> Any:
-        """Verify; with ``then`` = ``{"method", "args", "to": [[endpoint,
-        reply_to, call id], ...]}`` also send ``method(keys, *args)`` to each
-        listed worker, ``keys`` being the outcomes' lookup keys."""
+        """Verify; with ``then`` = ``{"method", "args", "to": [address, ...]}``
+        (each from :meth:`CommandClient.address_for`) also send
+        ``method(keys, *args)`` to each listed worker, ``keys`` being the
+        outcomes' lookup keys."""
         outcomes = self.logic.verify(self._in(items))
         if then is not None:
             if self.forwarder is None:
                 raise ValueError("this worker cannot forward calls (it has no forwarder)")
             args = [[o.key for o in outcomes], *then["args"]]
-            for endpoint, reply_to, cid in then["to"]:
+            for address in then["to"]:
                 try:
-                    self.forwarder.call(endpoint, reply_to, cid, then["method"], args)
+                    self.forwarder.call(address, then["method"], args)
                 except ControlError as e:  # the verification stands; that draft's lookup is lost (degradable)
-                    log.warning("could not place %s on %s: %s", then["method"], endpoint, e)
+                    log.warning("could not place %s: %s", then["method"], e)
         return outcomes
 
     def qualify(self, items: Any) -> Any:
