@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -33,7 +34,7 @@ from saguaro_ray.runtime.control import (
     release_endpoint,
 )
 from saguaro_ray.runtime.replay import Sender
-from saguaro_ray.runtime.wire import EncodeError, FrameCodec, Stamp, new_key
+from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
 ALLOWED = ["add", "history", "echo", "boom", "sleep", "pid", "verify", "unsendable"]
@@ -623,3 +624,208 @@ def test_a_call_that_is_not_ready_waits_for_the_call_that_readies_it():
         coordinator.close()
         target.close()
         server.close()
+
+
+# ---------------------------------------------------------------- replays
+
+
+class Tap:
+    """A man in the middle on a real socket: clients connect here, every frame
+    is passed on to ``upstream`` (one DEALER per client connection, under that
+    connection's routing id, so replies find their way back) and kept. With
+    ``replay_verifies``, each ``verify`` call is also sent again that many
+    times from another connection right after it passed (the attack of
+    issue 20)."""
+
+    def __init__(self, upstream: str, key: bytes, replay_verifies: int = 0) -> None:
+        self.upstream = upstream
+        self._codec = FrameCodec(key)
+        self._replays = replay_verifies
+        self.frames: list[bytes] = []
+        self.replayed = 0
+        self.front = zmq.Context.instance().socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind_endpoint(self.front, "127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        attacker = ctx.socket(zmq.DEALER)
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.connect(self.upstream)
+        backs: dict[bytes, zmq.Socket] = {}
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(20):
+                    if sock is self.front:
+                        ident, frame = self.front.recv_multipart()
+                        back = backs.get(ident)
+                        if back is None:
+                            back = backs[ident] = ctx.socket(zmq.DEALER)
+                            back.setsockopt(zmq.LINGER, 0)
+                            back.setsockopt(zmq.ROUTING_ID, ident)
+                            back.connect(self.upstream)
+                            poller.register(back, zmq.POLLIN)
+                        self.frames.append(frame)
+                        back.send(frame)
+                        if self._replays and self._codec.decode(frame)["method"] == "verify":
+                            for _ in range(self._replays):
+                                attacker.send(frame)
+                                self.replayed += 1
+                    else:
+                        self.front.send_multipart([sock.getsockopt(zmq.ROUTING_ID), sock.recv()])
+        finally:
+            for s in [attacker, *backs.values()]:
+                s.close(0)
+
+    def captured(self, method: str) -> list[bytes]:
+        return [f for f in self.frames if self._codec.decode(f)["method"] == method]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close(0)
+
+
+def _wait_for(done: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_captured_call_sent_again_is_dropped_and_counted():
+    """A frame captured off the wire and sent again — on any connection, to the
+    same server or to its restarted successor — is never executed."""
+    key = new_key()
+    logic = Recorder()
+    server = CommandServer(logic, ALLOWED, key, host="127.0.0.1", name="w")
+    tap = Tap(server.endpoint, key)
+    client = CommandClient("w", tap.endpoint, key, timeout_s=20)
+    attacker = zmq.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(server.endpoint)
+    restarted = None
+    try:
+        assert [client.call("add", "t", i) for i in range(3)] == [1, 2, 3]
+        adds = tap.captured("add")
+        assert len(adds) == 3 and client.server_id == server.id
+        for f in adds:
+            attacker.send(f)
+        _wait_for(lambda: server.drop_reasons.get("replayed", 0) == 3, f"replays not counted: {server.drop_reasons}")
+        assert logic.history("t") == [0, 1, 2]  # state unchanged
+        assert not attacker.poll(200)  # and nothing answered
+        # the worker restarts (a new server, a new id): the old frames are for its predecessor
+        restarted = CommandServer(Recorder(), ALLOWED, key, host="127.0.0.1", name="w")
+        attacker.disconnect(server.endpoint)
+        attacker.connect(restarted.endpoint)
+        for f in adds:
+            attacker.send(f)
+        _wait_for(lambda: restarted.drop_reasons.get("misaddressed", 0) == 3, f"old frames accepted: {restarted.drop_reasons}")
+        # a new client (the coordinator reconnecting) is served at once
+        with CommandClient("w", restarted.endpoint, key, timeout_s=20) as again:
+            assert again.call("add", "t", "new") == 1
+            assert again.call("history", "t") == ["new"]
+        assert client.call("add", "t", 3) == 4  # the first client was never disturbed
+        assert server.stats()["calls"] == 4 and server.dropped_frames == 3
+    finally:
+        attacker.close(0)
+        client.close()
+        tap.close()
+        server.close()
+        if restarted is not None:
+            restarted.close()
+
+
+def test_a_captured_broadcast_sent_again_is_dropped():
+    """The outcome broadcast: a message re-published is dropped by the
+    subscriber as a replay; one published before it was invited, too."""
+    key = new_key()
+    logic = Recorder()
+    server = CommandServer(logic, ALLOWED, key, host=None, name="d0")
+    client = CommandClient("d0", server.endpoint, key, timeout_s=20)
+    bus = Broadcaster(key, host=None)
+    spy = Subscriber(bus.invitation(), key)  # sees what the worker sees
+    try:
+        bus.wait_for([spy.id], timeout_s=20)
+        cid, fut = client.expect("add")
+        bus.publish({"method": "add", "args": ["t", "before"], "calls": {}})
+        assert spy._sock.poll(5000)
+        early = spy._sock.recv_multipart()  # a message from before the worker's invitation
+        bus.wait_for([client.call("__subscribe__", bus.invitation())], timeout_s=20)
+        bus.publish({"method": "add", "args": ["t", "bcast"], "calls": {"d0": [client.identity, cid]}})
+        assert fut.result(20).value == 1
+        assert spy._sock.poll(5000)
+        captured = spy._sock.recv_multipart()
+        with bus._lock:  # an attacker with the broadcaster's socket in hand
+            bus._sock.send_multipart(captured)
+            bus._sock.send_multipart(early)
+        _wait_for(lambda: server.drop_reasons.get("replayed", 0) == 2, f"replays not counted: {server.drop_reasons}")
+        assert client.call("history", "t") == ["bcast"]
+        assert server.stats()["broadcast_calls"] == 1
+    finally:
+        spy.close()
+        bus.close()
+        client.close()
+        server.close()
+
+
+def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
+    """Issue 20: replayed verification frames rolled back the target's KV and
+    changed SD's T = 0 output. An SD run over the real control plane with every
+    verification sent again three times from another connection stays token
+    for token equal to AR, and the target counts every replay."""
+    from helpers import save_tiny_checkpoint
+
+    from saguaro_ray.config import SpeculationConfig
+    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine.frontend import Frontend, open_models
+    from saguaro_ray.engine.rounds import RoundLoop
+    from saguaro_ray.engine.scheduler import Scheduler
+    from saguaro_ray.runtime.ray_transport import KNOWN_ERRORS
+    from saguaro_ray.workers.draft import DraftLogic
+    from saguaro_ray.workers.runner import ModelRunner
+    from saguaro_ray.workers.target import TargetLogic
+
+    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
+    draft = str(save_tiny_checkpoint(tmp_path, "qwen3", seed=7))  # unrelated weights: many rejections
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = [[3, 5, 7, 9], [1, 2], [10, 20, 30, 40]]
+    ar = LocalEngine(LocalEngineConfig(target=target, num_threads=1))
+    try:
+        expected = [r.token_ids for r in ar.generate(prompts, params)]
+    finally:
+        ar.close()
+    key = new_key()
+    ckpts, tokenizer = open_models({"target": target, "draft": draft})
+    runners = {role: ModelRunner(ck) for role, ck in ckpts.items()}
+    servers = {
+        "target": CommandServer(TargetLogic(runners["target"]), ["verify", "prefill", "release"], key, host="127.0.0.1", name="target"),
+        "draft0": CommandServer(DraftLogic(runners["draft"]), ["propose", "prefill", "release"], key, host="127.0.0.1", name="draft0"),
+    }
+    tap = Tap(servers["target"].endpoint, key, replay_verifies=3)
+    clients = {
+        "target": CommandClient("target", tap.endpoint, key, timeout_s=60, known_errors=KNOWN_ERRORS),
+        "draft0": CommandClient("draft0", servers["draft0"].endpoint, key, timeout_s=60, known_errors=KNOWN_ERRORS),
+    }
+    max_context = min(r.max_context for r in runners.values())
+    loop = RoundLoop(SpeculationConfig(mode="sd", k=3), clients["target"], runners["target"].eos_token_ids, max_context, draft=[clients["draft0"]])
+    kv = runners["target"].kv
+    scheduler = Scheduler(loop, 8, kv_tokens=kv.num_blocks * kv.block_size, block_size=kv.block_size)
+    try:
+        got = Frontend(tokenizer, runners["target"].vocab_size, max_context, "sd", scheduler).generate(prompts, params)
+        assert [r.token_ids for r in got] == expected
+        assert tap.replayed >= 3 * 10
+        _wait_for(lambda: servers["target"].drop_reasons.get("replayed", 0) == tap.replayed, f"{servers['target'].drop_reasons} of {tap.replayed}")
+        assert servers["target"].dropped_frames == tap.replayed
+    finally:
+        scheduler.shutdown()
+        for c in clients.values():
+            c.close()
+        tap.close()
+        for s in servers.values():
+            s.close()
