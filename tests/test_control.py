@@ -565,7 +565,7 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
         # a verification whose lookup cannot be placed still stands (that lookup is lost)
         from saguaro_ray.runtime.routing import RoutedLogic
 
-        routed = RoutedLogic(Recorder(), forwarder=forwarder)
+        routed = RoutedLogic(Recorder(), key, forwarder=forwarder)
         item = VerifyItem(SeqStep(1, 0, [5], SamplingParams(), 0, 0, []), Proposal([7], torch.eye(4)[[2]]))
         then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", peer.id, client.identity, 99]]}
         assert routed.verify([item], then) == [Outcome(1, 1, 2, 1)]
