@@ -829,3 +829,32 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
         tap.close()
         for s in servers.values():
             s.close()
+
+
+def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
+    """A worker killed before it could close leaves its IPC dir; the next
+    process to bind one on the node removes it (and no one else's)."""
+    import subprocess
+    import sys
+
+    from saguaro_ray.runtime import control
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"saguaro-zmq-{gone.pid}-abc"
+    alive = tmp_path / f"saguaro-zmq-{os.getppid()}-abc"
+    unnamed = tmp_path / "saguaro-zmq-abc"  # an older layout: not ours to judge
+    for d in (dead, alive, unnamed):
+        d.mkdir()
+    monkeypatch.setattr(control, "_ipc_dir_root", lambda: str(tmp_path))
+    monkeypatch.setattr(control, "_swept", False)
+    s = zmq.Context.instance().socket(zmq.PULL)
+    s.setsockopt(zmq.LINGER, 0)
+    ipc = ""
+    try:
+        ipc = bind_endpoint(s, None, name="probe")
+        assert os.path.basename(os.path.dirname(ipc[6:])).startswith(f"saguaro-zmq-{os.getpid()}-")
+        assert not dead.exists() and alive.exists() and unnamed.exists()
+    finally:
+        s.close(0)
+        release_endpoint(ipc)

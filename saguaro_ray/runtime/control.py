@@ -63,6 +63,9 @@ calls on its one socket with a lock, so any thread may call them.
 Endpoints come from :func:`bind_endpoint`: ``tcp://HOST:PORT`` on an
 ephemeral port, or an ``ipc://`` socket in a fresh private (0700) temp dir
 when ``host`` is ``None`` (same node), released by the owner's ``close()``.
+The dir's name carries the owner's pid, so a process that was killed before
+it could close (a worker Ray restarted) leaves nothing for long: the next
+process on the node to bind one removes the dirs of owners that are gone.
 """
 
 from __future__ import annotations
@@ -159,6 +162,50 @@ def _ipc_dir_root() -> str:
     return root if len(root) <= 60 else "/tmp"
 
 
+def _owner_pid(name: str) -> int | None:
+    """The pid in an IPC dir's name (``saguaro-zmq-<pid>-<random>``), if any."""
+    pid, sep, _ = name[len(_IPC_PREFIX) :].partition("-")
+    return int(pid) if sep and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+_swept = False
+
+
+def _sweep_orphans(root: str) -> None:
+    """Remove the IPC dirs (ours, by uid) whose owner process is gone; once per process."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        pid = _owner_pid(name) if name.startswith(_IPC_PREFIX) else None
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s, left behind by process %d", path, pid)
+
+
 def bind_endpoint(sock: zmq.Socket, host: str | None, *, name: str = "control") -> str:
     """Bind ``sock`` and return the concrete endpoint to connect to.
 
@@ -167,7 +214,9 @@ def bind_endpoint(sock: zmq.Socket, host: str | None, *, name: str = "control") 
     temp dir (same-node peers only); :func:`release_endpoint` removes it.
     """
     if host is None:
-        d = tempfile.mkdtemp(prefix=_IPC_PREFIX, dir=_ipc_dir_root())
+        root = _ipc_dir_root()
+        _sweep_orphans(root)
+        d = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-", dir=root)
         sock.bind(f"ipc://{os.path.join(d, name)}.sock")
     else:
         if not host or any(c in host for c in "/*[]"):

@@ -27,7 +27,7 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.target_group import kill_worker, stop, worker_info
+from saguaro_ray.runtime.target_group import TargetGroup, kill_worker, stop, worker_info
 from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
 from saguaro_ray.runtime.wire import new_key
 from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
@@ -102,8 +102,20 @@ class EngineHandle:
             ray.get(self.coordinator.shutdown.remote(), timeout=30)
         except Exception:  # already gone
             log.debug("coordinator shutdown failed", exc_info=True)
+        _close_workers(self.workers)
         stop([self.coordinator, *self.workers.values()], self.pg)
         self.pg = None
+
+
+_CLOSE_TIMEOUT_S = 10.0
+
+
+def _close_workers(workers: dict[str, Any]) -> None:
+    """Let each worker close its sockets (and remove its IPC dir) before it is
+    killed; one that does not answer in time is killed all the same."""
+    refs = [(w.actors[0] if isinstance(w, TargetGroup) else w).shutdown.remote() for w in workers.values()]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
 
 
 def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:
