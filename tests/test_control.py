@@ -858,3 +858,103 @@ def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
     finally:
         s.close(0)
         release_endpoint(ipc)
+
+
+# ---------------------------------------------------------------- encryption
+
+
+class Wiretap:
+    """A TCP relay to ``upstream`` (``tcp://host:port``) that keeps every byte it passes."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+
+        host, port = upstream[len("tcp://") :].rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self.seen = bytearray()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                down, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            up = socket.create_connection(self._upstream)
+            for a, b in ((down, up), (up, down)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src, dst) -> None:
+        src.settimeout(0.1)
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                with self._lock:
+                    self.seen += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(2)
+        self._listener.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_curve_hides_tcp_frames_from_the_network(encrypt):
+    """With an encrypting engine key, nothing a call or a broadcast carries
+    over TCP can be read off the wire; a peer that does not know the
+    server's CURVE key gets no answer at all."""
+    from saguaro_ray.runtime.control import EngineKey
+
+    key = EngineKey.generate(encrypt)
+    server = CommandServer(Recorder(), ALLOWED, key, host="127.0.0.1", name="w")
+    bus = Broadcaster(key, host="127.0.0.1")
+    calls, casts = Wiretap(server.endpoint), Wiretap(bus.endpoint)
+    marker, shout = f"secret-{uuid.uuid4().hex}", f"outcome-{uuid.uuid4().hex}"
+    client = CommandClient("w", calls.endpoint, key, timeout_s=20)
+    try:
+        assert client.call("echo", marker) == (marker,)
+        sub = Subscriber([casts.endpoint, *bus.invitation()[1:]], key)
+        try:
+            bus.wait_for([sub.id], timeout_s=20)
+            bus.publish(shout)
+            assert sub.recv(10) == shout
+        finally:
+            sub.close()
+        with calls._lock, casts._lock:
+            assert (marker.encode() in calls.seen) is not encrypt
+            assert (shout.encode() in casts.seen) is not encrypt
+        if encrypt:
+            with CommandClient("w", server.endpoint, bytes(key), timeout_s=1) as plain:  # the HMAC key, no CURVE
+                with pytest.raises(WorkerTimeout):
+                    plain.ping(1.0)
+    finally:
+        client.close()
+        calls.close()
+        casts.close()
+        bus.close()
+        server.close()

@@ -106,7 +106,9 @@ def test_forged_frames_at_the_workers_show_in_the_engine_metrics(ray_instance, t
 
 def test_shutdown_leaves_no_ipc_directory(ray_instance, target, ar_tokens):
     before = _ipc_dirs()
-    handle = Engine.launch(EngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="sd", k=3)))
+    # encrypt=True: the engine key with its CURVE keypair travels through Ray (on one node
+    # every socket is IPC, so nothing is encrypted; tests/test_control.py covers TCP)
+    handle = Engine.launch(EngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="sd", k=3), encrypt=True))
     try:
         ours = _ipc_dirs() - before
         # a socket dir each for the target, the draft, the outcome broadcast and the data-plane store

@@ -88,7 +88,7 @@ import zmq
 
 from saguaro_ray.errors import SaguaroError
 from saguaro_ray.runtime.replay import ReplayGuard, Sender
-from saguaro_ray.runtime.wire import MALFORMED, MISADDRESSED, BadFrame, EncodeError, FrameCodec, Stamp, pack_payload, unpack_payload
+from saguaro_ray.runtime.wire import MALFORMED, MISADDRESSED, BadFrame, EncodeError, FrameCodec, Stamp, new_key, pack_payload, unpack_payload
 from saguaro_ray.workers.messages import Timed
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ __all__ = [
     "CallForwarder",
     "CommandServer",
     "ControlError",
+    "EngineKey",
     "RemoteError",
     "Subscriber",
     "SubscriberTimeout",
@@ -270,6 +271,67 @@ def _poll_ms(poll_ms: int, deadline: float) -> int:
     return max(0, min(poll_ms, int((deadline - time.monotonic()) * 1000) + 1))
 
 
+class EngineKey(bytes):
+    """The engine's secret: the frame HMAC key (the bytes themselves), and
+    with ``encrypt`` a CURVE keypair (z85, :attr:`curve`) for the sockets
+    that bind TCP endpoints. One per engine, handed to every actor through
+    Ray; anything that takes a frame key takes this.
+
+    CURVE (multi-node TCP; IPC stays on one node in 0700 dirs and is not
+    encrypted): every binding socket is a CURVE server with the engine's
+    secret key, and every connecting socket checks that key (it knows the
+    public one) under a keypair of its own, so nothing crossing the network
+    can be read or altered. There is no ZAP handler: a peer that knows the
+    public key may connect, but without the HMAC key everything it sends is
+    still dropped.
+    """
+
+    curve: tuple[bytes, bytes] | None
+
+    def __new__(cls, mac: bytes, curve: tuple[bytes, bytes] | None = None) -> "EngineKey":
+        self = super().__new__(cls, mac)
+        self.curve = curve
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (EngineKey, (bytes(self), self.curve))
+
+    @classmethod
+    def generate(cls, encrypt: bool = False) -> "EngineKey":
+        if encrypt and not zmq.has("curve"):
+            raise ControlError("this libzmq was built without CURVE; encryption is not available")
+        return cls(new_key(), zmq.curve_keypair() if encrypt else None)
+
+
+def _curve(key: bytes) -> tuple[bytes, bytes] | None:
+    return getattr(key, "curve", None)
+
+
+def _serve_on(sock: zmq.Socket, key: bytes, host: str | None, endpoint: str | None, name: str) -> str:
+    """Bind ``sock`` to ``endpoint`` exactly, or via :func:`bind_endpoint` on
+    ``host``; a TCP endpoint is a CURVE server when the key carries a keypair."""
+    curve = _curve(key)
+    if curve is not None and (endpoint.startswith("tcp://") if endpoint is not None else host is not None):
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
+    if endpoint is not None:
+        sock.bind(endpoint)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return bind_endpoint(sock, host, name=name.replace("/", "_")[:40] or "control")
+
+
+def _connect(sock: zmq.Socket, key: bytes, endpoint: str) -> None:
+    """Connect ``sock``; to a TCP endpoint over CURVE when the key carries a
+    keypair (checking the server's key, under a fresh keypair of its own)."""
+    curve = _curve(key)
+    if curve is not None and endpoint.startswith("tcp://"):
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.connect(endpoint)
+
+
 def _sock(kind: int, max_frame_bytes: int | None) -> zmq.Socket:
     s = zmq.Context.instance().socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -360,11 +422,7 @@ class CommandServer:
         self._broadcast_calls = 0
         self._sock = _sock(zmq.ROUTER, max_frame_bytes)
         try:
-            if endpoint is not None:
-                self._sock.bind(endpoint)
-                self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self.endpoint = bind_endpoint(self._sock, host, name=name.replace("/", "_")[:40] or "worker")
+            self.endpoint = _serve_on(self._sock, key, host, endpoint, name)
         except Exception:
             self._sock.close(0)
             raise
@@ -630,6 +688,7 @@ class CallForwarder:
 
     def __init__(self, key: bytes, *, max_peers: int = 64, max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._codec = FrameCodec(key)
+        self._key = key
         self._sender = Sender()
         self._max_peers = max_peers
         self._max_frame_bytes = max_frame_bytes
@@ -654,7 +713,7 @@ class CallForwarder:
             if sock is None:
                 sock = _sock(zmq.DEALER, self._max_frame_bytes)
                 try:
-                    sock.connect(endpoint)
+                    _connect(sock, self._key, endpoint)
                 except zmq.ZMQError:
                     sock.close(0)  # a bad endpoint leaves nothing behind
                     raise
@@ -802,10 +861,10 @@ class CommandClient:
         # the reply socket's routing id: a broadcast call names it as the one to answer
         self.identity = self._rx_id
         self._dealer.setsockopt(zmq.ROUTING_ID, self._rx_id)
-        self._dealer.connect(endpoint)
+        _connect(self._dealer, key, endpoint)
         self._tx = _sock(zmq.DEALER, max_frame_bytes)
         self._tx.setsockopt(zmq.ROUTING_ID, f"tx-{uid}".encode())
-        self._tx.connect(endpoint)
+        _connect(self._tx, key, endpoint)
         self._direct = False  # sticky once chosen (under _send_lock)
         self._direct_ready = False  # set by the I/O thread when a reply arrived on _dealer
         self._relayed = 0  # relayed calls not yet answered (incremented under _send_lock)
@@ -1150,11 +1209,7 @@ class Broadcaster:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.SNDTIMEO, max(0, int(send_timeout_s * 1000)))
         try:
-            if endpoint is not None:
-                sock.bind(endpoint)
-                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self.endpoint = bind_endpoint(sock, host, name=name.replace("/", "_")[:40] or "broadcast")
+            self.endpoint = _serve_on(sock, key, host, endpoint, name)
         except Exception:
             sock.close(0)
             raise
@@ -1319,7 +1374,7 @@ class Subscriber:
         for t in self.topics:  # local filter first, then the hello
             sock.setsockopt(zmq.SUBSCRIBE, _DATA + t.encode("utf-8"))
         sock.setsockopt(zmq.SUBSCRIBE, _HELLO + self._codec.encode({"hello": self.id, "topics": self.topics}))
-        sock.connect(endpoint)
+        _connect(sock, key, endpoint)
         self._sock = sock
 
     @property
