@@ -116,10 +116,6 @@ class ReplayGuard:
             self._windows[sender] = _Window(after, _MASK)
             self._bound()
 
-    def knows(self, sender: bytes) -> bool:
-        with self._lock:
-            return sender in self._windows
-
     def admit(self, stamp: Stamp) -> None:
         """Return if the frame is fresh (and remember it); raise :class:`BadFrame` if not."""
         if stamp.to != self.me:
