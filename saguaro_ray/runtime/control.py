@@ -903,13 +903,16 @@ class CommandClient:
                 raise ClientClosed(f"command client {self.name!r} is closed")
             self._pending[cid] = pending
         full = False
+        # seal (hash) outside the send lock once the server is known; if the call is
+        # relayed after all, the I/O thread seals it again (a skipped number is harmless)
+        frame = self._seal(payload) if self.server_id is not None else None
         try:
             with self._send_lock:
                 if self._direct or (self._direct_ready and self._relayed == 0):
                     self._direct = True
                     pending.t_send = time.perf_counter()
                     try:
-                        self._tx.send(self._seal(payload), zmq.NOBLOCK)
+                        self._tx.send(frame if frame is not None else self._seal(payload), zmq.NOBLOCK)
                     except zmq.Again:
                         full = True
                 else:
