@@ -258,12 +258,19 @@ class CoordinatorActor:
         what the outcome broadcaster and the data-plane store dropped. A
         worker that does not answer within a few seconds (restarting)
         contributes only this side's count."""
-        stats = {role: c.client.submit_with("__stats__", (), timeout_s=STATS_TIMEOUT_S) for role, c in self.clients.items()}
-        out: dict[str, dict[str, int]] = {}
+        asked: dict[str, tuple[Any, Future | None]] = {}
         for role, c in self.clients.items():
-            counts = Counter(c.client.drop_reasons)
+            client = c.client
             try:
-                counts.update(stats[role].result().value["drop_reasons"])
+                asked[role] = (client, client.submit_with("__stats__", (), timeout_s=STATS_TIMEOUT_S))
+            except ControlError:  # closed (shut down)
+                asked[role] = (client, None)
+        out: dict[str, dict[str, int]] = {}
+        for role, (client, fut) in asked.items():
+            counts = Counter(client.drop_reasons)
+            try:
+                if fut is not None:
+                    counts.update(fut.result().value["drop_reasons"])
             except Exception as exc:  # noqa: BLE001 — a worker that is down reports nothing
                 log.debug("no drop counts from %s (%s)", role, exc)
             out[role] = dict(counts)
