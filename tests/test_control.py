@@ -741,6 +741,38 @@ def test_a_captured_call_sent_again_is_dropped_and_counted():
             restarted.close()
 
 
+def test_a_captured_forwarded_call_sent_again_is_dropped():
+    """A call the target forwards to a draft for the coordinator, captured and
+    sent again, is not executed a second time."""
+    key = new_key()
+    logic = Recorder()
+    peer = CommandServer(logic, ALLOWED, key, host="127.0.0.1", name="draft")
+    client = CommandClient("draft", peer.endpoint, key, timeout_s=20)
+    forwarder = CallForwarder(key)
+    tap = Tap(peer.endpoint, key)
+    attacker = zmq.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(peer.endpoint)
+    try:
+        client.call("add", "t", "first")
+        cid, fut = client.expect("add")
+        address = client.address_for(cid)
+        address[0] = tap.endpoint  # the forwarded call passes the tap
+        forwarder.call(address, "add", ["t", "forwarded"])
+        assert fut.result(20).value == 2
+        [frame] = tap.captured("add")
+        attacker.send(frame)
+        _wait_for(lambda: peer.drop_reasons.get("replayed", 0) == 1, f"replay not counted: {peer.drop_reasons}")
+        assert client.call("history", "t") == ["first", "forwarded"]
+        assert client.late_replies == 0  # nothing was answered for it either
+    finally:
+        attacker.close(0)
+        tap.close()
+        forwarder.close()
+        client.close()
+        peer.close()
+
+
 def test_a_captured_broadcast_sent_again_is_dropped():
     """The outcome broadcast: a message re-published is dropped by the
     subscriber as a replay; one published before it was invited, too."""
