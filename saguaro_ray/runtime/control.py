@@ -65,7 +65,9 @@ ephemeral port, or an ``ipc://`` socket in a fresh private (0700) temp dir
 when ``host`` is ``None`` (same node), released by the owner's ``close()``.
 The dir's name carries the owner's pid, so a process that was killed before
 it could close (a worker Ray restarted) leaves nothing for long: the next
-process on the node to bind one removes the dirs of owners that are gone.
+process on the node to bind one removes the dirs of owners that are gone
+(judged by pid, so this assumes that processes sharing a temp dir share a pid
+namespace, as a Ray node's do).
 """
 
 from __future__ import annotations
