@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -32,6 +33,7 @@ from saguaro_ray.runtime.control import (
     bind_endpoint,
     release_endpoint,
 )
+from saguaro_ray.runtime.replay import Sender
 from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
@@ -263,14 +265,27 @@ def test_client_drops_forged_replies():
             fut = c.submit("pid")
             assert rogue.poll(5000)
             ident, frame = rogue.recv_multipart()
+            hello = codec.decode(frame)
+            assert hello["method"] == "__hello__"  # the handshake comes first; the call waits for its answer
+            assert not rogue.poll(200)
+            me = Sender()
+            rogue.send_multipart([ident, codec.encode({"id": 999, "ok": True, "result": Timed(None, 0.0, 1.0)}, me.stamp(ident))])
+            answer = codec.encode({"id": hello["id"], "ok": True, "result": Timed(None, 0.0, 1.0)}, me.stamp(ident))
+            rogue.send_multipart([ident, answer])
+            assert rogue.poll(5000)
+            ident, frame = rogue.recv_multipart()
+            stamp, payload = codec.unseal(frame)
             req = codec.decode(frame)
-            assert req["method"] == "pid" and req["args"] == []
+            assert req["method"] == "pid" and req["args"] == [] and stamp.to == me.id and c.server_id == me.id
             rogue.send_multipart([ident, b"junk"])
-            rogue.send_multipart([ident, FrameCodec(b"w" * 32).encode({"id": req["id"], "ok": True, "result": Timed(666, 0.0, 1.0)})])
-            rogue.send_multipart([ident, codec.encode({"id": 10**6, "ok": True, "result": Timed(1, 0.0, 1.0)})])
-            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(42, 1.0, 2.0)})])
+            rogue.send_multipart([ident, FrameCodec(b"w" * 32).encode({"id": req["id"], "ok": True, "result": Timed(666, 0.0, 1.0)}, me.stamp(ident))])
+            rogue.send_multipart([ident, codec.encode({"id": 10**6, "ok": True, "result": Timed(1, 0.0, 1.0)}, me.stamp(ident))])
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(7, 1.0, 2.0)}, Sender().stamp(ident))])  # not the server
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(8, 1.0, 2.0)}, me.stamp(b"rx-other"))])
+            rogue.send_multipart([ident, answer])  # the handshake's answer again
+            rogue.send_multipart([ident, codec.encode({"id": req["id"], "ok": True, "result": Timed(42, 1.0, 2.0)}, me.stamp(ident))])
             assert fut.result(5).value == 42
-            assert c.dropped_frames == 2 and c.drop_reasons == {"bad mac": 2}
+            assert c.drop_reasons == {"bad mac": 2, "misaddressed": 3, "replayed": 1}
             assert c.late_replies == 1
     finally:
         rogue.close(0)
@@ -331,8 +346,8 @@ def test_clock_map_keeps_the_tightest_sample():
 def test_first_broadcast_reaches_every_subscriber(host):
     key = new_key()
     with Broadcaster(key, host=host) as b:
-        subs = [Subscriber(b.endpoint, key, name=f"s{i}") for i in range(4)]
-        only_a = Subscriber(b.endpoint, key, topics=["a"])
+        subs = [Subscriber(b.invitation(), key, name=f"s{i}") for i in range(4)]
+        only_a = Subscriber(b.invitation(), key, topics=["a"])
         try:
             assert b.wait_for_subscribers(5, timeout_s=10) == 5
             first = [Outcome(1, 2, 3), (4, Proposal([5], torch.ones(1, 3)))]
@@ -362,7 +377,7 @@ def test_wait_for_subscribers_times_out():
         with pytest.raises(SubscriberTimeout):
             b.wait_for_subscribers(1, timeout_s=0.2)
         assert time.monotonic() - t0 < 1.5
-        with Subscriber(b.endpoint, b"w" * 32) as wrong:
+        with Subscriber(b.invitation(), b"w" * 32) as wrong:
             with pytest.raises(SubscriberTimeout):
                 b.wait_for_subscribers(1, timeout_s=0.3)
             b.publish("secret")
@@ -382,7 +397,7 @@ def test_forged_subscribers_get_nothing():
         raw.setsockopt(zmq.SUBSCRIBE, b"X")
         raw.connect(b.endpoint)
         try:
-            with Subscriber(b.endpoint, key) as good:
+            with Subscriber(b.invitation(), key) as good:
                 b.wait_for_subscribers(1, timeout_s=10)
                 deadline = time.monotonic() + 5
                 while b.dropped_frames < 4 and time.monotonic() < deadline:
@@ -403,22 +418,26 @@ def test_subscriber_drops_forged_broadcasts():
     rogue = zmq.Context.instance().socket(zmq.XPUB)
     rogue.setsockopt(zmq.LINGER, 0)
     endpoint = bind_endpoint(rogue, None)
+    pub = Sender()  # the broadcaster the subscriber is introduced to
     try:
-        with Subscriber(endpoint, key) as sub:
+        with Subscriber([endpoint, pub.id, 0], key) as sub:
             deadline = time.monotonic() + 5
             seen = set()
             while b"\x01D" not in seen and time.monotonic() < deadline:  # the SUB's filter arrived
                 if rogue.poll(100):
                     seen.add(rogue.recv())
             rogue.send_multipart([b"D", b"garbage"])
-            rogue.send_multipart([b"D", FrameCodec(b"w" * 32).encode({"topic": "", "msg": "evil"})])
-            rogue.send_multipart([b"D", codec.encode(["no envelope"])])
-            rogue.send_multipart([b"Dother", codec.encode({"topic": "", "msg": "retopiced"})])
+            rogue.send_multipart([b"D", FrameCodec(b"w" * 32).encode({"topic": "", "msg": "evil"}, pub.stamp())])
+            rogue.send_multipart([b"D", codec.encode(["no envelope"], pub.stamp())])
+            rogue.send_multipart([b"Dother", codec.encode({"topic": "", "msg": "retopiced"}, pub.stamp())])
             rogue.send_multipart([b"D", b"a", b"b"])
-            rogue.send_multipart([b"D", codec.encode({"topic": "", "msg": "ok"})])
+            rogue.send_multipart([b"D", codec.encode({"topic": "", "msg": "stranger"}, Sender().stamp())])  # another sender
+            ok = codec.encode({"topic": "", "msg": "ok"}, pub.stamp())
+            rogue.send_multipart([b"D", ok])
             assert sub.recv(5) == "ok"
-            assert sub.drop_reasons == {"bad mac": 2, "malformed": 3}
-            assert sub.recv(0.05) is None
+            rogue.send_multipart([b"D", ok])  # the same frame again
+            assert sub.recv(0.3) is None
+            assert sub.drop_reasons == {"bad mac": 2, "malformed": 3, "misaddressed": 1, "replayed": 1}
     finally:
         rogue.close(0)
         release_endpoint(endpoint)
@@ -427,7 +446,7 @@ def test_subscriber_drops_forged_broadcasts():
 def test_subscriber_close_interrupts_recv():
     key = new_key()
     with Broadcaster(key, host=None) as b:
-        sub = Subscriber(b.endpoint, key)
+        sub = Subscriber(b.invitation(), key)
         errors: list[BaseException] = []
 
         def reader() -> None:
@@ -457,7 +476,7 @@ def test_broadcast_calls_reach_each_addressed_server_once(host):
     clients = {n: CommandClient(n, s.endpoint, key, timeout_s=20) for n, s in servers.items()}
     bus = Broadcaster(key, host=host)
     try:
-        ids = [c.call("__subscribe__", bus.endpoint) for c in clients.values()]
+        ids = [c.call("__subscribe__", bus.invitation()) for c in clients.values()]
         bus.wait_for(ids, timeout_s=20)
         clients["d0"].call("add", "t", "direct")
         calls, futs = {}, {}
@@ -496,7 +515,7 @@ def test_direct_calls_that_arrived_first_run_before_a_broadcast(host):
     client = CommandClient("d0", server.endpoint, key, timeout_s=20)
     bus = Broadcaster(key, host=host)
     try:
-        bus.wait_for([client.call("__subscribe__", bus.endpoint)], timeout_s=20)
+        bus.wait_for([client.call("__subscribe__", bus.invitation())], timeout_s=20)
         busy = client.submit("sleep", 0.5)  # both calls below queue up behind it
         time.sleep(0.1)
         direct = client.submit("add", "t", "direct")
@@ -522,7 +541,7 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
     try:
         client.call("add", "t", "first")  # the peer knows the client's reply socket
         cid, fut = client.expect("add")
-        forwarder.call(peer.endpoint, client.identity, cid, "add", ["t", "forwarded"])
+        forwarder.call(client.address_for(cid), "add", ["t", "forwarded"])
         assert fut.result(20).value == 2 and forwarder.forwarded == 1
         assert client.call("history", "t") == ["first", "forwarded"]
         # a withdrawn call fails at once; an answer that still comes counts as late
@@ -530,26 +549,28 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
         client.forget(cid)
         with pytest.raises(ControlError, match="withdrawn"):
             fut.result(1)
-        forwarder.call(peer.endpoint, client.identity, cid, "add", ["t", "late"])
+        forwarder.call(client.address_for(cid), "add", ["t", "late"])
         deadline = time.monotonic() + 20
         while client.late_replies == 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        with pytest.raises(ValueError):
-            forwarder.call(peer.endpoint, "not bytes", cid, "add", ["t", "x"])  # type: ignore[arg-type]
+        with pytest.raises(ControlError):
+            forwarder.call([peer.endpoint, peer.id, "not bytes", cid], "add", ["t", "x"])
+        with pytest.raises(ControlError, match="no server id"):  # a client that has not reached its server yet
+            forwarder.call([peer.endpoint, None, client.identity, cid], "add", ["t", "x"])
         for _ in range(2):  # a bad endpoint is refused each time, and no socket is kept for it
             with pytest.raises(ControlError, match="cannot forward"):
-                forwarder.call("bogus://nowhere", client.identity, cid, "add", ["t", "x"])
+                forwarder.call(["bogus://nowhere", peer.id, client.identity, cid], "add", ["t", "x"])
         assert "bogus://nowhere" not in forwarder._socks
         # a verification whose lookup cannot be placed still stands (that lookup is lost)
         from saguaro_ray.runtime.routing import RoutedLogic
 
-        routed = RoutedLogic(Recorder(), forwarder=forwarder)
+        routed = RoutedLogic(Recorder(), key, forwarder=forwarder)
         item = VerifyItem(SeqStep(1, 0, [5], SamplingParams(), 0, 0, []), Proposal([7], torch.eye(4)[[2]]))
-        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", client.identity, 99]]}
+        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", peer.id, client.identity, 99]]}
         assert routed.verify([item], then) == [Outcome(1, 1, 2, 1)]
         cid, fut = client.expect("echo")
-        then["to"] = [[peer.endpoint, client.identity, cid]]
+        then["to"] = [client.address_for(cid)]
         routed.verify([item], then)
         assert list(fut.result(20).value) == [[(1, 1, 2)], "more"]  # the outcomes' keys, then the given args
     finally:
@@ -602,4 +623,370 @@ def test_a_call_that_is_not_ready_waits_for_the_call_that_readies_it():
     finally:
         coordinator.close()
         target.close()
+        server.close()
+
+
+# ---------------------------------------------------------------- replays
+
+
+class Tap:
+    """A man in the middle on a real socket: clients connect here, every frame
+    is passed on to ``upstream`` (one DEALER per client connection, under that
+    connection's routing id, so replies find their way back) and kept. With
+    ``replay_verifies``, each ``verify`` call is also sent again that many
+    times from another connection right after it passed (the attack of
+    issue 20)."""
+
+    def __init__(self, upstream: str, key: bytes, replay_verifies: int = 0) -> None:
+        self.upstream = upstream
+        self._codec = FrameCodec(key)
+        self._replays = replay_verifies
+        self.frames: list[bytes] = []
+        self.replayed = 0
+        self.front = zmq.Context.instance().socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind_endpoint(self.front, "127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        attacker = ctx.socket(zmq.DEALER)
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.connect(self.upstream)
+        backs: dict[bytes, zmq.Socket] = {}
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(20):
+                    if sock is self.front:
+                        ident, frame = self.front.recv_multipart()
+                        back = backs.get(ident)
+                        if back is None:
+                            back = backs[ident] = ctx.socket(zmq.DEALER)
+                            back.setsockopt(zmq.LINGER, 0)
+                            back.setsockopt(zmq.ROUTING_ID, ident)
+                            back.connect(self.upstream)
+                            poller.register(back, zmq.POLLIN)
+                        self.frames.append(frame)
+                        back.send(frame)
+                        if self._replays and self._codec.decode(frame)["method"] == "verify":
+                            for _ in range(self._replays):
+                                attacker.send(frame)
+                                self.replayed += 1
+                    else:
+                        self.front.send_multipart([sock.getsockopt(zmq.ROUTING_ID), sock.recv()])
+        finally:
+            for s in [attacker, *backs.values()]:
+                s.close(0)
+
+    def captured(self, method: str) -> list[bytes]:
+        return [f for f in self.frames if self._codec.decode(f)["method"] == method]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close(0)
+
+
+def _wait_for(done: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_captured_call_sent_again_is_dropped_and_counted():
+    """A frame captured off the wire and sent again — on any connection, to the
+    same server or to its restarted successor — is never executed."""
+    key = new_key()
+    logic = Recorder()
+    server = CommandServer(logic, ALLOWED, key, host="127.0.0.1", name="w")
+    tap = Tap(server.endpoint, key)
+    client = CommandClient("w", tap.endpoint, key, timeout_s=20)
+    attacker = zmq.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(server.endpoint)
+    restarted = None
+    try:
+        assert [client.call("add", "t", i) for i in range(3)] == [1, 2, 3]
+        adds = tap.captured("add")
+        assert len(adds) == 3 and client.server_id == server.id
+        for f in adds:
+            attacker.send(f)
+        _wait_for(lambda: server.drop_reasons.get("replayed", 0) == 3, f"replays not counted: {server.drop_reasons}")
+        assert logic.history("t") == [0, 1, 2]  # state unchanged
+        assert not attacker.poll(200)  # and nothing answered
+        # the worker restarts (a new server, a new id): the old frames are for its predecessor
+        restarted = CommandServer(Recorder(), ALLOWED, key, host="127.0.0.1", name="w")
+        attacker.disconnect(server.endpoint)
+        attacker.connect(restarted.endpoint)
+        for f in adds:
+            attacker.send(f)
+        _wait_for(lambda: restarted.drop_reasons.get("misaddressed", 0) == 3, f"old frames accepted: {restarted.drop_reasons}")
+        # a new client (the coordinator reconnecting) is served at once
+        with CommandClient("w", restarted.endpoint, key, timeout_s=20) as again:
+            assert again.call("add", "t", "new") == 1
+            assert again.call("history", "t") == ["new"]
+        assert client.call("add", "t", 3) == 4  # the first client was never disturbed
+        assert server.stats()["calls"] == 4 and server.dropped_frames == 3
+    finally:
+        attacker.close(0)
+        client.close()
+        tap.close()
+        server.close()
+        if restarted is not None:
+            restarted.close()
+
+
+def test_a_captured_forwarded_call_sent_again_is_dropped():
+    """A call the target forwards to a draft for the coordinator, captured and
+    sent again, is not executed a second time."""
+    key = new_key()
+    logic = Recorder()
+    peer = CommandServer(logic, ALLOWED, key, host="127.0.0.1", name="draft")
+    client = CommandClient("draft", peer.endpoint, key, timeout_s=20)
+    forwarder = CallForwarder(key)
+    tap = Tap(peer.endpoint, key)
+    attacker = zmq.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(peer.endpoint)
+    try:
+        client.call("add", "t", "first")
+        cid, fut = client.expect("add")
+        address = client.address_for(cid)
+        address[0] = tap.endpoint  # the forwarded call passes the tap
+        forwarder.call(address, "add", ["t", "forwarded"])
+        assert fut.result(20).value == 2
+        [frame] = tap.captured("add")
+        attacker.send(frame)
+        _wait_for(lambda: peer.drop_reasons.get("replayed", 0) == 1, f"replay not counted: {peer.drop_reasons}")
+        assert client.call("history", "t") == ["first", "forwarded"]
+        assert client.late_replies == 0  # nothing was answered for it either
+    finally:
+        attacker.close(0)
+        tap.close()
+        forwarder.close()
+        client.close()
+        peer.close()
+
+
+def test_a_captured_broadcast_sent_again_is_dropped():
+    """The outcome broadcast: a message re-published is dropped by the
+    subscriber as a replay; one published before it was invited, too."""
+    key = new_key()
+    logic = Recorder()
+    server = CommandServer(logic, ALLOWED, key, host=None, name="d0")
+    client = CommandClient("d0", server.endpoint, key, timeout_s=20)
+    bus = Broadcaster(key, host=None)
+    spy = Subscriber(bus.invitation(), key)  # sees what the worker sees
+    try:
+        bus.wait_for([spy.id], timeout_s=20)
+        cid, fut = client.expect("add")
+        bus.publish({"method": "add", "args": ["t", "before"], "calls": {}})
+        assert spy._sock.poll(5000)
+        early = spy._sock.recv_multipart()  # a message from before the worker's invitation
+        bus.wait_for([client.call("__subscribe__", bus.invitation())], timeout_s=20)
+        bus.publish({"method": "add", "args": ["t", "bcast"], "calls": {"d0": [client.identity, cid]}})
+        assert fut.result(20).value == 1
+        assert spy._sock.poll(5000)
+        captured = spy._sock.recv_multipart()
+        with bus._lock:  # an attacker with the broadcaster's socket in hand
+            bus._sock.send_multipart(captured)
+            bus._sock.send_multipart(early)
+        _wait_for(lambda: server.drop_reasons.get("replayed", 0) == 2, f"replays not counted: {server.drop_reasons}")
+        assert client.call("history", "t") == ["bcast"]
+        assert server.stats()["broadcast_calls"] == 1
+    finally:
+        spy.close()
+        bus.close()
+        client.close()
+        server.close()
+
+
+def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
+    """Issue 20: replayed verification frames rolled back the target's KV and
+    changed SD's T = 0 output. An SD run over the real control plane with every
+    verification sent again three times from another connection stays token
+    for token equal to AR, and the target counts every replay."""
+    from helpers import save_tiny_checkpoint
+
+    from saguaro_ray.config import SpeculationConfig
+    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine.frontend import Frontend, open_models
+    from saguaro_ray.engine.rounds import RoundLoop
+    from saguaro_ray.engine.scheduler import Scheduler
+    from saguaro_ray.runtime.ray_transport import KNOWN_ERRORS
+    from saguaro_ray.workers.draft import DraftLogic
+    from saguaro_ray.workers.runner import ModelRunner
+    from saguaro_ray.workers.target import TargetLogic
+
+    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
+    draft = str(save_tiny_checkpoint(tmp_path, "qwen3", seed=7))  # unrelated weights: many rejections
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = [[3, 5, 7, 9], [1, 2], [10, 20, 30, 40]]
+    ar = LocalEngine(LocalEngineConfig(target=target, num_threads=1))
+    try:
+        expected = [r.token_ids for r in ar.generate(prompts, params)]
+    finally:
+        ar.close()
+    key = new_key()
+    ckpts, tokenizer = open_models({"target": target, "draft": draft})
+    runners = {role: ModelRunner(ck) for role, ck in ckpts.items()}
+    servers = {
+        "target": CommandServer(TargetLogic(runners["target"]), ["verify", "prefill", "release"], key, host="127.0.0.1", name="target"),
+        "draft0": CommandServer(DraftLogic(runners["draft"]), ["propose", "prefill", "release"], key, host="127.0.0.1", name="draft0"),
+    }
+    tap = Tap(servers["target"].endpoint, key, replay_verifies=3)
+    clients = {
+        "target": CommandClient("target", tap.endpoint, key, timeout_s=60, known_errors=KNOWN_ERRORS),
+        "draft0": CommandClient("draft0", servers["draft0"].endpoint, key, timeout_s=60, known_errors=KNOWN_ERRORS),
+    }
+    max_context = min(r.max_context for r in runners.values())
+    loop = RoundLoop(SpeculationConfig(mode="sd", k=3), clients["target"], runners["target"].eos_token_ids, max_context, draft=[clients["draft0"]])
+    kv = runners["target"].kv
+    scheduler = Scheduler(loop, 8, kv_tokens=kv.num_blocks * kv.block_size, block_size=kv.block_size)
+    try:
+        got = Frontend(tokenizer, runners["target"].vocab_size, max_context, "sd", scheduler).generate(prompts, params)
+        assert [r.token_ids for r in got] == expected
+        assert tap.replayed >= 3 * 10
+        _wait_for(lambda: servers["target"].drop_reasons.get("replayed", 0) == tap.replayed, f"{servers['target'].drop_reasons} of {tap.replayed}")
+        assert servers["target"].dropped_frames == tap.replayed
+    finally:
+        scheduler.shutdown()
+        for c in clients.values():
+            c.close()
+        tap.close()
+        for s in servers.values():
+            s.close()
+
+
+def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
+    """A worker killed before it could close leaves its IPC dir; the next
+    process to bind one on the node removes it (and no one else's)."""
+    import subprocess
+    import sys
+
+    from saguaro_ray.runtime import control
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"saguaro-zmq-{gone.pid}-abc"
+    alive = tmp_path / f"saguaro-zmq-{os.getppid()}-abc"
+    unnamed = tmp_path / "saguaro-zmq-abc"  # an older layout: not ours to judge
+    for d in (dead, alive, unnamed):
+        d.mkdir()
+    monkeypatch.setattr(control, "_ipc_dir_root", lambda: str(tmp_path))
+    monkeypatch.setattr(control, "_swept", False)
+    s = zmq.Context.instance().socket(zmq.PULL)
+    s.setsockopt(zmq.LINGER, 0)
+    ipc = ""
+    try:
+        ipc = bind_endpoint(s, None, name="probe")
+        assert os.path.basename(os.path.dirname(ipc[6:])).startswith(f"saguaro-zmq-{os.getpid()}-")
+        assert not dead.exists() and alive.exists() and unnamed.exists()
+    finally:
+        s.close(0)
+        release_endpoint(ipc)
+
+
+# ---------------------------------------------------------------- encryption
+
+
+class Wiretap:
+    """A TCP relay to ``upstream`` (``tcp://host:port``) that keeps every byte it passes."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+
+        host, port = upstream[len("tcp://") :].rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self.seen = bytearray()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                down, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            up = socket.create_connection(self._upstream)
+            for a, b in ((down, up), (up, down)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src, dst) -> None:
+        src.settimeout(0.1)
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                with self._lock:
+                    self.seen += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(2)
+        self._listener.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_curve_hides_tcp_frames_from_the_network(encrypt):
+    """With an encrypting engine key, nothing a call or a broadcast carries
+    over TCP can be read off the wire; a peer that does not know the
+    server's CURVE key gets no answer at all."""
+    from saguaro_ray.runtime.control import EngineKey
+
+    key = EngineKey.generate(encrypt)
+    server = CommandServer(Recorder(), ALLOWED, key, host="127.0.0.1", name="w")
+    bus = Broadcaster(key, host="127.0.0.1")
+    calls, casts = Wiretap(server.endpoint), Wiretap(bus.endpoint)
+    marker, shout = f"secret-{uuid.uuid4().hex}", f"outcome-{uuid.uuid4().hex}"
+    client = CommandClient("w", calls.endpoint, key, timeout_s=20)
+    try:
+        assert client.call("echo", marker) == (marker,)
+        sub = Subscriber([casts.endpoint, *bus.invitation()[1:]], key)
+        try:
+            bus.wait_for([sub.id], timeout_s=20)
+            bus.publish(shout)
+            assert sub.recv(10) == shout
+        finally:
+            sub.close()
+        with calls._lock, casts._lock:
+            assert (marker.encode() in calls.seen) is not encrypt
+            assert (shout.encode() in casts.seen) is not encrypt
+        if encrypt:
+            with CommandClient("w", server.endpoint, bytes(key), timeout_s=1) as plain:  # the HMAC key, no CURVE
+                with pytest.raises(WorkerTimeout):
+                    plain.ping(1.0)
+    finally:
+        client.close()
+        calls.close()
+        casts.close()
+        bus.close()
         server.close()

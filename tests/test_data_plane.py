@@ -26,6 +26,7 @@ from saguaro_ray.runtime.data_plane import (
     DataPlaneStore,
     JoinTimeout,
     KVDeltaRef,
+    StoreClient,
     TensorRef,
     TransferLost,
     offload_kv,
@@ -69,9 +70,9 @@ def payload(seed: int, rows: int, width: int = V, dtype: torch.dtype = torch.flo
     return torch.rand((rows, width), generator=g).to(dtype)
 
 
-def job_join(address: tuple[str, int], rank: int, world: int, gen: int, timeout_s: float = 20.0) -> float:
+def job_join(address: str, rank: int, world: int, gen: int, timeout_s: float = 20.0) -> float:
     t0 = time.monotonic()
-    _PLANES[gen] = DataPlane.join(address, rank, world, gen, timeout_s=timeout_s)
+    _PLANES[gen] = DataPlane.join(address, KEY, rank, world, gen, timeout_s=timeout_s)
     return time.monotonic() - t0
 
 
@@ -248,7 +249,7 @@ def agents() -> Any:
 
 @pytest.fixture(scope="module")
 def store() -> Any:
-    s = DataPlaneStore("127.0.0.1")
+    s = DataPlaneStore(KEY, "127.0.0.1")
     yield s
     s.close()
 
@@ -266,9 +267,50 @@ def gen(agents: Agents, store: DataPlaneStore) -> Any:
     agents.all({r: (job_abandon, g) for r in range(3)})
 
 
-def test_store_has_an_ephemeral_port(store: DataPlaneStore) -> None:
-    host, port = store.address
-    assert host == "127.0.0.1" and 0 < port < 65536
+def _addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback."""
+    import json
+    import subprocess
+
+    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=False).stdout or "[]"
+    return [a["local"] for link in json.loads(out) for a in link.get("addr_info", []) if not a["local"].startswith("127.")]
+
+
+def test_the_store_listens_only_where_it_was_bound(store: DataPlaneStore) -> None:
+    """torch's TCPStore listened on every interface whatever host it got; the
+    store answers only on the address it was bound to."""
+    import socket
+
+    assert store.address.startswith("tcp://127.0.0.1:")
+    port = int(store.address.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    others = _addresses()
+    if not others:
+        pytest.skip("no non-loopback interface on this machine")
+    for addr in others:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((addr, port), timeout=2).close()
+
+
+def test_the_store_refuses_a_client_without_the_key(store: DataPlaneStore) -> None:
+    """A peer that reaches the store but lacks the engine's key can neither
+    join nor read a generation's keys: its calls are dropped unanswered."""
+    before = store.drop_reasons.get("bad mac", 0)
+    with pytest.raises(JoinTimeout, match="cannot reach the rendezvous store"):
+        DataPlane.join(store.address, b"w" * 32, 0, 2, 950, timeout_s=0.5)
+    assert store.drop_reasons.get("bad mac", 0) > before
+    thief = StoreClient(store.address, b"w" * 32, timeout_s=0.5)
+    try:
+        with pytest.raises(JoinTimeout):
+            thief.get("gen1/rank0")
+    finally:
+        thief.close()
+    honest = StoreClient(store.address, KEY, timeout_s=5.0)
+    try:
+        assert honest.check(["gen950/rank0"]) is False  # the refused join wrote nothing
+    finally:
+        honest.close()
 
 
 def test_rows_across_three_ranks_out_of_order(agents: Agents, gen: int) -> None:
@@ -389,15 +431,15 @@ def test_survivors_rebuild_after_a_member_is_killed(agents: Agents, store: DataP
 def test_join_timeout_names_the_missing_ranks(store: DataPlaneStore) -> None:
     t0 = time.monotonic()
     with pytest.raises(JoinTimeout, match=r"only 1 of 3 members joined \(missing ranks \[0, 2\]\)"):
-        DataPlane.join(store.address, 1, 3, 900, timeout_s=0.5)
+        DataPlane.join(store.address, KEY, 1, 3, 900, timeout_s=0.5)
     assert time.monotonic() - t0 < 3.0
     with pytest.raises(DataPlaneError, match="new generation"):
-        DataPlane.join(store.address, 1, 3, 900, timeout_s=0.5)
+        DataPlane.join(store.address, KEY, 1, 3, 900, timeout_s=0.5)
 
 
 def test_join_to_nothing_is_a_clear_error() -> None:
     with pytest.raises(JoinTimeout, match="cannot reach the rendezvous store"):
-        DataPlane.join(("127.0.0.1", 1), 0, 2, 0, timeout_s=0.5)
+        DataPlane.join("tcp://127.0.0.1:1", KEY, 0, 2, 0, timeout_s=0.5)
 
 
 # ---------------------------------------------------------------- descriptors (no group needed)

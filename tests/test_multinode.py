@@ -49,7 +49,8 @@ def ckpt(tmp_path_factory):
     return str(save_tiny_checkpoint(tmp_path_factory.mktemp("multinode-models"), "llama", seed=0))
 
 
-def test_ssd_spread_over_nodes(cluster, ckpt):
+@pytest.mark.parametrize("encrypt", [False, True])  # True: every TCP socket under CURVE
+def test_ssd_spread_over_nodes(cluster, ckpt, encrypt):
     ref = LocalEngine(LocalEngineConfig(target=ckpt, num_threads=1))
     try:
         expected = [r.token_ids for r in ref.generate(PROMPTS, GREEDY)]
@@ -67,6 +68,7 @@ def test_ssd_spread_over_nodes(cluster, ckpt):
             spec=SpeculationConfig(mode="ssd", k=3, budget=4, backup="neural"),
             resources={"target": {"node_t": 0.1}, "draft": {"node_d": 0.1}},
             placement_strategy="SPREAD",
+            encrypt=encrypt,
         )
     )
     try:

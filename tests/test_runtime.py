@@ -444,6 +444,7 @@ def test_forged_control_frames_are_dropped(engine, ar_tokens):
     info = engine.worker_info()
     assert set(info) == {"target", "draft0"}
     before = {role: i["dropped_frames"] for role, i in info.items()}
+    metrics_before = engine.metrics()
     ctx = zmq.Context.instance()
     forged = FrameCodec(new_key()).encode({"id": 1, "method": "verify", "args": []})
     socks = []
@@ -465,6 +466,12 @@ def test_forged_control_frames_are_dropped(engine, ar_tokens):
                 break
             time.sleep(0.1)
         assert all(now[r] - before[r] == 4 for r in before), (before, now)
+        # the engine's metrics count what the workers dropped (they once showed only the coordinator's own drops)
+        metrics = engine.metrics()
+        for r in before:
+            assert metrics["dropped_frames"][r] - metrics_before["dropped_frames"][r] == 4, (metrics_before, metrics)
+            grown = {k: v - metrics_before["drop_reasons"][r].get(k, 0) for k, v in metrics["drop_reasons"][r].items()}
+            assert {k: v for k, v in grown.items() if v} == {"bad mac": 3, "malformed": 1}
         for s in socks:  # nothing is ever answered to an unauthenticated peer
             assert not s.poll(200, zmq.POLLIN)
     finally:
@@ -472,6 +479,30 @@ def test_forged_control_frames_are_dropped(engine, ar_tokens):
             s.close(0)
     res = bounded(engine.generate, PROMPTS[:3], GREEDY)
     assert tokens(res) == [ar_tokens[tuple(p)] for p in PROMPTS[:3]]
+
+
+def _ipc_dirs() -> set[str]:
+    """The IPC dirs on this machine that name their owner's pid (others' are not ours to judge)."""
+    from saguaro_ray.runtime.control import _IPC_PREFIX, _ipc_dir_root, _owner_pid
+
+    root = _ipc_dir_root()
+    return {os.path.join(root, n) for n in os.listdir(root) if n.startswith(_IPC_PREFIX) and _owner_pid(n) is not None}
+
+
+def test_shutdown_leaves_no_ipc_directory(ray_instance, ckpts, ar_tokens):
+    """Every shutdown used to leave a private IPC dir per worker behind."""
+    before = _ipc_dirs()
+    # encrypt=True: the engine key with its CURVE keypair travels through Ray (on one node
+    # every socket is IPC, so nothing is encrypted; tests/test_control.py covers TCP)
+    h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=SpeculationConfig(mode="sd", k=3), encrypt=True))
+    try:
+        ours = _ipc_dirs() - before
+        # a socket dir each for the target, the draft, the outcome broadcast and the data-plane store
+        assert len(ours) >= 4, ours
+        assert tokens(bounded(h.generate, PROMPTS[:2], GREEDY)) == [ar_tokens[tuple(p)] for p in PROMPTS[:2]]
+    finally:
+        h.shutdown()
+    assert not {d for d in ours if os.path.exists(d)}
 
 
 # ----------------------------------------------------------- 8. timeline

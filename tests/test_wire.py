@@ -1,4 +1,5 @@
-"""The control-plane frame codec: round trips, and every way a frame can be bad."""
+"""The control-plane frame codec: round trips, and every way a frame can be bad;
+the stamp every frame carries, and the replay guard's rule for which are fresh."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from saguaro_ray.runtime.wire import (
     BadFrame,
     EncodeError,
     FrameCodec,
+    Stamp,
     new_key,
     pack_payload,
     register,
     registered_types,
     unpack_payload,
 )
+from saguaro_ray.runtime import replay
+from saguaro_ray.runtime.replay import ReplayGuard, Sender
 from saguaro_ray.workers.messages import BuildItem, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
 
 KEY = b"k" * 32
@@ -205,3 +209,67 @@ def test_keys():
     err = BadFrame("bad mac", "detail")
     again = pickle.loads(pickle.dumps(err))
     assert again.reason == "bad mac" and str(again) == str(err)
+
+
+# ---------------------------------------------------------------- stamps and replays
+
+
+def test_the_stamp_travels_under_the_mac():
+    sender = Sender()
+    stamp = sender.stamp(b"server-id")
+    assert stamp == Stamp(sender.id, 1, b"server-id") and sender.last == 1
+    frame = codec.encode({"x": 1}, stamp)
+    got, payload = codec.unseal(frame)
+    assert got == stamp and unpack_payload(payload) == {"x": 1}
+    head = MAC_SIZE + 16 + 8  # the sequence number's last byte
+    renumbered = bytearray(frame)
+    renumbered[head - 1] ^= 0x01
+    assert reason(bytes(renumbered)) == "bad mac"
+    with pytest.raises(ValueError):
+        codec.encode({}, Stamp(b"short", 1, b""))
+    with pytest.raises(ValueError):
+        codec.encode({}, Stamp(sender.id, 1, b"x" * 256))
+
+
+def _reason(guard: ReplayGuard, stamp: Stamp) -> str | None:
+    try:
+        guard.admit(stamp)
+    except BadFrame as e:
+        return e.reason
+    return None
+
+
+def test_the_window_accepts_each_number_once_in_any_order_within_it():
+    guard = ReplayGuard(b"me", open_door=True)
+    a = Sender()
+    s = [a.stamp(b"me") for _ in range(6)]
+    assert [_reason(guard, s[i]) for i in (0, 2, 1, 5, 3)] == [None] * 5  # reordered: fine
+    assert [_reason(guard, s[i]) for i in (0, 2, 5)] == ["replayed"] * 3
+    assert _reason(guard, s[4]) is None
+    assert _reason(guard, Sender().stamp(b"me")) is None  # a new sender (epoch) starts fresh
+    assert _reason(guard, a.stamp(b"someone else")) == "misaddressed"
+    late = a.stamp(b"me")
+    for _ in range(replay.WINDOW):
+        assert _reason(guard, a.stamp(b"me")) is None
+    assert _reason(guard, late) == "replayed"  # older than the window
+
+
+def test_a_closed_door_accepts_only_introduced_senders_above_their_floor():
+    guard = ReplayGuard(b"", open_door=False)
+    pub = Sender()
+    old = [pub.stamp() for _ in range(3)]
+    assert _reason(guard, old[0]) == "misaddressed"  # not introduced yet
+    guard.introduce(pub.id, pub.last)
+    assert [_reason(guard, st) for st in old] == ["replayed"] * 3  # from before the introduction
+    assert _reason(guard, pub.stamp()) is None
+    assert _reason(guard, Sender().stamp()) == "misaddressed"
+
+
+def test_senders_are_bounded(monkeypatch):
+    monkeypatch.setattr(replay, "MAX_SENDERS", 3)
+    guard = ReplayGuard(b"me", open_door=True)
+    senders = [Sender() for _ in range(4)]
+    firsts = [s.stamp(b"me") for s in senders]
+    for st in firsts:
+        guard.admit(st)
+    assert list(guard._windows) == [s.id for s in senders[1:]]  # the least recently heard-from left

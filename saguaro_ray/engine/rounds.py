@@ -132,8 +132,8 @@ BroadcastFn = Callable[[Sequence[WorkerHandle], str, tuple], "list[Future[Timed]
 @dataclass
 class Forwarded:
     """A call another worker places on ``worker`` for this coordinator:
-    ``address`` is what that worker needs to send it (endpoint, reply routing
-    id, call id), ``future`` its answer, ``forget()`` withdraws it."""
+    ``address`` is what that worker needs to send it (endpoint, server id,
+    reply routing id, call id), ``future`` its answer, ``forget()`` withdraws it."""
 
     worker: WorkerHandle
     address: list[Any]

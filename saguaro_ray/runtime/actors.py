@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import threading
+from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -50,6 +51,7 @@ _METHODS = {
     "qualifier": ["qualify", "prefill", "release", *_MEMBERSHIP],
 }
 JOIN_TIMEOUT_S = 60.0
+STATS_TIMEOUT_S = 5.0  # how long metrics() waits for a worker's counters
 
 
 def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None) -> ModelRunner:
@@ -75,7 +77,7 @@ class WorkerActor:
         self.logic = _LOGIC[kind](self._make_runner(model, config))
         node = ray.util.get_node_ip_address()
         # tensors to and from peers live on the device the model runs on
-        self.routed = RoutedLogic(self.logic, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
+        self.routed = RoutedLogic(self.logic, key, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
         follow_up = self.routed.follow_up if config.build_ahead else None  # the work a draft starts after answering
         self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=follow_up)
@@ -98,6 +100,7 @@ class WorkerActor:
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
             "dropped_frames": self.server.dropped_frames,
+            "drop_reasons": self.server.drop_reasons,
             "broadcast_calls": self.server.stats()["broadcast_calls"],
             "forwarded_calls": 0 if self.routed.forwarder is None else self.routed.forwarder.forwarded,
             "data_plane": None if self.routed.plane is None else self.routed.plane.stats(),
@@ -125,16 +128,18 @@ class CoordinatorActor:
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
         self.clients = {role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
+        # what the coordinator serves binds where the workers do: the node address, or IPC on one node
+        tcp = any(c.client.endpoint.startswith("tcp://") for c in self.clients.values())
+        host = ray.util.get_node_ip_address() if tcp else None
         self._store: DataPlaneStore | None = None
         self._generations = itertools.count(1)
         self._plane_lock = threading.Lock()
         self.data_plane_generation = 0  # 0: tensors ride the control frames
         if config.data_plane:
-            self._store = DataPlaneStore(ray.util.get_node_ip_address())
+            self._store = DataPlaneStore(key, host)
             self._join_data_plane()
         # the outcome broadcast: one XPUB message per round reaches every draft
-        tcp = any(c.client.endpoint.startswith("tcp://") for c in self.clients.values())
-        self._broadcaster = Broadcaster(key, host=ray.util.get_node_ip_address() if tcp else None, name="outcomes")
+        self._broadcaster = Broadcaster(key, host=host, name="outcomes")
         self._subscribed: set[str] = set()
         for role, c in self.clients.items():
             if role.startswith("draft"):
@@ -172,7 +177,7 @@ class CoordinatorActor:
         (so nothing published afterwards can miss it)."""
         self._subscribed.discard(client.name)
         try:
-            sid = client.submit("__subscribe__", self._broadcaster.endpoint).result(timeout=60).value
+            sid = client.submit("__subscribe__", self._broadcaster.invitation()).result(timeout=60).value
             self._broadcaster.wait_for([sid], timeout_s=60)
         except Exception as exc:  # noqa: BLE001 — it gets its calls one by one instead
             log.warning("%s could not join the outcome broadcast (%s); calling it directly", client.name, exc)
@@ -246,9 +251,40 @@ class CoordinatorActor:
         recs = recs if last is None else recs[-last:]
         return [r.to_json() for r in recs]
 
+    def drop_counts(self) -> dict[str, dict[str, int]]:
+        """Dropped control frames by reason, per role — what each worker's
+        server (and its broadcast subscriber) dropped plus what this
+        coordinator's client for it dropped — and under ``"coordinator"``
+        what the outcome broadcaster and the data-plane store dropped. A
+        worker that does not answer within a few seconds (restarting)
+        contributes only this side's count."""
+        asked: dict[str, tuple[Any, Future | None]] = {}
+        for role, c in self.clients.items():
+            client = c.client
+            try:
+                asked[role] = (client, client.submit_with("__stats__", (), timeout_s=STATS_TIMEOUT_S))
+            except ControlError:  # closed (shut down)
+                asked[role] = (client, None)
+        out: dict[str, dict[str, int]] = {}
+        for role, (client, fut) in asked.items():
+            counts = Counter(client.drop_reasons)
+            try:
+                if fut is not None:
+                    counts.update(fut.result().value["drop_reasons"])
+            except Exception as exc:  # noqa: BLE001 — a worker that is down reports nothing
+                log.debug("no drop counts from %s (%s)", role, exc)
+            out[role] = dict(counts)
+        own = Counter(self._broadcaster.drop_reasons)
+        if self._store is not None:
+            own.update(self._store.drop_reasons)
+        out["coordinator"] = dict(own)
+        return out
+
     def metrics(self) -> dict[str, Any]:
+        drops = self.drop_counts()
         return {
-            "dropped_frames": {role: c.client.dropped_frames for role, c in self.clients.items()},
+            "dropped_frames": {role: sum(reasons.values()) for role, reasons in drops.items()},
+            "drop_reasons": drops,
             "restarts": {role: c.restarts for role, c in self.clients.items()},
             "draft_failures": self.loop.draft_failures,
             "draft_up": self.loop.draft_up,

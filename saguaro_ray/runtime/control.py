@@ -1,9 +1,24 @@
 """The control plane over ZeroMQ: worker commands and the outcome broadcast.
 
 Every frame is a :class:`~saguaro_ray.runtime.wire.FrameCodec` frame
-(HMAC-SHA256 ‖ msgpack); a frame that fails authentication or decoding is
-dropped and counted (``dropped_frames``, ``drop_reasons``), never acted on.
-Every receive polls with a timeout, so every loop notices ``close()``.
+(HMAC-SHA256 ‖ stamp ‖ msgpack); a frame that fails authentication, is not
+fresh (a replay, or for another recipient: :mod:`saguaro_ray.runtime.replay`)
+or cannot be decoded is dropped and counted (``dropped_frames``,
+``drop_reasons``), never acted on. Every receive polls with a timeout, so
+every loop notices ``close()``.
+
+Freshness, channel by channel. A client's calls are addressed to the
+server's id, which the client learns in a handshake (``__hello__``, the one
+call a server answers unaddressed: it does nothing but name the server) sent
+before any call, and numbered by the client; the server's replies are
+addressed to the client's reply routing id and numbered by the server. A
+forwarded call is addressed to the peer server's id, which the coordinator
+hands over with the rest of the call's address. A broadcast is numbered by
+the broadcaster, and a subscriber accepts it only from the broadcaster it was
+introduced to (in the ``__subscribe__`` call: endpoint, broadcaster id and the
+number it had reached). Subscription hellos are idempotent and carry no
+stamp: replaying one subscribes a connection that holds no key to messages it
+cannot forge.
 
 Commands — ROUTER (worker, binds) ⇄ DEALER (coordinator, connects).
     One endpoint per worker carries both directions; calls are pipelined (a
@@ -48,6 +63,11 @@ calls on its one socket with a lock, so any thread may call them.
 Endpoints come from :func:`bind_endpoint`: ``tcp://HOST:PORT`` on an
 ephemeral port, or an ``ipc://`` socket in a fresh private (0700) temp dir
 when ``host`` is ``None`` (same node), released by the owner's ``close()``.
+The dir's name carries the owner's pid, so a process that was killed before
+it could close (a worker Ray restarted) leaves nothing for long: the next
+process on the node to bind one removes the dirs of owners that are gone
+(judged by pid, so this assumes that processes sharing a temp dir share a pid
+namespace, as a Ray node's do).
 """
 
 from __future__ import annotations
@@ -64,12 +84,13 @@ import uuid
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import zmq
 
 from saguaro_ray.errors import SaguaroError
-from saguaro_ray.runtime.wire import MALFORMED, BadFrame, EncodeError, FrameCodec
+from saguaro_ray.runtime.replay import ReplayGuard, Sender
+from saguaro_ray.runtime.wire import MALFORMED, MISADDRESSED, BadFrame, EncodeError, FrameCodec, Stamp, new_key, pack_payload, unpack_payload
 from saguaro_ray.workers.messages import Timed
 
 log = logging.getLogger(__name__)
@@ -81,6 +102,7 @@ __all__ = [
     "CallForwarder",
     "CommandServer",
     "ControlError",
+    "EngineKey",
     "RemoteError",
     "Subscriber",
     "SubscriberTimeout",
@@ -92,6 +114,7 @@ __all__ = [
 METHOD_NOT_ALLOWED = "MethodNotAllowed"
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 _PING = "__ping__"
+_HELLO_CALL = "__hello__"
 _STATS = "__stats__"
 _SUBSCRIBE = "__subscribe__"
 _IPC_PREFIX = "saguaro-zmq-"
@@ -142,6 +165,50 @@ def _ipc_dir_root() -> str:
     return root if len(root) <= 60 else "/tmp"
 
 
+def _owner_pid(name: str) -> int | None:
+    """The pid in an IPC dir's name (``saguaro-zmq-<pid>-<random>``), if any."""
+    pid, sep, _ = name[len(_IPC_PREFIX) :].partition("-")
+    return int(pid) if sep and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+_swept = False
+
+
+def _sweep_orphans(root: str) -> None:
+    """Remove the IPC dirs (ours, by uid) whose owner process is gone; once per process."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        pid = _owner_pid(name) if name.startswith(_IPC_PREFIX) else None
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s, left behind by process %d", path, pid)
+
+
 def bind_endpoint(sock: zmq.Socket, host: str | None, *, name: str = "control") -> str:
     """Bind ``sock`` and return the concrete endpoint to connect to.
 
@@ -150,7 +217,9 @@ def bind_endpoint(sock: zmq.Socket, host: str | None, *, name: str = "control") 
     temp dir (same-node peers only); :func:`release_endpoint` removes it.
     """
     if host is None:
-        d = tempfile.mkdtemp(prefix=_IPC_PREFIX, dir=_ipc_dir_root())
+        root = _ipc_dir_root()
+        _sweep_orphans(root)
+        d = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-", dir=root)
         sock.bind(f"ipc://{os.path.join(d, name)}.sock")
     else:
         if not host or any(c in host for c in "/*[]"):
@@ -204,6 +273,67 @@ def _poll_ms(poll_ms: int, deadline: float) -> int:
     return max(0, min(poll_ms, int((deadline - time.monotonic()) * 1000) + 1))
 
 
+class EngineKey(bytes):
+    """The engine's secret: the frame HMAC key (the bytes themselves), and
+    with ``encrypt`` a CURVE keypair (z85, :attr:`curve`) for the sockets
+    that bind TCP endpoints. One per engine, handed to every actor through
+    Ray; anything that takes a frame key takes this.
+
+    CURVE (multi-node TCP; IPC stays on one node in 0700 dirs and is not
+    encrypted): every binding socket is a CURVE server with the engine's
+    secret key, and every connecting socket checks that key (it knows the
+    public one) under a keypair of its own, so nothing crossing the network
+    can be read or altered. There is no ZAP handler: a peer that knows the
+    public key may connect, but without the HMAC key everything it sends is
+    still dropped.
+    """
+
+    curve: tuple[bytes, bytes] | None
+
+    def __new__(cls, mac: bytes, curve: tuple[bytes, bytes] | None = None) -> "EngineKey":
+        self = super().__new__(cls, mac)
+        self.curve = curve
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (EngineKey, (bytes(self), self.curve))
+
+    @classmethod
+    def generate(cls, encrypt: bool = False) -> "EngineKey":
+        if encrypt and not zmq.has("curve"):
+            raise ControlError("this libzmq was built without CURVE; encryption is not available")
+        return cls(new_key(), zmq.curve_keypair() if encrypt else None)
+
+
+def _curve(key: bytes) -> tuple[bytes, bytes] | None:
+    return getattr(key, "curve", None)
+
+
+def _serve_on(sock: zmq.Socket, key: bytes, host: str | None, endpoint: str | None, name: str) -> str:
+    """Bind ``sock`` to ``endpoint`` exactly, or via :func:`bind_endpoint` on
+    ``host``; a TCP endpoint is a CURVE server when the key carries a keypair."""
+    curve = _curve(key)
+    if curve is not None and (endpoint.startswith("tcp://") if endpoint is not None else host is not None):
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
+    if endpoint is not None:
+        sock.bind(endpoint)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return bind_endpoint(sock, host, name=name.replace("/", "_")[:40] or "control")
+
+
+def _connect(sock: zmq.Socket, key: bytes, endpoint: str) -> None:
+    """Connect ``sock``; to a TCP endpoint over CURVE when the key carries a
+    keypair (checking the server's key, under a fresh keypair of its own)."""
+    curve = _curve(key)
+    if curve is not None and endpoint.startswith("tcp://"):
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.connect(endpoint)
+
+
 def _sock(kind: int, max_frame_bytes: int | None) -> zmq.Socket:
     s = zmq.Context.instance().socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -224,10 +354,13 @@ class CommandServer:
     process; a method that returns a :class:`Timed` itself names the span its
     work really ran) or ``{"id", "ok": False, "type", "message", "traceback"}``. A
     method outside the allow-list is answered with error type
-    ``"MethodNotAllowed"``. Built-ins always served: ``__ping__``,
-    ``__stats__`` (this server's counters) and ``__subscribe__(endpoint)``
-    (join a :class:`Broadcaster`; returns the subscriber id). Frames that
-    fail authentication or decoding are dropped and counted.
+    ``"MethodNotAllowed"``. Built-ins always served: ``__hello__`` (the
+    handshake: the reply's stamp names this server, :attr:`id`),
+    ``__ping__``, ``__stats__`` (this server's counters) and
+    ``__subscribe__(invitation)`` (join a :class:`Broadcaster`, see
+    :meth:`Broadcaster.invitation`; returns the subscriber id). Frames that
+    fail authentication, freshness or decoding — here or on the broadcast —
+    are dropped and counted.
 
     Broadcast calls: once subscribed, the server also executes calls that
     arrive on the broadcast — ``{"method", "args", "calls": {server name:
@@ -280,6 +413,9 @@ class CommandServer:
             if not callable(getattr(target, m, None)):
                 raise ValueError(f"{type(target).__name__} has no method {m!r} to expose")
         self._codec = FrameCodec(key)
+        self._sender = Sender()  # numbers the replies; its id is this server's recipient id
+        self.id = self._sender.id
+        self._guard = ReplayGuard(self.id, open_door=True)
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._drops = _Drops(f"command server {name!r}")
         self._calls = 0
@@ -288,11 +424,7 @@ class CommandServer:
         self._broadcast_calls = 0
         self._sock = _sock(zmq.ROUTER, max_frame_bytes)
         try:
-            if endpoint is not None:
-                self._sock.bind(endpoint)
-                self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self.endpoint = bind_endpoint(self._sock, host, name=name.replace("/", "_")[:40] or "worker")
+            self.endpoint = _serve_on(self._sock, key, host, endpoint, name)
         except Exception:
             self._sock.close(0)
             raise
@@ -445,7 +577,10 @@ class CommandServer:
             return
         ident, frame = parts
         try:
-            msg = self._codec.decode(frame)
+            stamp, payload = self._codec.unseal(frame)
+            if stamp.to:  # a hello (unaddressed) is checked below, once it is parsed
+                self._guard.admit(stamp)
+            msg = unpack_payload(payload)
         except BadFrame as e:
             self._drops.drop(e.reason, e.detail)
             return
@@ -458,6 +593,9 @@ class CommandServer:
             self._drops.drop(MALFORMED, "request is not {id: int, method: str, args: list}")
             return
         cid, method, args = msg["id"], msg["method"], msg["args"]
+        if not stamp.to and method != _HELLO_CALL:
+            self._drops.drop(MISADDRESSED, f"an unaddressed {method}() call (only {_HELLO_CALL} may be)")
+            return
         # a client sends on one connection and reads replies on another (see
         # CommandClient); "reply_to" names the reading one's routing id
         reply_to = msg.get("reply_to")
@@ -467,10 +605,11 @@ class CommandServer:
 
     def _reply(self, ident: bytes, cid: int, reply: dict[str, Any], method: str) -> None:
         try:
-            out = self._codec.encode(reply)
+            payload = pack_payload(reply)
         except EncodeError as e:
             self._errors += 1
-            out = self._codec.encode(self._error(cid, e, with_traceback=False))
+            payload = pack_payload(self._error(cid, e, with_traceback=False))
+        out = self._codec.seal(payload, self._sender.stamp(ident))
         try:
             self._sock.send_multipart([ident, out], zmq.NOBLOCK)
         except zmq.Again:  # the client's queue is full or it is gone
@@ -482,17 +621,17 @@ class CommandServer:
 
     def _execute(self, cid: int, method: str, args: list) -> dict[str, Any]:
         start = time.perf_counter()
-        if method == _PING:
+        if method == _PING or method == _HELLO_CALL:
             return {"id": cid, "ok": True, "result": Timed(None, start, time.perf_counter())}
         if method == _STATS:
             return {"id": cid, "ok": True, "result": Timed(self.stats(), start, time.perf_counter())}
         if method == _SUBSCRIBE:
             try:
-                if type(args) is not list or len(args) != 1 or type(args[0]) is not str:
-                    raise ValueError("__subscribe__ takes one endpoint string")
+                if type(args) is not list or len(args) != 1:
+                    raise ValueError("__subscribe__ takes one invitation (Broadcaster.invitation())")
                 if self._sub is not None:
                     self._sub.close()
-                self._sub = Subscriber(args[0], self._key, name=f"{self.name}-broadcast")
+                self._sub = Subscriber(args[0], self._key, name=f"{self.name}-broadcast", drops=self._drops)
             except Exception as e:
                 self._errors += 1
                 return self._error(cid, e, with_traceback=False)
@@ -551,23 +690,32 @@ class CallForwarder:
 
     def __init__(self, key: bytes, *, max_peers: int = 64, max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._codec = FrameCodec(key)
+        self._key = key
+        self._sender = Sender()
         self._max_peers = max_peers
         self._max_frame_bytes = max_frame_bytes
         self._socks: dict[str, zmq.Socket] = {}
         self.forwarded = 0
 
-    def call(self, endpoint: str, reply_to: bytes, cid: int, method: str, args: list) -> None:
-        """Send ``method(*args)`` to the server at ``endpoint``; it replies to the
-        client whose reply socket has routing id ``reply_to``, under call id ``cid``."""
-        if type(reply_to) is not bytes or not 0 < len(reply_to) <= 255 or type(cid) is not int:
-            raise ValueError("a forwarded call needs the client's routing id (bytes) and an integer call id")
-        frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": reply_to})
+    def call(self, address: Sequence[Any], method: str, args: list) -> None:
+        """Send ``method(*args)`` to the server at ``address`` — ``[endpoint,
+        server id, reply routing id, call id]``, from
+        :meth:`CommandClient.address_for` — so that it replies to that client
+        under that call id. :class:`ControlError` if it cannot be sent."""
+        if type(address) not in (list, tuple) or len(address) != 4:
+            raise ControlError(f"a forwarded call's address is [endpoint, server id, reply routing id, call id], got {address!r}")
+        endpoint, server_id, reply_to, cid = address
+        if type(server_id) is not bytes or not server_id:
+            raise ControlError(f"cannot forward a call to {endpoint}: its server has not been reached yet (no server id)")
+        if type(endpoint) is not str or type(reply_to) is not bytes or not 0 < len(reply_to) <= 255 or type(cid) is not int:
+            raise ControlError("a forwarded call needs an endpoint, the client's routing id (bytes) and an integer call id")
+        frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": reply_to}, self._sender.stamp(server_id))
         try:
             sock = self._socks.get(endpoint)
             if sock is None:
                 sock = _sock(zmq.DEALER, self._max_frame_bytes)
                 try:
-                    sock.connect(endpoint)
+                    _connect(sock, self._key, endpoint)
                 except zmq.ZMQError:
                     sock.close(0)  # a bad endpoint leaves nothing behind
                     raise
@@ -649,6 +797,11 @@ class CommandClient:
     NeedsPrefillError}`` so a round loop can catch what it catches in-process.
     Unlike ``InProcessWorker``, an unknown method is reported through the
     future (``RemoteError`` of type ``"MethodNotAllowed"``), not at submit.
+
+    Before any call the I/O thread shakes hands (``__hello__``): the reply
+    names the server (:attr:`server_id`), and from then on calls are
+    addressed to it and replies accepted only from it. Calls submitted before
+    the answer wait in the I/O thread and leave, in order, when it comes.
     """
 
     def __init__(
@@ -669,6 +822,9 @@ class CommandClient:
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         self._codec = FrameCodec(key)
+        self._sender = Sender()
+        self.server_id: bytes | None = None  # set by the I/O thread when the handshake is answered
+        self._held: deque[tuple[int, bytes]] = deque()  # I/O thread only: calls waiting for the handshake
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._clock = _ClockMap() if (clock_sync if clock_sync is not None else not endpoint.startswith("ipc://")) else None
         self._drops = _Drops(f"command client {name!r}")
@@ -701,14 +857,16 @@ class CommandClient:
         # reach the server in submission order.
         uid = uuid.uuid4().hex
         self._rx_id = f"rx-{uid}".encode()
+        self._guard = ReplayGuard(self._rx_id, open_door=False)  # the server is introduced by the handshake
+        self._hello_id = next(self._ids)
         self._dealer = _sock(zmq.DEALER, max_frame_bytes)
         # the reply socket's routing id: a broadcast call names it as the one to answer
         self.identity = self._rx_id
         self._dealer.setsockopt(zmq.ROUTING_ID, self._rx_id)
-        self._dealer.connect(endpoint)
+        _connect(self._dealer, key, endpoint)
         self._tx = _sock(zmq.DEALER, max_frame_bytes)
         self._tx.setsockopt(zmq.ROUTING_ID, f"tx-{uid}".encode())
-        self._tx.connect(endpoint)
+        _connect(self._tx, key, endpoint)
         self._direct = False  # sticky once chosen (under _send_lock)
         self._direct_ready = False  # set by the I/O thread when a reply arrived on _dealer
         self._relayed = 0  # relayed calls not yet answered (incremented under _send_lock)
@@ -738,7 +896,7 @@ class CommandClient:
             raise TypeError(f"method must be a string, got {method!r}")
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         cid = next(self._ids)
-        frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": self._rx_id})
+        payload = pack_payload({"id": cid, "method": method, "args": list(args), "reply_to": self._rx_id})
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # like an executor's running task: not cancellable
         pending = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
@@ -747,19 +905,22 @@ class CommandClient:
                 raise ClientClosed(f"command client {self.name!r} is closed")
             self._pending[cid] = pending
         full = False
+        # seal (hash) outside the send lock once the server is known; if the call is
+        # relayed after all, the I/O thread seals it again (a skipped number is harmless)
+        frame = self._seal(payload) if self.server_id is not None else None
         try:
             with self._send_lock:
                 if self._direct or (self._direct_ready and self._relayed == 0):
                     self._direct = True
                     pending.t_send = time.perf_counter()
                     try:
-                        self._tx.send(frame, zmq.NOBLOCK)
+                        self._tx.send(frame if frame is not None else self._seal(payload), zmq.NOBLOCK)
                     except zmq.Again:
                         full = True
                 else:
                     pending.relayed = True
                     self._relayed += 1
-                    self._outbox.send_multipart([cid.to_bytes(8, "little"), frame])
+                    self._outbox.send_multipart([cid.to_bytes(8, "little"), payload])
         except zmq.ZMQError:  # closed concurrently: close() fails every pending future
             pass
         if full:
@@ -782,6 +943,12 @@ class CommandClient:
                 raise ClientClosed(f"command client {self.name!r} is closed")
             self._pending[cid] = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
         return cid, fut
+
+    def address_for(self, cid: int) -> list[Any]:
+        """Where another worker sends a call on this client's behalf (see
+        :class:`CallForwarder`): ``[endpoint, server id, reply routing id,
+        call id]``; the server id is ``None`` until the handshake is answered."""
+        return [self.endpoint, self.server_id, self.identity, cid]
 
     def forget(self, cid: int) -> None:
         """Withdraw an expected call: its future fails now, and an answer that
@@ -826,12 +993,18 @@ class CommandClient:
         self.close()
 
     # I/O thread ---------------------------------------------------------
+    def _seal(self, payload: bytes) -> bytes:
+        """A call's frame, addressed to the server and numbered (handshake done)."""
+        return self._codec.seal(payload, self._sender.stamp(self.server_id or b""))
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
         failure: BaseException | None = None
+        hello = {"id": self._hello_id, "method": _HELLO_CALL, "args": [], "reply_to": self._rx_id}
         try:
+            self._dealer.send(self._codec.encode(hello, self._sender.stamp(b"")), zmq.NOBLOCK)
             while not self._stop.is_set():
                 try:
                     events = dict(poller.poll(self._wait_ms()))
@@ -879,18 +1052,39 @@ class CommandClient:
             except zmq.Again:
                 return
             cid = int.from_bytes(cid_b, "little")
+            if self.server_id is None:
+                self._held.append((cid, frame))
+            else:
+                self._send_relayed(cid, frame)
+
+    def _send_relayed(self, cid: int, payload: bytes) -> None:
+        with self._lock:
+            p = self._pending.get(cid)
+            if p is None:  # timed out while it waited for the handshake
+                return
+            p.t_send = time.perf_counter()
+        try:
+            self._dealer.send(self._seal(payload), zmq.NOBLOCK)
+        except zmq.Again:
             with self._lock:
-                p = self._pending.get(cid)
-                if p is not None:
-                    p.t_send = time.perf_counter()
-            try:
-                self._dealer.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                with self._lock:
-                    p = self._pending.pop(cid, None)
-                if p is not None:
-                    self._settled(p)
-                    _fail(p.future, ControlError(f"the send queue to worker {self.name!r} is full ({self.endpoint}); is it alive?"))
+                p = self._pending.pop(cid, None)
+            if p is not None:
+                self._settled(p)
+                _fail(p.future, ControlError(f"the send queue to worker {self.name!r} is full ({self.endpoint}); is it alive?"))
+
+    def _handshake(self, stamp: Stamp, payload: memoryview) -> None:
+        """Before the server is known, only the answer to our hello is accepted:
+        it names the server and the number its replies continue from."""
+        if stamp.to != self._rx_id:
+            raise BadFrame(MISADDRESSED, "the frame is addressed to another recipient")
+        msg = unpack_payload(payload)
+        if type(msg) is not dict or msg.get("id") != self._hello_id or msg.get("ok") is not True:
+            raise BadFrame(MISADDRESSED, "a reply before the handshake was answered")
+        self._guard.introduce(stamp.sender, stamp.seq)
+        self.server_id = stamp.sender
+        self._direct_ready = True  # the server routes replies to this connection
+        while self._held:
+            self._send_relayed(*self._held.popleft())
 
     def _receive(self) -> None:
         while True:
@@ -903,14 +1097,20 @@ class CommandClient:
                 self._drops.drop(MALFORMED, f"{len(parts)} message parts in a reply")
                 continue
             try:
-                msg = self._codec.decode(parts[0])
+                stamp, payload = self._codec.unseal(parts[0])
+                if self.server_id is None:
+                    self._handshake(stamp, payload)
+                    continue
+                self._guard.admit(stamp)
+                msg = unpack_payload(payload)
             except BadFrame as e:
                 self._drops.drop(e.reason, e.detail)
                 continue
             if type(msg) is not dict or type(msg.get("id")) is not int:
                 self._drops.drop(MALFORMED, "reply without an id")
                 continue
-            self._direct_ready = True  # the server routes replies to this connection
+            if msg["id"] == self._hello_id:
+                continue  # our hello answered again (someone replayed it to the server)
             with self._lock:
                 p = self._pending.pop(msg["id"], None)
             if p is None:
@@ -985,7 +1185,9 @@ class Broadcaster:
     subscribed. Hellos that fail authentication are dropped and counted; an
     unauthenticated peer is never subscribed to anything. A subscriber that
     stops reading makes ``publish`` raise :class:`ControlError` after
-    ``send_timeout_s`` once its queue (``hwm`` messages) is full.
+    ``send_timeout_s`` once its queue (``hwm`` messages) is full. Messages
+    are numbered; a :class:`Subscriber` is built from :meth:`invitation`,
+    which tells it whose messages, from which number on, to accept.
     """
 
     def __init__(
@@ -1000,6 +1202,7 @@ class Broadcaster:
     ) -> None:
         self.name = name
         self._codec = FrameCodec(key)
+        self._sender = Sender()
         self._drops = _Drops(f"broadcaster {name!r}")
         self._lock = threading.Lock()
         self._subs: dict[str, list[str]] = {}
@@ -1011,11 +1214,7 @@ class Broadcaster:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.SNDTIMEO, max(0, int(send_timeout_s * 1000)))
         try:
-            if endpoint is not None:
-                sock.bind(endpoint)
-                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self.endpoint = bind_endpoint(sock, host, name=name.replace("/", "_")[:40] or "broadcast")
+            self.endpoint = _serve_on(sock, key, host, endpoint, name)
         except Exception:
             sock.close(0)
             raise
@@ -1028,6 +1227,13 @@ class Broadcaster:
     @property
     def drop_reasons(self) -> dict[str, int]:
         return self._drops.reasons()
+
+    def invitation(self) -> list[Any]:
+        """What a :class:`Subscriber` needs to join: ``[endpoint, this
+        broadcaster's sender id, the last number it used]`` — it accepts only
+        this broadcaster's messages numbered above that (so none captured
+        before it joined)."""
+        return [self.endpoint, self._sender.id, self._sender.last]
 
     @property
     def subscribers(self) -> int:
@@ -1064,7 +1270,7 @@ class Broadcaster:
                 self._drain(min(left, 0.1))
 
     def publish(self, obj: Any, topic: str = "") -> None:
-        frame = self._codec.encode({"topic": topic, "msg": obj})
+        frame = self._codec.encode({"topic": topic, "msg": obj}, self._sender.stamp(b""))
         with self._lock:
             self._drain(0)
             try:
@@ -1135,11 +1341,27 @@ class Broadcaster:
 class Subscriber:
     """Worker side of a :class:`Broadcaster`: ``recv(timeout_s)`` → object or ``None``.
 
-    Joins with an authenticated hello naming ``topics`` (``""``: all).
-    Frames that fail authentication or decoding are dropped and counted.
+    Built from the broadcaster's :meth:`~Broadcaster.invitation`; joins with
+    an authenticated hello naming ``topics`` (``""``: all). Frames that fail
+    authentication, freshness (not that broadcaster's, or a number already
+    seen or from before the invitation) or decoding are dropped and counted
+    (in ``drops`` when given: a server counts its subscriber's drops as its own).
     """
 
-    def __init__(self, endpoint: str, key: bytes, *, topics: Iterable[str] = ("",), name: str = "subscriber") -> None:
+    def __init__(
+        self,
+        invitation: Sequence[Any],
+        key: bytes,
+        *,
+        topics: Iterable[str] = ("",),
+        name: str = "subscriber",
+        drops: _Drops | None = None,
+    ) -> None:
+        if type(invitation) not in (list, tuple) or len(invitation) != 3:
+            raise ValueError(f"an invitation is [endpoint, broadcaster id, last number] (Broadcaster.invitation()), got {invitation!r}")
+        endpoint, publisher, after = invitation
+        if type(endpoint) is not str or type(publisher) is not bytes or type(after) is not int or after < 0:
+            raise ValueError(f"an invitation is [endpoint: str, broadcaster id: bytes, last number: int], got {invitation!r}")
         self.name = name
         self.endpoint = endpoint
         self.id = uuid.uuid4().hex
@@ -1147,7 +1369,9 @@ class Subscriber:
         if not self.topics or any(not isinstance(t, str) for t in self.topics):
             raise ValueError(f"topics must be a non-empty list of strings, got {topics!r}")
         self._codec = FrameCodec(key)
-        self._drops = _Drops(f"subscriber {name!r}")
+        self._guard = ReplayGuard(b"", open_door=False)
+        self._guard.introduce(publisher, after)
+        self._drops = drops if drops is not None else _Drops(f"subscriber {name!r}")
         self._lock = threading.Lock()
         self._closed = False
         self._closing = False
@@ -1155,7 +1379,7 @@ class Subscriber:
         for t in self.topics:  # local filter first, then the hello
             sock.setsockopt(zmq.SUBSCRIBE, _DATA + t.encode("utf-8"))
         sock.setsockopt(zmq.SUBSCRIBE, _HELLO + self._codec.encode({"hello": self.id, "topics": self.topics}))
-        sock.connect(endpoint)
+        _connect(sock, key, endpoint)
         self._sock = sock
 
     @property
@@ -1194,7 +1418,9 @@ class Subscriber:
             self._drops.drop(MALFORMED, "not a [topic, frame] broadcast")
             return _REJECTED
         try:
-            env = self._codec.decode(parts[1])
+            stamp, payload = self._codec.unseal(parts[1])
+            self._guard.admit(stamp)
+            env = unpack_payload(payload)
         except BadFrame as e:
             self._drops.drop(e.reason, e.detail)
             return _REJECTED

@@ -11,9 +11,26 @@ model that owns ``init_process_group``'s default group, and the data-plane
 group must be rebuilt whenever a worker restarts (a dead member breaks a
 group for good). So each :class:`DataPlane` builds its own backend object —
 ``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA — over a
-``PrefixStore("gen{generation}/", TCPStore)``, the ``TCPStore`` hosted by the
+``PrefixStore("gen{generation}/", store)``, the store hosted by the
 coordinator (:class:`DataPlaneStore`). A rebuild is every member closing its
 plane and joining the next generation number; generations are never reused.
+
+A closed rendezvous. torch's ``TCPStore`` cannot be the store: its server
+listens on every interface whatever host it is given, and it has no
+authentication — any peer that reaches the port may list every key
+(``list_keys``), read the members' addresses, or write its own. So the store
+is a key-value table served over the control plane (:class:`DataPlaneStore`:
+a :class:`~saguaro_ray.runtime.control.CommandServer` bound to the node
+address, or an IPC socket in a private directory on one node) and each
+member reaches it through :class:`StoreClient`, a ``torch.distributed.Store``
+whose every operation is an authenticated, replay-protected call with the
+engine's key. What that guarantees: a peer without the key can neither read
+nor write a rendezvous key, and nothing listens on an interface other than
+the one given. What it does not: the gloo (or NCCL) connections the members
+then open to each other carry tensors without authentication — torch offers
+none — so they are bound to the node address Ray reports (``gloo_host``), and
+an attacker on that network who can connect to those ports could still
+disturb transfers.
 
 What gloo really does (torch 2.13, measured, see tests/test_data_plane.py):
 
@@ -75,6 +92,7 @@ import torch.distributed as dist
 from saguaro_ray.engine.transport import TransferLost as _TransferLostBase
 from saguaro_ray.errors import SaguaroError
 from saguaro_ray.runtime import wire
+from saguaro_ray.runtime.control import CommandClient, CommandServer, ControlError
 from saguaro_ray.runtime.wire import DTYPE_NAMES, DTYPES
 from saguaro_ray.workers.messages import Extension, Proposal
 
@@ -95,6 +113,7 @@ __all__ = [
     "resolve",
     "resolve_q",
     "send_kv",
+    "StoreClient",
     "unpack_kv",
 ]
 
@@ -158,28 +177,126 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+class _Table:
+    """The rendezvous key-value table; its methods run on the store's server
+    thread one at a time, so they need no lock. Values are bytes; a counter
+    (``add``) is kept as its decimal digits, as torch's stores keep it."""
+
+    def __init__(self) -> None:
+        self._kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self._kv[key] = bytes(value)
+
+    def get(self, key: str) -> bytes | None:
+        return self._kv.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self._kv.get(key, b"0")) + int(amount)
+        self._kv[key] = str(value).encode()
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self._kv for k in keys)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        current = self._kv.get(key)
+        if (current is None and not expected) or current == expected:
+            self._kv[key] = bytes(desired)
+            return bytes(desired)
+        return expected if current is None else current
+
+    def delete_key(self, key: str) -> bool:
+        return self._kv.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        return len(self._kv)
+
+
+_TABLE_METHODS = ["set", "get", "add", "check", "compare_set", "delete_key", "num_keys"]
+
+
 class DataPlaneStore:
-    """The rendezvous store, hosted by the coordinator: a master ``TCPStore``
-    on an ephemeral port. Workers join with its :attr:`address`; every
+    """The rendezvous store, hosted by the coordinator: a key-value table
+    behind a :class:`~saguaro_ray.runtime.control.CommandServer` (see "A
+    closed rendezvous" in the module doc). ``host``: the node address to
+    bind (``tcp://host:*``), or ``None`` for an IPC socket (one node).
+    Workers join with its :attr:`address` and the engine's key; every
     generation lives under its own key prefix, so one store serves every
     rebuild. Keeps no tensors — only a few keys per member and generation."""
 
-    def __init__(self, host: str, timeout_s: float = 300.0) -> None:
-        # port 0: the OS picks a free port, read back from .port (no race)
-        self._store: dist.TCPStore | None = dist.TCPStore(
-            host, 0, None, True, _td(timeout_s), wait_for_workers=False
-        )
-        self.address: tuple[str, int] = (host, int(self._store.port))
+    def __init__(self, key: bytes, host: str | None) -> None:
+        self._server = CommandServer(_Table(), _TABLE_METHODS, key, host=host, name="data-plane-store")
+        self.address: str = self._server.endpoint
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        """Frames the store dropped (unauthenticated, replayed, malformed), by reason."""
+        return self._server.drop_reasons
 
     def close(self) -> None:
-        """Stop serving (dropping the master store stops its server)."""
-        self._store = None
+        self._server.close()
 
     def __enter__(self) -> DataPlaneStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StoreClient(dist.Store):
+    """A ``torch.distributed.Store`` over a :class:`DataPlaneStore`: each
+    operation is one authenticated call. Blocking reads (``get``, ``wait``)
+    poll ``check`` (the server runs one call at a time and must never block
+    in one), giving up after ``timeout_s`` with :class:`JoinTimeout`."""
+
+    POLL_S = 0.005
+
+    def __init__(self, address: str, key: bytes, timeout_s: float) -> None:
+        super().__init__()
+        self.address = address
+        self._timeout_s = timeout_s
+        self._client = CommandClient("data-plane-store", address, key, timeout_s=timeout_s)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return self._client.submit(method, *args).result().value
+        except ControlError as e:
+            raise JoinTimeout(f"the rendezvous store at {self.address} did not answer {method}(): {e}") from None
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", key, value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, int(amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", list(keys))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = self._timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
+                raise JoinTimeout(f"keys {list(keys)} did not appear in the rendezvous store within {limit:g}s")
+            time.sleep(self.POLL_S)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
+        return self._call("compare_set", key, as_bytes(expected), as_bytes(desired))
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
+
+    def num_keys(self) -> int:
+        return self._call("num_keys")
+
+    def close(self) -> None:
+        self._client.close()
 
 
 # ---------------------------------------------------------------- the plane
@@ -262,7 +379,8 @@ class DataPlane:
     @classmethod
     def join(
         cls,
-        address: tuple[str, int] | Sequence[Any],
+        address: str,
+        key: bytes,
         rank: int,
         world_size: int,
         generation: int,
@@ -275,7 +393,8 @@ class DataPlane:
         memo_bytes: int = DEFAULT_MEMO_BYTES,
         linger_s: float = DEFAULT_LINGER_S,
     ) -> DataPlane:
-        """Join generation ``generation`` as ``rank`` of ``world_size``; blocks
+        """Join generation ``generation`` as ``rank`` of ``world_size`` at the
+        :class:`DataPlaneStore` at ``address`` (the engine's ``key``); blocks
         until every member has joined, or raises :class:`JoinTimeout` after
         ``timeout_s`` naming the missing ranks.
 
@@ -290,7 +409,6 @@ class DataPlane:
         the received transfers kept for retries and the sent ones kept for
         references that come back to their sender (the newest always stays).
         """
-        host, port = str(address[0]), int(address[1])
         if not (0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         dev = torch.device(device)
@@ -299,12 +417,38 @@ class DataPlane:
             raise ValueError(f"data-plane backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and (dev.type != "cuda" or not dist.is_nccl_available()):
             raise DataPlaneError(f"the nccl data plane needs a CUDA device and an NCCL build of torch (device {dev})")
-        where = f"data plane generation {generation} at {host}:{port}"
+        where = f"data plane generation {generation} at {address}"
         deadline = time.monotonic() + timeout_s
+        client = StoreClient(address, key, timeout_s)
         try:
-            client = dist.TCPStore(host, port, None, False, _td(timeout_s), wait_for_workers=False)
-        except Exception as e:  # noqa: BLE001 — DistNetworkError/DistStoreError/RuntimeError
+            client.num_keys()  # the handshake: a store that never answers (or a wrong key) ends here
+        except JoinTimeout as e:
+            client.close()
             raise JoinTimeout(f"{where}: cannot reach the rendezvous store within {timeout_s:g}s ({e})") from None
+        try:
+            return cls._rendezvous(client, where, deadline, timeout_s, rank, world_size, generation, dev, backend, gloo_host, memo_size, memo_bytes, linger_s)
+        except BaseException:
+            client.close()  # its I/O thread; a plane that joined closes it in close()
+            raise
+
+    @classmethod
+    def _rendezvous(
+        cls,
+        client: StoreClient,
+        where: str,
+        deadline: float,
+        timeout_s: float,
+        rank: int,
+        world_size: int,
+        generation: int,
+        dev: torch.device,
+        backend: str,
+        gloo_host: str | None,
+        memo_size: int,
+        memo_bytes: int,
+        linger_s: float,
+    ) -> DataPlane:
+        """:meth:`join` once the store answers: claim the rank, wait for the others, build the backend."""
         store = dist.PrefixStore(f"gen{generation}/", client)
         if store.add(f"rank{rank}", 1) != 1:
             raise DataPlaneError(f"{where}: rank {rank} has already joined; every rebuild needs a new generation number")
@@ -355,7 +499,8 @@ class DataPlane:
         except Exception:
             log.debug("data-plane shutdown raised", exc_info=True)
         del pg
-        self._store = None
+        store, self._store = self._store, None
+        store.close()
 
     @property
     def closed(self) -> bool:

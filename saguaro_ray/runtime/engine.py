@@ -7,7 +7,8 @@ worker (target, each draft, the qualifier) — starts the actors in it, and
 returns an :class:`EngineHandle`. A sharded target (``target_tp`` > 1) gets a
 placement group of its own, one bundle per rank (:mod:`saguaro_ray.runtime.tp_actors`). Workers bind their ZeroMQ sockets to the
 node address Ray reports, or to IPC sockets when every bundle landed on one
-node; the endpoints and the per-engine HMAC key travel through Ray.
+node; the endpoints and the per-engine key (HMAC, and with ``encrypt`` a CURVE
+keypair) travel through Ray.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from saguaro_ray.engine.frontend import open_models
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
+from saguaro_ray.runtime.control import EngineKey
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.target_group import kill_worker, stop, worker_info
+from saguaro_ray.runtime.target_group import TargetGroup, kill_worker, stop, worker_info
 from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
-from saguaro_ray.runtime.wire import new_key
 from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,20 @@ class EngineHandle:
             ray.get(self.coordinator.shutdown.remote(), timeout=30)
         except Exception:  # already gone
             log.debug("coordinator shutdown failed", exc_info=True)
+        _close_workers(self.workers)
         stop([self.coordinator, *self.workers.values()], self.pg)
         self.pg = None
+
+
+_CLOSE_TIMEOUT_S = 10.0
+
+
+def _close_workers(workers: dict[str, Any]) -> None:
+    """Let each worker close its sockets (and remove its IPC dir) before it is
+    killed; one that does not answer in time is killed all the same."""
+    refs = [(w.actors[0] if isinstance(w, TargetGroup) else w).shutdown.remote() for w in workers.values()]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
 
 
 def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:
@@ -144,7 +157,7 @@ class Engine:
             nodes |= set(placement_group_table(target_pg)["bundles_to_node_id"].values())
         one_node = len(nodes) == 1
         tcp_host = None if one_node else "node"
-        key = new_key()
+        key = EngineKey.generate(config.encrypt)
         lifetime = "detached" if config.name else None
         workers: dict[str, Any] = {}
         try:

@@ -62,6 +62,9 @@ class EngineConfig:
     # is answered, one control-plane hop before the build call would reach it
     build_ahead: bool = True
     call_timeout_s: float = 120.0
+    # ZeroMQ CURVE on every TCP control-plane socket (multi-node): frames cannot be read
+    # or altered on the network; on one node the sockets are IPC in private dirs either way
+    encrypt: bool = False
     # custom Ray resources per role, e.g. {"target": {"node_a": 1}}: pins roles to nodes
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -94,6 +97,8 @@ class EngineConfig:
         for name in ("threads_per_worker", "max_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.encrypt, bool):
+            raise ConfigError(f"encrypt must be True or False, got {self.encrypt!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
         unknown = set(self.resources) - {"target", "draft", "qualifier", "coordinator"}

@@ -99,7 +99,7 @@ class RayWorkerHandle:
         with self._lock:
             client = self._client
             cid, inner = client.expect(method)
-        return Forwarded(self, [client.endpoint, client.identity, cid], self._track(inner), lambda: client.forget(cid))
+        return Forwarded(self, client.address_for(cid), self._track(inner), lambda: client.forget(cid))
 
     def _track(self, inner: "Future[Timed]") -> "Future[Timed]":
         """A future the watchdog can fail at once if the worker dies."""

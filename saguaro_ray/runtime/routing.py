@@ -24,7 +24,7 @@ self-contained.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 from saguaro_ray.runtime.control import CallForwarder, ControlError
 from saguaro_ray.runtime.data_plane import DataPlane, offload_kv, offload_q, resolve
@@ -37,8 +37,11 @@ RECV_TIMEOUT_S = 10.0  # a reference's tensor must arrive within this, or the ca
 class RoutedLogic:
     """A worker's logic object behind the data plane (see the module doc)."""
 
-    def __init__(self, logic: Any, device: str = "cpu", host: str | None = None, forwarder: CallForwarder | None = None) -> None:
+    def __init__(
+        self, logic: Any, key: bytes, device: str = "cpu", host: str | None = None, forwarder: CallForwarder | None = None
+    ) -> None:
         self.logic = logic
+        self._key = key  # the engine's: the data-plane store only answers it
         self.forwarder = forwarder
         self.device = device
         self.host = host  # the node address this worker's gloo sockets bind to
@@ -48,11 +51,11 @@ class RoutedLogic:
 
     # ------------------------------------------------------------ membership
     def join_data_plane(
-        self, address: Sequence[Any], rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int]
+        self, address: str, rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int]
     ) -> int:
         """Leave the current group (if any) and join ``generation``; blocks until all members joined."""
         self.leave_data_plane()
-        self.plane = DataPlane.join(address, rank, world_size, generation, self.device, gloo_host=self.host)
+        self.plane = DataPlane.join(address, self._key, rank, world_size, generation, self.device, gloo_host=self.host)
         self.q_dst, self.peers = q_dst, list(peers)
         return rank
 
@@ -91,19 +94,20 @@ class RoutedLogic:
         return self.logic.release(seq_ids)
 
     def verify(self, items: Any, then: dict[str, Any] | None = None) -> Any:
-        """Verify; with ``then`` = ``{"method", "args", "to": [[endpoint,
-        reply_to, call id], ...]}`` also send ``method(keys, *args)`` to each
-        listed worker, ``keys`` being the outcomes' lookup keys."""
+        """Verify; with ``then`` = ``{"method", "args", "to": [address, ...]}``
+        (each from :meth:`CommandClient.address_for`) also send
+        ``method(keys, *args)`` to each listed worker, ``keys`` being the
+        outcomes' lookup keys."""
         outcomes = self.logic.verify(self._in(items))
         if then is not None:
             if self.forwarder is None:
                 raise ValueError("this worker cannot forward calls (it has no forwarder)")
             args = [[o.key for o in outcomes], *then["args"]]
-            for endpoint, reply_to, cid in then["to"]:
+            for address in then["to"]:
                 try:
-                    self.forwarder.call(endpoint, reply_to, cid, then["method"], args)
+                    self.forwarder.call(address, then["method"], args)
                 except ControlError as e:  # the verification stands; that draft's lookup is lost (degradable)
-                    log.warning("could not place %s on %s: %s", then["method"], endpoint, e)
+                    log.warning("could not place %s: %s", then["method"], e)
         return outcomes
 
     def qualify(self, items: Any) -> Any:

@@ -1,10 +1,17 @@
 """The control plane's frame codec: authenticated msgpack, never pickle.
 
-A frame is ``HMAC-SHA256(key, payload) ‖ payload``; the payload is msgpack.
-Decoding checks the MAC first (:func:`hmac.compare_digest`) and only then
-parses, so an unauthenticated peer can make us do nothing but hash its bytes.
-Whatever is wrong with a frame raises :class:`BadFrame` with a ``reason``
-(``"bad mac"``, ``"malformed"``, ``"unknown type"``, ``"bad tensor"``).
+A frame is ``HMAC-SHA256(key, stamp ‖ payload) ‖ stamp ‖ payload``; the
+payload is msgpack. The :class:`Stamp` — sender id (16 bytes), sequence
+number (8), recipient id (a length byte, then up to 255 bytes) — says who sent
+the frame, which of its frames it is, and for whom; it sits under the MAC, so
+a frame cannot be re-addressed or renumbered without the key. What a receiver
+accepts as fresh is :mod:`saguaro_ray.runtime.replay`'s rule; the codec only
+carries the stamp. Decoding checks the MAC first
+(:func:`hmac.compare_digest`) and only then parses, so an unauthenticated
+peer can make us do nothing but hash its bytes. Whatever is wrong with a
+frame raises :class:`BadFrame` with a ``reason`` (``"bad mac"``,
+``"malformed"``, ``"unknown type"``, ``"bad tensor"``; the replay guard adds
+``"replayed"`` and ``"misaddressed"``).
 
 What can cross the wire (anything else is an :class:`EncodeError` at the
 sender): ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes``,
@@ -32,7 +39,8 @@ import hashlib
 import hmac
 import math
 import secrets
-from typing import Any, TypeVar
+import struct
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 import torch
@@ -46,6 +54,8 @@ __all__ = [
     "EncodeError",
     "FrameCodec",
     "MAC_SIZE",
+    "Stamp",
+    "UNSTAMPED",
     "new_key",
     "pack_payload",
     "register",
@@ -63,14 +73,17 @@ BAD_MAC = "bad mac"
 MALFORMED = "malformed"
 UNKNOWN_TYPE = "unknown type"
 BAD_TENSOR = "bad tensor"
-REASONS = (BAD_MAC, MALFORMED, UNKNOWN_TYPE, BAD_TENSOR)
+REPLAYED = "replayed"  # a sequence number already accepted, or older than the receiver's window
+MISADDRESSED = "misaddressed"  # for another recipient, or from a sender the receiver does not accept
+REASONS = (BAD_MAC, MALFORMED, UNKNOWN_TYPE, BAD_TENSOR, REPLAYED, MISADDRESSED)
 
 
 class BadFrame(SaguaroError, ValueError):
     """A received frame is unauthenticated or cannot be decoded; never act on it.
 
     ``reason`` is one of ``"bad mac"``, ``"malformed"``, ``"unknown type"``,
-    ``"bad tensor"`` (what the drop counters are keyed by); ``detail`` says more.
+    ``"bad tensor"``, ``"replayed"``, ``"misaddressed"`` (what the drop
+    counters are keyed by); ``detail`` says more.
     """
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -316,13 +329,42 @@ def unpack_payload(payload: bytes | memoryview) -> Any:
 
 # ---------------------------------------------------------------- frames
 
+SENDER_ID_BYTES = 16
+_STAMP = struct.Struct(">16sQB")  # sender id, sequence number, recipient length
+MAX_RECIPIENT_BYTES = 255
+
+
+class Stamp(NamedTuple):
+    """Who sent a frame (a random id per sending endpoint), its sequence
+    number there (1, 2, ...), and its recipient (``b""``: anyone)."""
+
+    sender: bytes
+    seq: int
+    to: bytes
+
+
+UNSTAMPED = Stamp(bytes(SENDER_ID_BYTES), 0, b"")  # for frames no receiver checks for freshness
+
+
+def _pack_stamp(stamp: Stamp) -> bytes:
+    sender, seq, to = stamp
+    if type(sender) is not bytes or len(sender) != SENDER_ID_BYTES:
+        raise ValueError(f"a stamp's sender id must be {SENDER_ID_BYTES} bytes")
+    if type(to) is not bytes or len(to) > MAX_RECIPIENT_BYTES:
+        raise ValueError(f"a stamp's recipient must be at most {MAX_RECIPIENT_BYTES} bytes")
+    if type(seq) is not int or not 0 <= seq < 1 << 64:
+        raise ValueError(f"a stamp's sequence number must fit 64 unsigned bits, got {seq!r}")
+    return _STAMP.pack(sender, seq, len(to)) + to
+
 
 class FrameCodec:
-    """Encode / decode authenticated frames with one shared key.
+    """Encode / decode authenticated, stamped frames with one shared key.
 
-    Stateless after construction and safe to share between threads.
-    HMAC gives integrity and authenticity, not secrecy and not replay
-    protection: put ids in messages where a replay would matter.
+    Stateless after construction and safe to share between threads. HMAC
+    gives integrity and authenticity, not secrecy; freshness (no replays) is
+    the receiver's check of the :class:`Stamp` (see
+    :class:`saguaro_ray.runtime.replay.ReplayGuard`): :meth:`decode` ignores
+    it, :meth:`unseal` hands it over.
     """
 
     def __init__(self, key: bytes) -> None:
@@ -332,26 +374,32 @@ class FrameCodec:
             raise ValueError(f"the frame key must be at least {MIN_KEY_BYTES} bytes (use saguaro_ray.runtime.wire.new_key()), got {len(key)}")
         self._key = bytes(key)
 
-    def seal(self, payload: bytes) -> bytes:
-        """``MAC ‖ payload``."""
-        return hmac.new(self._key, payload, hashlib.sha256).digest() + payload
+    def seal(self, payload: bytes, stamp: Stamp = UNSTAMPED) -> bytes:
+        """``MAC ‖ stamp ‖ payload``."""
+        head = _pack_stamp(stamp)
+        mac = hmac.new(self._key, head, hashlib.sha256)
+        mac.update(payload)
+        return mac.digest() + head + payload
 
-    def unseal(self, frame: bytes | bytearray | memoryview) -> bytes:
-        """The payload of an authentic frame; :class:`BadFrame` ("bad mac") otherwise."""
-        return bytes(self._unseal_view(frame))
-
-    def _unseal_view(self, frame: bytes | bytearray | memoryview) -> memoryview:
-        """:meth:`unseal` as a view into ``frame`` (no copy of the payload)."""
+    def unseal(self, frame: bytes | bytearray | memoryview) -> tuple[Stamp, memoryview]:
+        """The stamp and payload (a view into ``frame``, no copy) of an
+        authentic frame; :class:`BadFrame` ("bad mac") otherwise."""
         view = memoryview(frame).cast("B")
-        if len(view) < MAC_SIZE:
-            raise BadFrame(BAD_MAC, f"frame of {len(view)} bytes is shorter than its MAC")
-        payload = view[MAC_SIZE:]
-        if not hmac.compare_digest(view[:MAC_SIZE], hmac.new(self._key, payload, hashlib.sha256).digest()):
+        if len(view) < MAC_SIZE + _STAMP.size:
+            raise BadFrame(BAD_MAC, f"frame of {len(view)} bytes is shorter than its MAC and stamp")
+        body = view[MAC_SIZE:]
+        if not hmac.compare_digest(view[:MAC_SIZE], hmac.new(self._key, body, hashlib.sha256).digest()):
             raise BadFrame(BAD_MAC, "authentication failed (wrong key or altered frame)")
-        return payload
+        sender, seq, n = _STAMP.unpack_from(body)
+        end = _STAMP.size + n
+        if len(body) < end:  # authentic, so only a buggy sender gets here
+            raise BadFrame(MALFORMED, "the stamp's recipient runs past the frame")
+        return Stamp(sender, seq, bytes(body[_STAMP.size : end])), body[end:]
 
-    def encode(self, obj: Any) -> bytes:
-        return self.seal(pack_payload(obj))
+    def encode(self, obj: Any, stamp: Stamp = UNSTAMPED) -> bytes:
+        return self.seal(pack_payload(obj), stamp)
 
     def decode(self, frame: bytes | bytearray | memoryview) -> Any:
-        return unpack_payload(self._unseal_view(frame))
+        """The content of an authentic frame (its stamp unchecked)."""
+        return unpack_payload(self.unseal(frame)[1])
+
