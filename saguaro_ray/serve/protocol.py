@@ -1,9 +1,10 @@
 """OpenAI-compatible request bodies, error bodies and response builders.
 
-Request models only check *types*; values (temperature, top_p, max_tokens,
-seed ...) are validated by :class:`~saguaro_ray.config.SamplingParams`, so the
-HTTP server rejects exactly what the CLI and the Python API reject, with the
-same message. Unknown fields are ignored (clients send ``user`` and the like);
+Request models check *types* and sizes (stop sequences, the ``timeout``
+extension); values (temperature, top_p, max_tokens, seed ...) are validated by
+:class:`~saguaro_ray.config.SamplingParams` — against what the engine and its
+wire can carry — so the HTTP server rejects exactly what the CLI and the
+Python API reject, with the same message. Unknown fields are ignored (clients send ``user`` and the like);
 fields that would change the output in ways the engine cannot honour
 (``logprobs``, ``echo``, ``best_of > 1``, penalties, ``logit_bias``, tools)
 are refused with a 400 rather than silently dropped.
