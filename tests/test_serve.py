@@ -585,7 +585,7 @@ def test_metrics_recorded(server, client, ray_cluster):
     for name in (
         "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_time_to_first_token_s",
         "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted", "saguaro_serve_cache_hit_rate",
-        "saguaro_serve_dropped_frames",
+        "saguaro_serve_dropped_frames", "saguaro_serve_ongoing_requests",
     ):  # fmt: skip
         assert name in snap["metrics"]
     counters = snap["counters"]
@@ -597,6 +597,7 @@ def test_metrics_recorded(server, client, ray_cluster):
     for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "cache_hit_rate", "request_latency_s"):
         assert hist[name]["count"] > 0, name
     assert any(k.startswith("dropped_frames{engine=ssd") for k in snap["gauges"])
+    assert snap["gauges"]["ongoing_requests"] == 0  # every request above released its slot
 
     # and Ray exports them for Prometheus (bounded wait: metrics are pushed every second here)
     url = f"http://127.0.0.1:{ray_cluster['metrics_port']}/metrics"

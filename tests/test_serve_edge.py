@@ -178,3 +178,33 @@ def test_body_limit_refuses_before_the_route_reads_it():
 
     assert client.post("/echo", content=chunks()).status_code == 413
     assert seen == [1000]  # the refused bodies never reached the route
+
+
+def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
+    """The tokenizer here only returns once the event loop has run something
+    else meanwhile — possible only if tokenising happens on another thread
+    (a 10 MB prompt tokenised on the loop held /v1/models for 15 s)."""
+    import asyncio
+    import threading
+
+    from saguaro_ray.serve.replica import ReplicaCore, _Engine
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    real = load_tokenizer(zoo_tiny / "target")
+    working, loop_ran = threading.Event(), threading.Event()
+
+    class WaitsForTheLoop:
+        def encode(self, text: str, **kwargs) -> list[int]:
+            working.set()
+            assert loop_ran.wait(60), "the event loop was blocked while the tokenizer worked"
+            return real.encode(text, **kwargs)
+
+    engine = _Engine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
+
+    async def main() -> list[int]:
+        task = asyncio.ensure_future(ReplicaCore()._validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
+        await asyncio.to_thread(working.wait, 60)
+        loop_ran.set()  # runs on the loop
+        return await task
+
+    assert asyncio.run(main()) == [len(real.encode("def f(x):", add_special_tokens=False))]

@@ -58,12 +58,14 @@ def check_prompt_bytes(texts: list[str], limit: int, param: str) -> None:
 class Admission:
     """In-flight requests of one replica: at most ``limit`` at once (429 past
     it), none new once draining (503). ``enter()`` returns the release to call
-    exactly once when the request's response is complete."""
+    exactly once when the request's response is complete. ``on_change``
+    hears every new count (the replica's ongoing-requests gauge)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_change: Callable[[int], None] = lambda active: None) -> None:
         self.limit = limit
         self.active = 0
         self.draining = False
+        self._on_change = on_change
 
     def enter(self) -> Callable[[], None]:
         if self.draining:
@@ -71,6 +73,7 @@ class Admission:
         if self.active >= self.limit:
             raise too_many_requests(self.limit, RETRY_AFTER_S)
         self.active += 1
+        self._on_change(self.active)
         released = False
 
         def release() -> None:
@@ -78,6 +81,7 @@ class Admission:
             if not released:
                 released = True
                 self.active -= 1
+                self._on_change(self.active)
 
         return release
 

@@ -80,7 +80,7 @@ class ReplicaCore:
                 "set it through the Serve config's runtime_env.env_vars"
             )
         self.metrics = ServeMetrics(self.cfg.model_name)
-        self.admission = Admission(self.cfg.max_ongoing_requests)
+        self.admission = Admission(self.cfg.max_ongoing_requests, self.metrics.ongoing_requests)
         ReplicaCore.current = self
         loop = asyncio.get_running_loop()
         self.tokenizer, self.engines = await loop.run_in_executor(None, self._start_engines)
@@ -389,8 +389,10 @@ class ReplicaCore:
             raise _deadline_passed() from None
         except Exception as exc:
             err = api_error_from(exc, param)
-            if err.status >= 500:
-                log.error("generation failed: %s: %s", type(exc).__name__, exc)
+            if err.status == 500:  # not a known engine state: keep the traceback for the operator
+                log.exception("generation failed")
+            elif err.status > 500:
+                log.error("generation failed: %s", err.message)
             raise err from None
 
     def _apply_stop(self, result: Any, stops: list[str]) -> tuple[str, str, int]:
