@@ -12,6 +12,7 @@ node; the endpoints and the per-engine HMAC key travel through Ray.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import replace
@@ -99,6 +100,14 @@ class EngineHandle:
         or does not answer within ``timeout_s`` (see ``CoordinatorActor.health``)."""
         try:
             ok, why = ray.get(self.coordinator.health.remote(), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 — any failure to answer is the answer
+            return False, f"coordinator unreachable ({type(exc).__name__})"
+        return bool(ok), str(why)
+
+    async def ahealth(self, timeout_s: float = 30.0) -> tuple[bool, str]:
+        """:meth:`health` without holding a thread while the coordinator answers."""
+        try:
+            ok, why = await asyncio.wait_for(self.coordinator.health.remote(), timeout_s)
         except Exception as exc:  # noqa: BLE001 — any failure to answer is the answer
             return False, f"coordinator unreachable ({type(exc).__name__})"
         return bool(ok), str(why)

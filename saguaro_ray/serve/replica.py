@@ -81,6 +81,7 @@ class ReplicaCore:
             )
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.admission = Admission(self.cfg.max_ongoing_requests, self.metrics.ongoing_requests)
+        self._health_probe: asyncio.Future | None = None
         ReplicaCore.current = self
         loop = asyncio.get_running_loop()
         self.tokenizer, self.engines = await loop.run_in_executor(None, self._start_engines)
@@ -160,10 +161,18 @@ class ReplicaCore:
             ReplicaCore.current = None
 
     async def _engine_health(self) -> dict[str, tuple[bool, str]]:
-        """Every engine's ``EngineHandle.health()``, asked concurrently off the event loop."""
-        timeout = self.cfg.health_check_timeout_s
-        answers = await asyncio.gather(*(asyncio.to_thread(e.handle.health, timeout) for e in self.engines.values()))
-        return dict(zip(self.engines, answers))
+        """Every engine's ``EngineHandle.ahealth()``, asked concurrently. Callers
+        arriving while a probe is out share its answer: ``/health`` needs no
+        key, and each probe costs every coordinator a thread."""
+        if self._health_probe is None or self._health_probe.done():
+            timeout = self.cfg.health_check_timeout_s
+
+            async def probe() -> dict[str, tuple[bool, str]]:
+                answers = await asyncio.gather(*(e.handle.ahealth(timeout) for e in self.engines.values()))
+                return dict(zip(self.engines, answers))
+
+            self._health_probe = asyncio.ensure_future(probe())
+        return await asyncio.shield(self._health_probe)
 
     async def check_health(self) -> None:
         """Serve's replica health check: raising makes Serve replace this
