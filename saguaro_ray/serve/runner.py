@@ -84,8 +84,9 @@ def _connect_or_start(address: str | None, detach: bool) -> bool:
             return False
         except ConnectionError:
             pass
-    # engines ask for fractional CPUs: give a small machine enough logical CPUs
-    ray.init(num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False)
+    # engines ask for fractional CPUs: give a small machine enough logical CPUs;
+    # address="local": a new instance, even where another one's address file is left on this machine
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False)
     return True
 
 
