@@ -13,6 +13,19 @@ from saguaro_ray.algorithms.backup import BackupPolicy
 from saguaro_ray.algorithms.pyramid import validate_pyramid
 from saguaro_ray.errors import ConfigError
 
+# the largest integer a worker receives: the control plane's msgpack frames and
+# the workers' int64 tensors carry no more (a larger top_k or seed would fail
+# to encode *after* admission, failing the round of every sequence with it)
+INT64_MAX = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,16 +45,25 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise ConfigError(f"top_k must be an integer in [0, {INT64_MAX}] (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= INT64_MAX:
+            raise ConfigError(f"max_tokens must be a positive integer (at most {INT64_MAX}), got {self.max_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
+            raise ConfigError(f"seed must be an integer in [0, {INT64_MAX}], got {self.seed!r}")
+
+    def check_samples(self, n: int) -> None:
+        """Refuse ``n`` samples of one prompt unless every sample's seed fits:
+        sample i draws with seed ``seed + i`` (see ``Frontend.make_sequences``),
+        and each of those seeds crosses the wire as a 64-bit integer."""
+        if not _is_int(n) or n <= 0:
+            raise ConfigError(f"n must be a positive integer, got {n!r}")
+        if self.seed is not None and self.seed + n - 1 > INT64_MAX:
+            raise ConfigError(f"seed must be at most {INT64_MAX - n + 1} with n={n} (sample i uses seed + i), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

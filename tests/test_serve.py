@@ -14,12 +14,15 @@ tested without Ray at the bottom.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -380,6 +383,196 @@ def test_api_keys(server):
         openai.OpenAI(base_url=server + "/v1", api_key="sk-wrong", max_retries=0).models.list()
 
 
+# ------------------------------------------------------------------ isolation and overload
+
+# request fields that used to pass validation and then fail the engine's
+# admission round for every running request ("cannot encode: Integer value
+# out of range" in other users' streams)
+POISON = [
+    ({"top_k": 2**64}, "top_k"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"seed": 2**64 - 1, "n": 2}, "seed"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"max_tokens": 2**64}, "max_tokens"),
+    ({"n": 2**64}, "n"),
+    ({"prompt": [PROMPT] * 3, "n": 2}, "prompt"),  # 6 samples > max_n
+    ({"stop": ["x" * 5000]}, "stop"),
+    ({"timeout": -1}, "timeout"),
+]
+
+
+def open_stream(stack: ExitStack, server: str, body: dict[str, Any]) -> tuple[Iterator[str], list[str]]:
+    """Start a streaming request and read its first event; returns the line
+    iterator and the events read so far."""
+    resp = stack.enter_context(
+        httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S)
+    )
+    assert resp.status_code == 200, resp.read()
+    lines = resp.iter_lines()
+    return lines, [next(line for line in lines if line)]
+
+
+def sse_text(events: list[str]) -> str:
+    """The text of choice 0 of an SSE body that ended with [DONE] and no error event."""
+    data = [e.removeprefix("data: ") for e in events if e]
+    assert data[-1] == "[DONE]", data[-3:]
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def test_poison_next_to_running_streams_leaves_them_unchanged(server, client, handle):
+    prompts = [PROMPT, "x = 1", "import os"]
+    refs = handle.generate(prompts, greedy(1800))
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.5}
+    with ExitStack() as stack:
+        streams = [
+            open_stream(stack, server, {"model": MODEL, "prompt": p, "max_tokens": 1800, "temperature": 0, "ignore_eos": True})
+            for p in prompts
+        ]
+        for poison, param in POISON:
+            for stream in (False, True):
+                err = assert_openai_error(raw_post(server, "/v1/completions", {**base, **poison, "stream": stream}), 400, param)
+                assert err["code"] != "EncodeError"
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "seed": 2**64}
+        assert assert_openai_error(raw_post(server, "/v1/chat/completions", chat), 400, "seed")["code"] == "invalid_value"
+        with pytest.raises(openai.BadRequestError) as info:  # the official client's view of it
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"top_k": 2**64})
+        assert info.value.status_code == 400 and info.value.body["param"] == "top_k"
+        for lines, events in streams:
+            events += list(lines)
+    assert [sse_text(events) for _, events in streams] == [r.text for r in refs]
+
+
+def test_body_and_prompt_limits_refuse_before_parsing_and_tokenising(server, client, tokenizer):
+    from saguaro_ray.serve.limits import max_token_bytes, prompt_byte_limit
+
+    huge = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"x" * 10_000_000 + b'"}'
+    err = assert_openai_error(raw_post(server, "/v1/completions", content=huge), 413, None)
+    assert err["code"] == "request_too_large"  # not context_length_exceeded: it was never parsed, let alone tokenised
+    limit = prompt_byte_limit(max_token_bytes(tokenizer), 2048)
+    assert limit + 1000 < 4 * 2**20  # under the body limit: this one is parsed, but not tokenised
+    over = "x" * (limit + 1)
+    err = assert_openai_error(raw_post(server, "/v1/completions", {"model": MODEL, "prompt": over, "max_tokens": 1}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "without tokenising" in err["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": over}], "max_tokens": 1}
+    err = assert_openai_error(raw_post(server, "/v1/chat/completions", chat), 400, "messages")
+    assert "without tokenising" in err["message"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.fixture(scope="module")
+def held(ray_cluster, models, server):
+    """A second application on the same Serve, attached to an AR engine this
+    module launches with ``max_restarts=0``, taking at most HELD_LIMIT
+    requests at once. Its coordinator can be stopped (SIGSTOP) to hold
+    requests in flight for as long as a test needs — no timing involved —
+    and its workers killed for good (the last test that uses it)."""
+    from ray import serve
+
+    from saguaro_ray import Engine, EngineConfig
+    from saguaro_ray.serve import build_app
+
+    name = f"held-{uuid.uuid4().hex[:8]}"
+    h = bounded(Engine.launch, EngineConfig(target=models["target"], worker_cpus=0.25, name=name, max_restarts=0))
+    app = build_app(
+        {"model_name": "held", "target": models["target"], "engines": [{"mode": "ar", "connect": name}], "max_ongoing_requests": HELD_LIMIT}
+    )
+    bounded(serve.run, app, name="held", route_prefix="/held", blocking=False, timeout=300)
+    h.base = server + "/held"
+    try:
+        yield h
+    finally:
+        bounded(serve.delete, "held", timeout=120)
+        h.shutdown()
+
+
+HELD_LIMIT = 2
+HELD_BODY = {"model": "held", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+
+
+@contextmanager
+def coordinator_stopped(h: Any) -> Iterator[None]:
+    """The engine's coordinator process frozen: every request to it waits."""
+    import ray
+
+    pid = ray.get(h.coordinator.__ray_call__.remote(lambda self: os.getpid()), timeout=TIMEOUT_S)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_past_the_replica_bound_requests_get_429_with_retry_after(held):
+    client = openai.OpenAI(base_url=held.base + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+    pool = ThreadPoolExecutor(HELD_LIMIT + 1)
+    try:
+        with coordinator_stopped(held):
+            calls = [pool.submit(client.completions.create, **HELD_BODY) for _ in range(HELD_LIMIT + 1)]
+            # HELD_LIMIT of them are admitted and wait on the frozen engine; the other is refused at once
+            done, waiting = wait(calls, timeout=TIMEOUT_S, return_when=FIRST_COMPLETED)
+            [refused] = done
+            assert len(waiting) == HELD_LIMIT
+            with pytest.raises(openai.RateLimitError) as info:
+                refused.result()
+            assert info.value.response.headers["retry-after"] == "1"
+            assert info.value.body == {"message": info.value.body["message"], "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+            # what is not generation still answers while the replica is full
+            assert [m.id for m in client.models.list().data] == ["held"]
+        # the engine resumes: the admitted ones finish, and their slots come back
+        assert all(c.result(timeout=TIMEOUT_S).choices[0].finish_reason in ("length", "stop") for c in waiting)
+        assert client.completions.create(**HELD_BODY).choices[0].text is not None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_a_request_past_its_deadline_gets_504(held):
+    with coordinator_stopped(held):  # nothing can finish: the deadline decides
+        for stream in (False, True):
+            resp = httpx.post(held.base + "/v1/completions", json={**HELD_BODY, "timeout": 1.0, "stream": stream}, timeout=TIMEOUT_S)
+            assert resp.status_code == 504, resp.text
+            assert resp.json()["error"]["type"] == "server_error" and resp.json()["error"]["code"] == "timeout"
+    # the abandoned requests released their slots
+    for _ in range(HELD_LIMIT + 1):
+        assert httpx.post(held.base + "/v1/completions", json=HELD_BODY, timeout=TIMEOUT_S).status_code == 200
+
+
+def test_a_non_ascii_bearer_token_gets_401_not_500(server):
+    headers = {"Authorization": "Bearer sk-ünïcode".encode()}
+    resp = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": PROMPT}, headers=headers, timeout=TIMEOUT_S)
+    assert_openai_error(resp, 401)
+    assert resp.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_dead_engine_answers_503_and_health_says_so(held):
+    """Restarts exhausted (max_restarts=0, the target killed), then the
+    coordinator killed: /health is 503 naming why, requests are 503
+    ``server_error`` (they were 400 ``invalid_request_error``, /health 200).
+    Runs last of the tests on ``held``: it leaves that engine dead."""
+    import ray
+
+    base = held.base
+    assert httpx.get(base + "/health", timeout=TIMEOUT_S).json() == {"status": "ok", "engines": {"ar": "ok"}}
+    assert httpx.post(base + "/v1/completions", json=HELD_BODY, timeout=TIMEOUT_S).status_code == 200
+    os.kill(held.worker_info()["target"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (health := httpx.get(base + "/health", timeout=TIMEOUT_S)).status_code == 200:
+        assert time.monotonic() < deadline, "/health still says ok"
+        time.sleep(0.5)
+    assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+    assert "target gone for good" in health.json()["engines"]["ar"]
+    assert held.health()[0] is False
+    resp = httpx.post(base + "/v1/completions", json=HELD_BODY, timeout=TIMEOUT_S)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["type"] == "server_error" and resp.json()["error"]["code"] == "engine_unavailable"
+    ray.kill(held.coordinator, no_restart=True)
+    health = httpx.get(base + "/health", timeout=TIMEOUT_S)
+    assert health.status_code == 503 and "coordinator unreachable" in health.json()["engines"]["ar"]
+    assert held.health() == (False, "coordinator unreachable (ActorDiedError)")
+
+
 # ------------------------------------------------------------------ metrics
 
 
@@ -392,7 +585,7 @@ def test_metrics_recorded(server, client, ray_cluster):
     for name in (
         "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_time_to_first_token_s",
         "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted", "saguaro_serve_cache_hit_rate",
-        "saguaro_serve_dropped_frames",
+        "saguaro_serve_dropped_frames", "saguaro_serve_ongoing_requests",
     ):  # fmt: skip
         assert name in snap["metrics"]
     counters = snap["counters"]
@@ -404,6 +597,7 @@ def test_metrics_recorded(server, client, ray_cluster):
     for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "cache_hit_rate", "request_latency_s"):
         assert hist[name]["count"] > 0, name
     assert any(k.startswith("dropped_frames{engine=ssd") for k in snap["gauges"])
+    assert snap["gauges"]["ongoing_requests"] == 0  # every request above released its slot
 
     # and Ray exports them for Prometheus (bounded wait: metrics are pushed every second here)
     url = f"http://127.0.0.1:{ray_cluster['metrics_port']}/metrics"

@@ -98,11 +98,11 @@ class Frontend:
     ) -> list[SequenceState]:
         """Validate every prompt and expand ``n`` samples each; sample i of a
         prompt uses seed ``seed + i``. Raises before any model work."""
-        if n <= 0:
-            raise ConfigError(f"n must be a positive integer, got {n}")
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} sampling parameter sets")
+        for p in plist:
+            p.check_samples(n)
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             ids = self.encode(prompt)

@@ -33,7 +33,7 @@ from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.ray_transport import RayWorkerHandle
 from saguaro_ray.runtime.routing import RoutedLogic
-from saguaro_ray.runtime.target_group import connect_worker, worker_info
+from saguaro_ray.runtime.target_group import TargetGroupHandle, connect_worker, worker_info
 from saguaro_ray.workers.checkpoint import Checkpoint
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
@@ -52,6 +52,21 @@ _METHODS = {
 }
 JOIN_TIMEOUT_S = 60.0
 STATS_TIMEOUT_S = 5.0  # how long metrics() waits for a worker's counters
+HEALTH_PROBE_S = 5.0  # how long a health check waits for one worker's answer
+
+
+def _liveness(client: RayWorkerHandle) -> str:
+    """``"up"``, ``"restarting"`` (unavailable or not answering) or ``"gone"``
+    (Ray reports an actor dead: its restarts are exhausted) — every rank of a
+    sharded target counts."""
+    actors = client.group.actors if isinstance(client, TargetGroupHandle) else [client.actor]
+    try:
+        ray.get([a.info.remote() for a in actors], timeout=HEALTH_PROBE_S)
+    except ray.exceptions.ActorDiedError:
+        return "gone"
+    except Exception:  # noqa: BLE001 — unavailable while Ray restarts it, or busy
+        return "restarting"
+    return "up"
 
 
 def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None) -> ModelRunner:
@@ -170,6 +185,23 @@ class CoordinatorActor:
 
     def ready(self) -> bool:
         return True
+
+    def health(self) -> tuple[bool, str]:
+        """Can this engine serve? ``(ok, why)`` from every worker's liveness.
+
+        A worker Ray reports dead for good (its restarts exhausted) is gone; a
+        gone target or qualifier fails every request, so the engine cannot
+        serve. A gone draft only slows it down (rounds go on without it), and
+        a worker that is restarting or slow to answer is given the benefit of
+        the doubt — the round loop waits for it within its restart budget.
+        """
+        states = {role: _liveness(c) for role, c in self.clients.items()}
+        gone = [role for role, s in states.items() if s == "gone"]
+        fatal = [role for role in gone if not role.startswith("draft")]
+        why = ", ".join(f"{role}: {s}" for role, s in states.items())
+        if fatal:
+            return False, f"{', '.join(fatal)} gone for good (restarts exhausted); {why}"
+        return True, why
 
     # ------------------------------------------------------------ broadcast
     def _subscribe(self, client: RayWorkerHandle) -> None:

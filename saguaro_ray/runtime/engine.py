@@ -13,6 +13,7 @@ keypair) travel through Ray.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import replace
@@ -93,6 +94,24 @@ class EngineHandle:
 
     def metrics(self) -> dict[str, Any]:
         return ray.get(self.coordinator.metrics.remote())
+
+    def health(self, timeout_s: float = 30.0) -> tuple[bool, str]:
+        """``(ok, why)``: False when the engine cannot serve — a target or
+        qualifier whose restarts are exhausted, or a coordinator that is dead
+        or does not answer within ``timeout_s`` (see ``CoordinatorActor.health``)."""
+        try:
+            ok, why = ray.get(self.coordinator.health.remote(), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 — any failure to answer is the answer
+            return False, f"coordinator unreachable ({type(exc).__name__})"
+        return bool(ok), str(why)
+
+    async def ahealth(self, timeout_s: float = 30.0) -> tuple[bool, str]:
+        """:meth:`health` without holding a thread while the coordinator answers."""
+        try:
+            ok, why = await asyncio.wait_for(self.coordinator.health.remote(), timeout_s)
+        except Exception as exc:  # noqa: BLE001 — any failure to answer is the answer
+            return False, f"coordinator unreachable ({type(exc).__name__})"
+        return bool(ok), str(why)
 
     def worker_info(self) -> dict[str, dict[str, Any]]:
         return {role: worker_info(a) for role, a in self.workers.items()}

@@ -18,7 +18,12 @@ already running engine — and serves
 rate, lossy flag; round statistics are reported on non-streaming responses —
 the engine's stream carries tokens only). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
-requests, 401 for a missing/invalid API key, 500 for internal errors.
+requests, 401 for a missing/invalid API key, 413 for a body over
+``max_body_bytes`` (refused unparsed), 429 (with ``Retry-After``) past the
+replica's ``max_ongoing_requests``, 500 for internal errors, 503 when an engine
+cannot serve (a worker gone for good, the coordinator dead — ``/health`` says
+503 too, so Serve replaces the replica) or the replica is draining, 504 past
+``request_timeout_s`` (or the request's ``timeout`` extension).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI must see the route
@@ -35,6 +40,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from saguaro_ray.serve.config import ServeAppConfig, parse_config
+from saguaro_ray.serve.limits import BodyLimit
 from saguaro_ray.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -49,7 +55,15 @@ def _error_response(err: APIError, route: str = "other") -> JSONResponse:
     core = ReplicaCore.current
     if core is not None:
         core.metrics.request(route, "-", err.status)
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _body_limit() -> int | None:
+    core = ReplicaCore.current
+    return None if core is None else core.cfg.max_body_bytes
+
+
+api.add_middleware(BodyLimit, limit=_body_limit)
 
 
 def _route_of(request: Request) -> str:
@@ -132,10 +146,15 @@ def build_app(config: dict | ServeAppConfig) -> Any:
         SaguaroDeployment,
         name="saguaro",
         num_replicas=cfg.num_replicas,
-        max_ongoing_requests=cfg.max_ongoing_requests,
+        # twice the replica's own bound: the requests past it must reach the
+        # replica to get a quick 429 (and /health, /v1/models must get through)
+        # instead of waiting in Serve's queue
+        max_ongoing_requests=2 * cfg.max_ongoing_requests,
         ray_actor_options=dict(cfg.ray_actor_options),
         health_check_period_s=10,
         health_check_timeout_s=cfg.health_check_timeout_s + 10,
+        # a stopping replica waits this long for its requests in flight
+        graceful_shutdown_timeout_s=cfg.request_timeout_s + 10,
     )
     return deployment.bind(cfg.model_dump())
 

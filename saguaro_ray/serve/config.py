@@ -122,15 +122,18 @@ class ServeAppConfig(BaseModel):
     # requests
     default_max_tokens: int = Field(256, gt=0, description="chat completions without max_tokens (clipped to the context)")
     completion_default_max_tokens: int = Field(16, gt=0, description="completions without max_tokens (OpenAI's default)")
-    max_n: int = Field(16, gt=0)
+    max_n: int = Field(16, gt=0, description="samples one request may ask for (prompts x n)")
     max_stop_sequences: int = Field(4, gt=0)
+    max_stop_length: int = Field(256, gt=0, description="characters of one stop sequence")
+    max_body_bytes: int = Field(4 * 2**20, gt=0, description="request bodies beyond it get 413, unparsed")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request still running after it gets 504 and is abandoned")
     chat_template: str | None = None  # a Jinja template overriding the tokenizer's
     # security
     api_keys: list[str] = Field(default_factory=list)
     api_keys_env: str | None = None  # env var holding comma-separated keys (read in the replica)
     # deployment
     num_replicas: int = Field(1, gt=0)
-    max_ongoing_requests: int = Field(64, gt=0)
+    max_ongoing_requests: int = Field(64, gt=0, description="generation requests one replica runs or queues; past it 429")
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     health_check_timeout_s: float = Field(30.0, gt=0)
     metrics_interval_s: float = Field(10.0, gt=0)

@@ -16,6 +16,7 @@ saguaro_serve_mean_accepted          Histogram  engine         (per sample, sd/s
 saguaro_serve_cache_hit_rate         Histogram  engine         (per sample, ssd)
 saguaro_serve_dropped_frames         Gauge      engine, role   (control-plane frames dropped)
 saguaro_serve_engine_queued          Gauge      engine         (samples waiting for admission)
+saguaro_serve_ongoing_requests       Gauge                     (generation requests this replica holds)
 ===================================  =========  ==========================================
 """
 
@@ -48,13 +49,15 @@ class ServeMetrics:
         self.hit_rate = m.Histogram("saguaro_serve_cache_hit_rate", "SSD speculation cache hit rate", _RATE_BOUNDS, tag_keys=("app", "engine"))
         self.dropped = m.Gauge("saguaro_serve_dropped_frames", "control frames dropped (malformed/unauthenticated)", tag_keys=("app", "engine", "role"))
         self.queued = m.Gauge("saguaro_serve_engine_queued", "samples waiting for admission", tag_keys=("app", "engine"))
-        for metric in (self.requests, self.generated, self.prompt, self.latency, self.ttft, self.itl, self.accepted, self.hit_rate, self.dropped, self.queued):
+        self.ongoing = m.Gauge("saguaro_serve_ongoing_requests", "generation requests this replica holds", tag_keys=("app",))
+        for metric in (self.requests, self.generated, self.prompt, self.latency, self.ttft, self.itl, self.accepted, self.hit_rate, self.dropped, self.queued, self.ongoing):
             metric.set_default_tags(base)
         self.names = [
             "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_prompt_tokens",
             "saguaro_serve_request_latency_s", "saguaro_serve_time_to_first_token_s",
             "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted",
             "saguaro_serve_cache_hit_rate", "saguaro_serve_dropped_frames", "saguaro_serve_engine_queued",
+            "saguaro_serve_ongoing_requests",
         ]  # fmt: skip
         # the snapshot: plain numbers, per replica
         self._counts: dict[str, float] = defaultdict(float)
@@ -112,6 +115,11 @@ class ServeMetrics:
             self.queued.set(float(metrics["queued"]), {"engine": engine})
             with self._lock:
                 self._gauges[f"engine_queued{{engine={engine}}}"] = float(metrics["queued"])
+
+    def ongoing_requests(self, count: int) -> None:
+        self.ongoing.set(float(count))
+        with self._lock:
+            self._gauges["ongoing_requests"] = float(count)
 
     def _observe(self, name: str, value: float, times: int = 1) -> None:
         with self._lock:

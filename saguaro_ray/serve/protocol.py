@@ -1,9 +1,10 @@
 """OpenAI-compatible request bodies, error bodies and response builders.
 
-Request models only check *types*; values (temperature, top_p, max_tokens,
-seed ...) are validated by :class:`~saguaro_ray.config.SamplingParams`, so the
-HTTP server rejects exactly what the CLI and the Python API reject, with the
-same message. Unknown fields are ignored (clients send ``user`` and the like);
+Request models check *types* and sizes (stop sequences, the ``timeout``
+extension); values (temperature, top_p, max_tokens, seed ...) are validated by
+:class:`~saguaro_ray.config.SamplingParams` — against what the engine and its
+wire can carry — so the HTTP server rejects exactly what the CLI and the
+Python API reject, with the same message. Unknown fields are ignored (clients send ``user`` and the like);
 fields that would change the output in ways the engine cannot honour
 (``logprobs``, ``echo``, ``best_of > 1``, penalties, ``logit_bias``, tools)
 are refused with a 400 rather than silently dropped.
@@ -11,13 +12,14 @@ are refused with a 400 rather than silently dropped.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from saguaro_ray.errors import ConfigError, PromptTooLongError, SaguaroError
+from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
 
 
 class APIError(Exception):
@@ -30,6 +32,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,6 +40,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -57,7 +61,19 @@ _PARAM_OF = {
 
 
 def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError:
-    """Map an engine/config exception to the HTTP error a client sees."""
+    """Map an engine/config exception to the HTTP error a client sees.
+
+    Only errors the *request* caused are 4xx (a bad value, a prompt that does
+    not fit, a request too large for the KV cache). Anything the engine side
+    did is 5xx ``server_error``: a worker or coordinator that is gone is 503
+    (retry elsewhere: Serve replaces the replica once ``/health`` says so),
+    anything else 500 — a client must never be told to fix a request that
+    was fine.
+    """
+    from ray.exceptions import RayActorError
+
+    from saguaro_ray.engine.transport import WorkerGone, WorkerLost
+
     if isinstance(exc, APIError):
         return exc
     msg = str(exc)
@@ -68,10 +84,27 @@ def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError
         if param == "prompt":
             param = prompt_param
         return APIError(400, msg, param=param, code="invalid_value")
-    if isinstance(exc, SaguaroError):
-        # e.g. OutOfKVBlocksError: the request can never fit this deployment
-        return APIError(400, msg, code=type(exc).__name__)
+    if isinstance(exc, OutOfKVBlocksError):  # the request can never fit this deployment
+        return APIError(400, msg, code="request_too_large")
+    if isinstance(exc, (WorkerGone, WorkerLost, RayActorError)):
+        return engine_unavailable(f"the engine cannot serve: {type(exc).__name__}: {msg}")
     return APIError(500, f"internal error: {type(exc).__name__}: {msg}", type="server_error", code="internal_error")
+
+
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="engine_unavailable")
+
+
+def too_many_requests(limit: int, retry_after_s: int) -> APIError:
+    """OpenAI's rate-limit shape (the official client raises ``RateLimitError``
+    and honours ``Retry-After``)."""
+    return APIError(
+        429,
+        f"this replica is running its limit of {limit} requests; retry after {retry_after_s} s",
+        type="requests",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 # ------------------------------------------------------------------ requests
@@ -94,6 +127,7 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # extension
     speculation: dict[str, Any] | str | None = None  # extension: selects the engine
+    timeout: float | None = None  # extension: seconds before the request fails with 504 (capped by the deployment)
     # accepted, but only at their neutral values
     logprobs: Any = None
     presence_penalty: float | None = None
@@ -110,13 +144,25 @@ class _Common(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
 
-    def stop_list(self, limit: int) -> list[str]:
+    def stop_list(self, limit: int, max_chars: int) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > limit:
             raise APIError(400, f"stop takes at most {limit} sequences, got {len(stops)}", param="stop")
         if any(not s for s in stops):
             raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > max_chars:
+            raise APIError(400, f"stop sequences may be at most {max_chars} characters, got {longest}", param="stop")
         return stops
+
+    def timeout_s(self, limit: float) -> float:
+        """Seconds this request may run: the ``timeout`` extension, at most the deployment's limit."""
+        t = self.timeout
+        if t is None:
+            return limit
+        if not math.isfinite(t) or t <= 0:
+            raise APIError(400, f"timeout must be a finite number of seconds > 0, got {t!r}", param="timeout")
+        return min(t, limit)
 
     def speculation_dict(self) -> dict[str, Any] | None:
         if isinstance(self.speculation, str):  # shorthand: "speculation": "ssd"

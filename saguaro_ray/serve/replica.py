@@ -15,7 +15,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ from saguaro_ray.serve.config import (
     parse_config,
     resolve_model,
 )
+from saguaro_ray.serve.limits import Admission, check_prompt_bytes, max_token_bytes, prompt_byte_limit
 from saguaro_ray.serve.metrics import ServeMetrics
 from saguaro_ray.serve.protocol import (
     APIError,
@@ -53,13 +54,6 @@ from saguaro_ray.serve.protocol import (
 
 log = logging.getLogger(__name__)
 
-# how long one engine call / one stream chunk may take before the request fails
-REQUEST_TIMEOUT_S = 600.0
-
-
-async def _aref(ref: Any) -> Any:
-    return await ref
-
 
 @dataclass
 class _Engine:
@@ -69,6 +63,7 @@ class _Engine:
     frontend: Any  # a Frontend without a scheduler: validates prompts against this engine's context
     mode: str
     k: int | None
+    prompt_bytes: int  # text beyond this many bytes cannot fit the context (see limits.prompt_byte_limit)
 
 
 class ReplicaCore:
@@ -85,6 +80,8 @@ class ReplicaCore:
                 "set it through the Serve config's runtime_env.env_vars"
             )
         self.metrics = ServeMetrics(self.cfg.model_name)
+        self.admission = Admission(self.cfg.max_ongoing_requests, self.metrics.ongoing_requests)
+        self._health_probe: asyncio.Future | None = None
         ReplicaCore.current = self
         loop = asyncio.get_running_loop()
         self.tokenizer, self.engines = await loop.run_in_executor(None, self._start_engines)
@@ -106,6 +103,7 @@ class ReplicaCore:
                 paths[role] = resolve_model(getattr(cfg, role))
         ckpts, tokenizer = open_models(paths)
         vocab = ckpts["target"].config.vocab_size
+        token_bytes = max_token_bytes(tokenizer)
 
         def start(entry: EngineEntry) -> tuple[Any, bool]:
             if entry.connect:
@@ -132,6 +130,7 @@ class ReplicaCore:
                     frontend=Frontend(tokenizer, vocab, max_context, spec.mode, None),
                     mode=spec.mode,
                     k=spec.k if spec.mode in ("sd", "ssd") else None,
+                    prompt_bytes=prompt_byte_limit(token_bytes, max_context),
                 )
         if errors:
             self._shutdown_engines(engines)
@@ -148,7 +147,12 @@ class ReplicaCore:
 
     def close(self) -> None:
         """Stop the metrics poller and the engines this replica launched
-        (attached engines keep running)."""
+        (attached engines keep running). Serve calls it once the requests in
+        flight have finished (it waits up to ``request_timeout_s`` for them);
+        anything arriving from now on gets 503."""
+        admission = getattr(self, "admission", None)
+        if admission is not None:
+            admission.draining = True
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.cancel()
@@ -156,13 +160,27 @@ class ReplicaCore:
         if ReplicaCore.current is self:
             ReplicaCore.current = None
 
+    async def _engine_health(self) -> dict[str, tuple[bool, str]]:
+        """Every engine's ``EngineHandle.ahealth()``, asked concurrently. Callers
+        arriving while a probe is out share its answer: ``/health`` needs no
+        key, and each probe costs every coordinator a thread."""
+        if self._health_probe is None or self._health_probe.done():
+            timeout = self.cfg.health_check_timeout_s
+
+            async def probe() -> dict[str, tuple[bool, str]]:
+                answers = await asyncio.gather(*(e.handle.ahealth(timeout) for e in self.engines.values()))
+                return dict(zip(self.engines, answers))
+
+            self._health_probe = asyncio.ensure_future(probe())
+        return await asyncio.shield(self._health_probe)
+
     async def check_health(self) -> None:
-        """Serve's replica health check: every engine's coordinator must answer."""
-        for name, e in self.engines.items():
-            try:
-                await asyncio.wait_for(_aref(e.handle.coordinator.ready.remote()), self.cfg.health_check_timeout_s)
-            except Exception as exc:
-                raise RuntimeError(f"engine {name!r} is not responding: {type(exc).__name__}: {exc}") from None
+        """Serve's replica health check: raising makes Serve replace this
+        replica — so it raises when an engine cannot serve (a worker gone for
+        good, a dead or unresponsive coordinator), not merely when it is slow."""
+        down = {name: why for name, (ok, why) in (await self._engine_health()).items() if not ok}
+        if down:
+            raise RuntimeError("; ".join(f"engine {name!r} cannot serve: {why}" for name, why in down.items()))
 
     async def _poll_engine_metrics(self) -> None:
         while True:
@@ -172,7 +190,7 @@ class ReplicaCore:
     async def _refresh_engine_metrics(self) -> None:
         for name, e in self.engines.items():
             try:
-                m = await asyncio.wait_for(_aref(e.handle.coordinator.metrics.remote()), 10.0)
+                m = await asyncio.wait_for(e.handle.coordinator.metrics.remote(), 10.0)
                 self.metrics.engine_metrics(name, m)
             except Exception:
                 log.debug("engine %s metrics unavailable", name, exc_info=True)
@@ -183,8 +201,10 @@ class ReplicaCore:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token or not any(hmac.compare_digest(token, k) for k in self.keys):
+        # compared as bytes: compare_digest refuses str with non-ASCII characters
+        # (a TypeError, a 500); a header's str holds its raw bytes as latin-1
+        token = token.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not token or not any(hmac.compare_digest(token, k.encode("utf-8")) for k in self.keys):
             raise APIError(
                 401,
                 "missing or invalid API key; send 'Authorization: Bearer <key>'",
@@ -192,7 +212,7 @@ class ReplicaCore:
                 code="invalid_api_key",
             )
 
-    def _prepare(self, body: _Common, request: Request) -> tuple[_Engine, list[str]]:
+    def _prepare(self, body: _Common, request: Request, prompts: int = 1) -> tuple[_Engine, list[str]]:
         """Checks shared by both routes; returns the selected engine and the stop strings."""
         self._authorize(request)
         if body.model not in self.cfg.model_ids():
@@ -203,9 +223,12 @@ class ReplicaCore:
                 code="model_not_found",
             )
         body.refuse_unsupported()
-        if not isinstance(body.n, int) or not 1 <= body.n <= self.cfg.max_n:
-            raise APIError(400, f"n must be an integer in [1, {self.cfg.max_n}], got {body.n!r}", param="n")
-        stops = body.stop_list(self.cfg.max_stop_sequences)
+        max_n = self.cfg.max_n
+        if not isinstance(body.n, int) or not 1 <= body.n <= max_n:
+            raise APIError(400, f"n must be an integer in [1, {max_n}], got {body.n!r}", param="n")
+        if prompts * body.n > max_n:
+            raise APIError(400, f"a request may ask for at most {max_n} samples (prompts x n), got {prompts} x {body.n}", param="prompt")
+        stops = body.stop_list(self.cfg.max_stop_sequences, self.cfg.max_stop_length)
         try:
             entry = self.cfg.match(body.speculation_dict())
         except ConfigError as exc:
@@ -214,7 +237,7 @@ class ReplicaCore:
 
     def _params(self, body: _Common, max_tokens: int) -> SamplingParams:
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_k=body.top_k or 0,
                 top_p=1.0 if body.top_p is None else body.top_p,
@@ -222,18 +245,32 @@ class ReplicaCore:
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
             )
+            params.check_samples(body.n)
         except ConfigError as exc:
             raise api_error_from(exc) from None
+        return params
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         t0 = time.perf_counter()
-        engine, stops = self._prepare(body, request)
-        params = self._params(body, self.cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens)
         prompts = body.prompts()
-        prompt_lens = self._validate_prompts(engine, prompts, params, body.n, "prompt")
-        if body.stream:
-            return await self._stream_response("completions", body, engine, prompts, prompt_lens, params, stops, t0)
-        results = await self._generate("completions", engine, prompts, params, body.n, "prompt")
+        engine, stops = self._prepare(body, request, len(prompts))
+        deadline = time.monotonic() + body.timeout_s(self.cfg.request_timeout_s)
+        params = self._params(body, self.cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens)
+        for p in prompts:
+            if isinstance(p, str):
+                check_prompt_bytes([p], engine.prompt_bytes, "prompt")
+        release = self.admission.enter()
+        streaming = False
+        try:
+            prompt_lens = await self._validate_prompts(engine, prompts, params, "prompt")
+            if body.stream:
+                response = await self._stream_response("completions", body, engine, prompts, prompt_lens, params, stops, t0, deadline, release)
+                streaming = True
+                return response
+            results = await self._generate(engine, prompts, params, body.n, "prompt", deadline)
+        finally:
+            if not streaming:
+                release()
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
             text, finish, ntok = self._apply_stop(r, stops)
@@ -257,21 +294,33 @@ class ReplicaCore:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         engine, stops = self._prepare(body, request)
+        deadline = time.monotonic() + body.timeout_s(self.cfg.request_timeout_s)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = chat_prompt_ids(self.tokenizer, messages, self.cfg.chat_template)
-        except APIError:
-            raise
-        except Exception as exc:  # a template that rejects these messages (e.g. role order)
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        check_prompt_bytes([m["content"] for m in messages], engine.prompt_bytes, "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if requested is None:
-            requested = max(1, min(self.cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
-        params = self._params(body, requested)
-        prompt_lens = self._validate_prompts(engine, [ids], params, body.n, "messages")
-        if body.stream:
-            return await self._stream_response("chat", body, engine, [ids], prompt_lens, params, stops, t0)
-        results = await self._generate("chat", engine, [ids], params, body.n, "messages")
+        if requested is not None:
+            self._params(body, requested)  # refuse bad values before any work
+        release = self.admission.enter()
+        streaming = False
+        try:
+            try:  # rendering and tokenising: off the event loop
+                ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages, self.cfg.chat_template)
+            except APIError:
+                raise
+            except Exception as exc:  # a template that rejects these messages (e.g. role order)
+                raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+            if requested is None:
+                requested = max(1, min(self.cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
+            params = self._params(body, requested)
+            prompt_lens = await self._validate_prompts(engine, [ids], params, "messages")
+            if body.stream:
+                response = await self._stream_response("chat", body, engine, [ids], prompt_lens, params, stops, t0, deadline, release)
+                streaming = True
+                return response
+            results = await self._generate(engine, [ids], params, body.n, "messages", deadline)
+        finally:
+            if not streaming:
+                release()
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
             text, finish, ntok = self._apply_stop(r, stops)
@@ -317,15 +366,12 @@ class ReplicaCore:
         return {"object": "list", "data": data}
 
     async def health(self) -> Any:
-        status: dict[str, str] = {}
-        for name, e in self.engines.items():
-            try:
-                await asyncio.wait_for(_aref(e.handle.coordinator.ready.remote()), 10.0)
-                status[name] = "ok"
-            except Exception as exc:
-                status[name] = f"down: {type(exc).__name__}"
-        ok = all(v == "ok" for v in status.values())
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "engines": status}, status_code=200 if ok else 503)
+        """200 only when every engine can serve and the replica is not draining
+        (load balancers and Serve read it; see :meth:`check_health`)."""
+        status = {name: "ok" if ok else f"down: {why}" for name, (ok, why) in (await self._engine_health()).items()}
+        ok = all(v == "ok" for v in status.values()) and not self.admission.draining
+        overall = "ok" if ok else "draining" if self.admission.draining else "unhealthy"
+        return JSONResponse({"status": overall, "engines": status}, status_code=200 if ok else 503)
 
     async def metrics_snapshot(self, request: Request) -> Any:
         self._authorize(request)
@@ -333,24 +379,29 @@ class ReplicaCore:
         return self.metrics.snapshot()
 
     # ------------------------------------------------------------ helpers
-    def _validate_prompts(self, engine: _Engine, prompts: list[Any], params: SamplingParams, n: int, param: str) -> list[int]:
+    async def _validate_prompts(self, engine: _Engine, prompts: list[Any], params: SamplingParams, param: str) -> list[int]:
         """Validate like the engine does (empty prompts, token ids, context) and
-        return each prompt's token count — before any model work."""
+        return each prompt's token count — before any model work, and off the
+        event loop (tokenising a long prompt would stall every other request)."""
         try:
-            seqs = engine.frontend.make_sequences(prompts, params, 1)
+            seqs = await asyncio.to_thread(engine.frontend.make_sequences, prompts, params, 1)
         except SaguaroError as exc:
             raise api_error_from(exc, param) from None
         return [len(s.prompt_ids) for s in seqs]
 
-    async def _generate(self, route: str, engine: _Engine, prompts: list[Any], params: SamplingParams, n: int, param: str) -> list[Any]:
+    async def _generate(self, engine: _Engine, prompts: list[Any], params: SamplingParams, n: int, param: str, deadline: float) -> list[Any]:
+        """The engine's results; 504 once ``deadline`` passes — the engine call
+        is cancelled then (cancelling the awaiting task is the engine's abort hook)."""
         try:
-            return await asyncio.wait_for(engine.handle.agenerate(prompts, params, n), REQUEST_TIMEOUT_S)
+            return await asyncio.wait_for(engine.handle.agenerate(prompts, params, n), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise APIError(504, f"generation did not finish within {REQUEST_TIMEOUT_S:.0f} s", type="server_error", code="timeout") from None
+            raise _deadline_passed() from None
         except Exception as exc:
             err = api_error_from(exc, param)
-            if err.status >= 500:
+            if err.status == 500:  # not a known engine state: keep the traceback for the operator
                 log.exception("generation failed")
+            elif err.status > 500:
+                log.error("generation failed: %s", err.message)
             raise err from None
 
     def _apply_stop(self, result: Any, stops: list[str]) -> tuple[str, str, int]:
@@ -381,7 +432,15 @@ class ReplicaCore:
         params: SamplingParams,
         stops: list[str],
         t0: float,
+        deadline: float,
+        release: Callable[[], None],
     ) -> Any:
+        """The SSE response of one request's samples (each its own engine
+        stream). A failure before any output is a plain HTTP error; from then
+        on errors are events. However the response ends — finished, failed,
+        past ``deadline``, or its client gone — every engine stream is
+        cancelled (closing it is the engine's abort hook) and the request's
+        admission slot is released."""
         n = body.n
         base = params.seed if params.seed is not None else secrets.randbelow(2**31)
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -402,36 +461,43 @@ class ReplicaCore:
             for j in range(n)
         ]
         param = "messages" if route == "chat" else "prompt"
-        try:
-            first = await asyncio.wait_for(queue.get(), REQUEST_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            first = (0, APIError(504, "no output within the timeout", type="server_error", code="timeout"))
-        if isinstance(first[1], BaseException):  # failed before any output: a plain HTTP error
+
+        def close() -> None:
             for t in tasks:
                 t.cancel()
+            release()
+
+        try:
+            first = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            first = (0, _deadline_passed())
+        except BaseException:  # cancelled: the client went away before any output
+            close()
+            raise
+        if isinstance(first[1], BaseException):  # failed before any output: a plain HTTP error
+            close()
             raise api_error_from(first[1], param)
-        events = self._sse_events(route, body, engine, tasks, queue, first, prompts, prompt_lens, stops, t0)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        events = self._sse_events(route, body, engine, queue, len(tasks), first, prompt_lens, stops, t0, deadline)
+        return _EventStream(events, close)
 
     async def _sse_events(
         self,
         route: str,
         body: _Common,
         engine: _Engine,
-        tasks: list[asyncio.Future],
         queue: asyncio.Queue,
+        total: int,
         first: tuple[int, Any],
-        prompts: list[Any],
         prompt_lens: list[int],
         stops: list[str],
         t0: float,
+        deadline: float,
     ) -> AsyncIterator[str]:
         chat = route == "chat"
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = now()
         obj = "chat.completion.chunk" if chat else "text_completion"
         name = engine.entry.name
-        total = len(tasks)
         matchers = [StopMatcher(stops) for _ in range(total)]
         ntokens = [0] * total
         last_token_t: list[float | None] = [None] * total
@@ -460,7 +526,7 @@ class ReplicaCore:
             item: tuple[int, Any] | None = first
             while not all(done):
                 if item is None:
-                    item = await asyncio.wait_for(queue.get(), REQUEST_TIMEOUT_S)
+                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
                 index, payload = item
                 item = None
                 if done[index]:
@@ -503,13 +569,29 @@ class ReplicaCore:
             status = 499
             raise
         except Exception as exc:
-            err = exc if isinstance(exc, APIError) else api_error_from(exc)
-            if isinstance(exc, asyncio.TimeoutError):
-                err = APIError(504, "stream stalled beyond the timeout", type="server_error", code="timeout")
+            err = _deadline_passed() if isinstance(exc, asyncio.TimeoutError) else api_error_from(exc)
             status = err.status
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            for task in tasks:
-                task.cancel()
             self.metrics.request(route, name, status, time.perf_counter() - t0)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends — also when the
+    client goes away before the first byte, where the event generator's own
+    ``finally`` would never run."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _deadline_passed() -> APIError:
+    return APIError(504, "the request did not finish within its timeout", type="server_error", code="timeout")

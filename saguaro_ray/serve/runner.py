@@ -8,7 +8,8 @@ command adds what a user of the engine expects: it joins a running cluster
 fractional asks), deploys the applications the same way ``serve run`` does,
 waits (bounded) until every application is RUNNING — or reports why one
 failed — prints the URLs, and then blocks until Ctrl-C or SIGTERM (``--detach``: returns
-at once and leaves the applications running on the cluster).
+at once and leaves the applications running on the cluster). On the stop it drains:
+requests in flight finish before Serve shuts down (see :func:`_drain`).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def _connect_or_start(address: str | None, detach: bool) -> bool:
             return False
         except ConnectionError:
             pass
-    # engines ask for fractional CPUs: give a small machine enough logical CPUs
-    ray.init(num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False)
+    # engines ask for fractional CPUs: give a small machine enough logical CPUs;
+    # address="local": a new instance, even where another one's address file is left on this machine
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False)
     return True
 
 
@@ -154,6 +156,7 @@ def run_config(
         finally:
             if main:
                 signal.signal(signal.SIGTERM, previous)
+        _drain(config)
         serve.shutdown()
         return urls
     except BaseException as exc:
@@ -166,6 +169,22 @@ def run_config(
     finally:
         if started and block and not detach:
             ray.shutdown()
+
+
+def _drain(config: Any) -> None:
+    """Delete the applications before stopping Serve: ``serve.shutdown()``
+    alone stops the HTTP proxies at once and resets every connection in
+    flight, while deleting an application lets its replicas finish their
+    requests in flight (Serve waits ``graceful_shutdown_timeout_s``, which
+    ``build_app`` sets from ``request_timeout_s``) with the proxies still up.
+    A second Ctrl-C stops waiting."""
+    from ray import serve
+
+    for app in config.applications:
+        try:
+            serve.delete(app.name, _blocking=True)
+        except Exception as exc:  # noqa: BLE001 — serve.shutdown() below stops it anyway
+            log.warning("application %r did not drain: %s", app.name, exc)
 
 
 def cmd_serve(args: Any) -> int:

@@ -1,0 +1,210 @@
+"""The HTTP edge's limits and error classes, without Ray.
+
+What a request may carry is decided before anything is queued: every value
+that reaches a worker fits the wire (64-bit integers, finite floats), a body
+over the limit is refused unparsed, a prompt whose bytes prove it cannot fit
+is refused untokenised, a replica past its request bound answers 429, and
+engine-side failures are 5xx — never a 4xx telling the client its request was
+wrong. The end-to-end versions (poison next to running streams, a dead
+engine's 503s) are in ``test_serve.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from saguaro_ray.algorithms.sampling import process_logits
+from saguaro_ray.config import INT64_MAX, SamplingParams
+from saguaro_ray.engine.frontend import Frontend
+from saguaro_ray.engine.transport import WorkerGone
+from saguaro_ray.errors import ConfigError, OutOfKVBlocksError
+from saguaro_ray.runtime.wire import EncodeError, pack_payload, unpack_payload
+from saguaro_ray.serve.limits import Admission, BodyLimit, check_prompt_bytes, max_token_bytes, prompt_byte_limit
+from saguaro_ray.serve.protocol import APIError, CompletionRequest, api_error_from
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 2**64),  # failed to encode after admission, failing every running sequence
+        ("top_k", 2**63),  # encodes (uint64) but overflows the workers' int64 tensors
+        ("seed", 2**64),
+        ("seed", 2**63),
+        ("max_tokens", 2**64),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("top_p", float("nan")),
+        ("top_k", True),
+    ],
+)
+def test_values_beyond_the_wire_are_refused_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"^{field} must"):
+        SamplingParams(**{field: value})
+
+
+def test_the_largest_accepted_values_cross_the_wire_and_sample():
+    params = SamplingParams(temperature=0.7, top_k=INT64_MAX, seed=INT64_MAX - 1, max_tokens=INT64_MAX)
+    params.check_samples(2)  # seeds INT64_MAX - 1 and INT64_MAX
+    assert unpack_payload(pack_payload(params)) == params
+    assert unpack_payload(pack_payload(INT64_MAX)) == INT64_MAX
+    with pytest.raises(EncodeError):  # what the bound keeps out
+        pack_payload(2**64)
+    probs = process_logits(torch.randn(2, 11), [0.7, 0.7], [INT64_MAX, 3], [1.0, 1.0])
+    assert torch.allclose(probs.sum(-1), torch.ones(2)) and int((probs[1] > 0).sum()) == 3
+
+
+def test_seed_plus_n_must_fit():
+    """Sample i uses seed + i: ``seed = 2**64 - 1, n = 2`` reached the wire as 2**64."""
+    SamplingParams(seed=INT64_MAX).check_samples(1)
+    with pytest.raises(ConfigError, match=r"^seed must be at most 9223372036854775806 with n=2"):
+        SamplingParams(seed=INT64_MAX).check_samples(2)
+    with pytest.raises(ConfigError, match="^n must"):
+        SamplingParams().check_samples(0)
+    frontend = Frontend(None, 32, 64, "ar", None)  # the Python API refuses it too, before any work
+    with pytest.raises(ConfigError, match="^seed must"):
+        frontend.make_sequences([[1, 2]], SamplingParams(seed=INT64_MAX - 2, max_tokens=4), 4)
+    seqs = frontend.make_sequences([[1, 2]], SamplingParams(seed=INT64_MAX - 3, max_tokens=4), 4)
+    assert [s.seed for s in seqs] == [INT64_MAX - 3, INT64_MAX - 2, INT64_MAX - 1, INT64_MAX]
+
+
+def test_stop_and_timeout_sizes():
+    req = CompletionRequest(model="m", prompt="p", stop=["ab", "x" * 9])
+    assert req.stop_list(4, 9) == ["ab", "x" * 9]
+    with pytest.raises(APIError, match="at most 8 characters") as info:
+        req.stop_list(4, 8)
+    assert info.value.param == "stop"
+    with pytest.raises(APIError, match="at most 1 sequences"):
+        req.stop_list(1, 9)
+    assert CompletionRequest(model="m", prompt="p").timeout_s(600) == 600
+    assert CompletionRequest(model="m", prompt="p", timeout=5).timeout_s(600) == 5
+    assert CompletionRequest(model="m", prompt="p", timeout=5000).timeout_s(600) == 600
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(APIError) as info:
+            CompletionRequest(model="m", prompt="p", timeout=bad).timeout_s(600)
+        assert info.value.param == "timeout"
+
+
+def test_engine_side_failures_are_5xx():
+    import ray
+
+    from saguaro_ray.runtime.control import ControlError
+
+    gone = api_error_from(WorkerGone("worker target died and its restarts are exhausted"))
+    assert (gone.status, gone.type, gone.code) == (503, "server_error", "engine_unavailable")  # was 400
+    dead = api_error_from(ray.exceptions.ActorDiedError())
+    assert (dead.status, dead.type) == (503, "server_error")
+    for exc in (EncodeError("cannot encode: Integer value out of range"), ControlError("x"), RuntimeError("boom")):
+        err = api_error_from(exc)
+        assert (err.status, err.type, err.code) == (500, "server_error", "internal_error"), exc  # EncodeError was 400
+        assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    bad = api_error_from(ConfigError("top_k must be an integer in [0, 9223372036854775807] (0 disables it), got 1"))
+    assert (bad.status, bad.type, bad.param) == (400, "invalid_request_error", "top_k")
+    assert api_error_from(OutOfKVBlocksError("no block")).status == 400  # this request can never fit
+
+
+def test_admission_bounds_requests_and_drains():
+    adm = Admission(2)
+    a, b = adm.enter(), adm.enter()
+    with pytest.raises(APIError) as info:
+        adm.enter()
+    err = info.value
+    assert (err.status, err.type, err.code, err.headers) == (429, "requests", "rate_limit_exceeded", {"Retry-After": "1"})
+    a()
+    a()  # idempotent: a slot is released once
+    assert adm.active == 1
+    c = adm.enter()
+    adm.draining = True
+    with pytest.raises(APIError) as info:
+        adm.enter()
+    assert (info.value.status, info.value.type) == (503, "server_error")
+    b(), c()
+    assert adm.active == 0
+
+
+def test_prompt_byte_bound_never_refuses_a_prompt_that_fits(zoo_tiny):
+    """The bound rests on every token covering at most ``max_token_bytes``
+    bytes of text: check it on text made to tokenise badly and well."""
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(zoo_tiny / "target")
+    per_token = max_token_bytes(tok)
+    rng = random.Random(0)
+    vocab = list(tok.get_vocab())
+    texts = [
+        " " * 5000,
+        "def f(x):\n    return x\n" * 200,
+        "".join(rng.choice("aé漢🙂 \n") for _ in range(3000)),
+        "".join(rng.choice(vocab) for _ in range(500)),
+    ]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) * per_token >= len(text.encode("utf-8")), text[:40]
+    limit = prompt_byte_limit(per_token, 2048)
+    check_prompt_bytes(["x" * limit], limit, "prompt")
+    with pytest.raises(APIError, match="refused without tokenising") as info:
+        check_prompt_bytes(["x" * (limit - 1), "é"], limit, "messages")
+    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", "messages")
+
+
+def _echo_app(limit: int, seen: list[int]) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        body = await request.body()
+        seen.append(len(body))
+        return {"bytes": len(body)}
+
+    app.add_middleware(BodyLimit, limit=lambda: limit)
+    return app
+
+
+def test_body_limit_refuses_before_the_route_reads_it():
+    seen: list[int] = []
+    client = TestClient(_echo_app(1000, seen))
+    assert client.post("/echo", content=b"x" * 1000).json() == {"bytes": 1000}
+    big = client.post("/echo", content=b"x" * 10_000_000)  # declared by Content-Length
+    assert big.status_code == 413
+    assert big.json()["error"]["code"] == "request_too_large" and big.json()["error"]["type"] == "invalid_request_error"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(50):
+            yield b"y" * 100
+
+    assert client.post("/echo", content=chunks()).status_code == 413
+    assert seen == [1000]  # the refused bodies never reached the route
+
+
+def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
+    """The tokenizer here only returns once the event loop has run something
+    else meanwhile — possible only if tokenising happens on another thread
+    (a 10 MB prompt tokenised on the loop held /v1/models for 15 s)."""
+    import asyncio
+    import threading
+
+    from saguaro_ray.serve.replica import ReplicaCore, _Engine
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    real = load_tokenizer(zoo_tiny / "target")
+    working, loop_ran = threading.Event(), threading.Event()
+
+    class WaitsForTheLoop:
+        def encode(self, text: str, **kwargs) -> list[int]:
+            working.set()
+            assert loop_ran.wait(60), "the event loop was blocked while the tokenizer worked"
+            return real.encode(text, **kwargs)
+
+    engine = _Engine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
+
+    async def main() -> list[int]:
+        task = asyncio.ensure_future(ReplicaCore()._validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
+        await asyncio.to_thread(working.wait, 60)
+        loop_ran.set()  # runs on the loop
+        return await task
+
+    assert asyncio.run(main()) == [len(real.encode("def f(x):", add_special_tokens=False))]
