@@ -43,7 +43,7 @@ from saguaro_ray.workers.target import TargetLogic
 log = logging.getLogger(__name__)
 
 _LOGIC = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
-_MEMBERSHIP = ["join_data_plane", "leave_data_plane"]
+_MEMBERSHIP = ["join_data_plane", "leave_data_plane", "discard"]
 _METHODS = {
     "target": ["verify", "prefill", "release", *_MEMBERSHIP],
     "draft": ["propose", "build", "lookup", "prefill", "release", *_MEMBERSHIP],
@@ -95,6 +95,7 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
             "threads": torch.get_num_threads(),
+            "python_threads": threading.active_count(),  # a leak of waiter threads shows here
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
             "dropped_frames": self.server.dropped_frames,
