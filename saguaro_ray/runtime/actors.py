@@ -30,9 +30,10 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.ray_transport import RayWorkerHandle
+from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
+from saguaro_ray.runtime.restart_budget import RestartBudget
 from saguaro_ray.runtime.routing import RoutedLogic
-from saguaro_ray.runtime.target_group import connect_worker, worker_info
+from saguaro_ray.runtime.target_group import connect_worker, restart_worker, worker_info
 from saguaro_ray.workers.checkpoint import Checkpoint
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
@@ -64,11 +65,27 @@ def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | N
     )
 
 
+def _exit_if_asked(role: str) -> None:
+    """Fault injection for the tests: a worker whose role names a file in
+    ``$SAGUARO_EXIT_ONCE_DIR`` removes it and dies on the spot — a real process
+    death while the engine launches, once."""
+    folder = os.environ.get("SAGUARO_EXIT_ONCE_DIR")
+    if not folder:
+        return
+    try:
+        os.unlink(os.path.join(folder, role))
+    except FileNotFoundError:
+        return
+    log.warning("worker %s: exiting as asked by %s", role, folder)
+    os._exit(1)
+
+
 class WorkerActor:
     """One model on one device, serving the round protocol over ZeroMQ."""
 
     def __init__(self, role: str, model: str, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
         logging.basicConfig(level=logging.INFO)
+        _exit_if_asked(role)
         torch.set_num_threads(config.threads_per_worker)
         kind = role_kind(role)
         self.role = role
@@ -91,6 +108,7 @@ class WorkerActor:
         return {
             "role": self.role,
             "pid": os.getpid(),
+            "restarted": ray.get_runtime_context().was_current_actor_reconstructed,  # by Ray, before anyone asked
             "node": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
@@ -98,6 +116,7 @@ class WorkerActor:
             "python_threads": threading.active_count(),  # a leak of waiter threads shows here
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
+            "free_kv_blocks": self.logic.runner.kv.free_blocks,
             "dropped_frames": self.server.dropped_frames,
             "broadcast_calls": self.server.stats()["broadcast_calls"],
             "forwarded_calls": 0 if self.routed.forwarder is None else self.routed.forwarder.forwarded,
@@ -125,7 +144,16 @@ class CoordinatorActor:
         if config.spec.mode == "pyramid":
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
-        self.clients = {role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:  # the workers hold the lost coordinator's sequences: start them afresh
+            log.warning("coordinator restarted: the requests it ran are lost; restarting its workers")
+            for role, actor in workers.items():
+                restart_worker(role, actor, timeout_s=RECOVER_TIMEOUT_S)
+        budget = lambda: RestartBudget(config.max_restarts, config.restart_window_s)  # noqa: E731
+        self.clients = {
+            role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s, budget=budget(), charge_prior_restart=not restarted)
+            for role, actor in workers.items()
+        }
         self._store: DataPlaneStore | None = None
         self._generations = itertools.count(1)
         self._plane_lock = threading.Lock()
