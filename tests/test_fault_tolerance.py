@@ -173,6 +173,19 @@ def _coordinator_pid(handle) -> int:
     return ray.get(handle.coordinator.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
+def _wait_for_coordinator(handle, timeout_s: float = 180) -> None:
+    """Until the restarted coordinator answers (meanwhile calls fail with WorkerGone: it is restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            handle.metrics()
+            return
+        except WorkerGone as exc:
+            assert "restarting" in str(exc)
+            assert time.monotonic() < deadline, "the coordinator never came back"
+            time.sleep(0.5)
+
+
 def test_a_lost_coordinator_is_reported_restarted_and_serves_with_fresh_workers(ray_instance, target):
     """The coordinator holds the token histories, so its in-flight requests
     are lost: they fail with WorkerGone naming it. Ray restarts it; the new
@@ -187,7 +200,8 @@ def test_a_lost_coordinator_is_reported_restarted_and_serves_with_fresh_workers(
             for i, _ in enumerate(handle.stream(PROMPT, PARAMS)):
                 if i == 2:
                     os.kill(coordinator, signal.SIGKILL)
-        again = handle.generate([PROMPT], PARAMS)[0]  # waits for the restarted coordinator
+        _wait_for_coordinator(handle)
+        again = handle.generate([PROMPT], PARAMS)[0]
         assert again.token_ids == reference
         assert _coordinator_pid(handle) != coordinator
         info = handle.worker_info()

@@ -116,7 +116,7 @@ def _user_error(exc: ray.exceptions.RayError) -> BaseException:
     coordinator's loss as :class:`WorkerGone` (one line, not Ray's report)."""
     if isinstance(exc, ray.exceptions.RayActorError):
         if isinstance(exc, ray.exceptions.ActorUnavailableError):  # Ray is restarting it
-            return WorkerGone("the engine's coordinator was lost and is restarting; the requests it was running are lost, resubmit them")
+            return WorkerGone("the engine's coordinator is unavailable (lost, and restarting); the requests it was running are lost, resubmit them")
         return WorkerGone("the engine's coordinator is gone (its process died and its restarts are exhausted)")
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, SaguaroError) else exc
