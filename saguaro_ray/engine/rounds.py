@@ -591,7 +591,7 @@ class RoundLoop:
         if not live:  # every sequence finished: nothing to wait for (the target placed lookups anyway) ...
             for f in ahead.forwarded if ahead is not None and rec.forwarded else []:
                 # ... but their answers' transfers must be taken, whenever they come
-                f.future.add_done_callback(lambda fut, d=f.worker: None if fut.exception() else self._drop_lookups([(d, fut.result().value)], set()))
+                f.future.add_done_callback(lambda fut, d=f.worker: self._drop_answer(d, fut))
             return
         self._take_lookups(running, proposals, outcomes, live, lookups, rec)
         missed = [running[i] for i in live if running[i].proposal is None]
@@ -682,6 +682,11 @@ class RoundLoop:
         for d, res in answers:
             kvs = [r.extension.kv for r in res if r.extension is not None and id(r.extension) not in kept]
             self._discard([x for x in self.drafts.up() if x is not d], kvs)
+
+    def _drop_answer(self, draft: WorkerHandle, fut: "Future[Timed]") -> None:
+        """Discard all of a lookup's answer, once it comes (a failed lookup sent nothing that stays)."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._drop_lookups([(draft, fut.result().value)], set())
 
     def _discard(self, receivers: Sequence[WorkerHandle], refs: list[Any]) -> None:
         """Have ``receivers`` take the data-plane transfers behind ``refs``
