@@ -961,19 +961,17 @@ def discard_refs(refs: Iterable[TensorRef | KVDeltaRef], plane: DataPlane) -> in
     that the caller will never resolve (a speculation nobody verifies): an
     unreceived send keeps its tensor and a waiter thread on the sender until
     the group closes. References of another generation are skipped (their
-    group is gone, and its sends with it). Returns the transfers taken."""
-    taken = 0
+    group is gone, and its sends with it). Returns how many transfers."""
+    wanted: dict[tuple[int, int], tuple[tuple[int, ...], str]] = {}  # (src, tag) → (shape, dtype)
     for ref in refs:
         if ref.generation != plane.generation:
             continue
         if isinstance(ref, TensorRef):
-            wanted = {(src, tag, total) for src, dst, tag, total, _, _ in ref.segments if dst == plane.rank}
-            for src, tag, total in wanted:
-                plane.discard(src, tag, (total, ref.width), ref.dtype)
-                taken += 1
-        else:
-            for dst, tag in ref.tags:
+            for src, dst, tag, total, _, _ in ref.segments:
                 if dst == plane.rank:
-                    plane.discard(ref.src, tag, ref.shape, ref.dtype)
-                    taken += 1
-    return taken
+                    wanted[(src, tag)] = ((total, ref.width), ref.dtype)
+        else:
+            wanted.update({(ref.src, tag): (ref.shape, ref.dtype) for dst, tag in ref.tags if dst == plane.rank})
+    for (src, tag), (shape, dtype) in wanted.items():
+        plane.discard(src, tag, shape, dtype)
+    return len(wanted)
