@@ -20,23 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import pytest
-import ray
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 from saguaro_ray.runtime.control import _IPC_PREFIX, _ipc_dir_root
 
 TEMPERATURES = (0.0, 0.5, 0.8, 1.0)
 SETTLE_S = 60.0  # releases and discards run after a request returns: how long they may take
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def _user_error(exc: ray.exceptions.RayError) -> BaseException:
     if isinstance(exc, ray.exceptions.RayActorError):
         if isinstance(exc, ray.exceptions.ActorUnavailableError):  # Ray is restarting it
             return WorkerGone("the engine's coordinator is unavailable (lost, and restarting); the requests it was running are lost, resubmit them")
-        return WorkerGone("the engine's coordinator is gone (its process died and its restarts are exhausted)")
+        return WorkerGone("the engine's coordinator died; the requests it was running are lost (Ray restarts it while its max_restarts last)")
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, SaguaroError) else exc
 

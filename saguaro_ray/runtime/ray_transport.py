@@ -57,10 +57,10 @@ class RayWorkerHandle:
         name: str,
         actor: Any,
         key: bytes,
+        budget: RestartBudget,
         timeout_s: float = 120.0,
         check_interval_s: float = 0.5,
         recover_timeout_s: float = RECOVER_TIMEOUT_S,
-        budget: RestartBudget | None = None,
         charge_prior_restart: bool = True,
     ) -> None:
         """``charge_prior_restart``: a worker Ray restarted before this handle
@@ -76,7 +76,7 @@ class RayWorkerHandle:
         self._pending: set[Future] = set()
         self._closed = threading.Event()
         self.restarts = 0
-        self.budget = budget or RestartBudget(0, float("inf"))
+        self.budget = budget
         # called after a restart, before any call is re-sent (the coordinator rebuilds the data plane)
         self.on_recovered: Callable[["RayWorkerHandle"], None] | None = None
         info = self._first_info()
@@ -190,7 +190,7 @@ class RayWorkerHandle:
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.ActorDiedError as exc:
-                raise WorkerGone(f"worker {self.name} died and its restarts are exhausted ({type(exc).__name__})") from None
+                raise WorkerGone(f"worker {self.name} died and cannot be restarted ({type(exc).__name__})") from None
             if info["pid"] != self._pid:
                 break
             time.sleep(0.2)  # Ray has not noticed the death yet
