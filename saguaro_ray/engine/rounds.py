@@ -656,6 +656,7 @@ class RoundLoop:
                     cached = r.proposal
                     if r.extension is not None:
                         self._extensions[s.seq_id] = (d, r.extension)
+                        kept.add(id(r.extension))
             hit = cached is not None
             self.fanout.observe(out.accepted, out.proposed, rank, after_backup=_regime(p), hit=hit)
             self.backup_stats.observe_lookup(_regime(p) or "cache", hit)
@@ -664,7 +665,7 @@ class RoundLoop:
             rec.hits += int(hit)
             rec.misses += int(not hit)
             s.proposal = cached or backup  # neither: the round loop's backup serves it
-            kept |= {id(s.proposal), id(self._extensions.get(s.seq_id, (None, None))[1])}
+            kept.add(id(s.proposal))
             served = served or (not hit and backup is not None)
         self._drop_lookups(answers, kept)
         if served and rec.lookup is not None:  # this lookup made backups for its misses
