@@ -15,6 +15,20 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(scope="module")
+def ray_instance():
+    """A local Ray instance for one test module (8 logical CPUs: the actors ask
+    for fractions of the few real ones). Modules that need another define their own."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def zoo_tiny() -> Path:
     """The ``tiny`` zoo family directory (target/, qualifier/, draft/, zoo.json).

@@ -29,6 +29,7 @@ from saguaro_ray.runtime.data_plane import (
     StoreClient,
     TensorRef,
     TransferLost,
+    discard_refs,
     offload_kv,
     offload_q,
     recv_kv,
@@ -172,6 +173,32 @@ def job_recv_kv(gen: int, frame: bytes) -> tuple[Any, Any]:
     kv = recv_kv(plane, ref, 10.0)
     built = resolve([BuildItem(step=_step(), proposal=Proposal(tokens=[1]), fanout=[1, 1], k_next=2, extension=ext)], plane, 10.0)
     return kv, built[0].extension.kv
+
+
+def _settle(plane: DataPlane, key: str) -> dict[str, int]:
+    """The plane's stats once ``key`` is 0 (waiter threads finish on their own), or after 10 s."""
+    deadline = time.monotonic() + 10.0
+    while plane.stats()[key] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return plane.stats()
+
+
+def job_pending_sends(gen: int, settle: bool = True) -> tuple[dict[str, int], int]:
+    import threading
+
+    plane = _PLANES[gen]
+    return _settle(plane, "pending_sends") if settle else plane.stats(), threading.active_count()
+
+
+def job_discard(gen: int, frame: bytes) -> tuple[int, dict[str, int], Any]:
+    """Discard every reference in a reply, then resolve them anyway: the memo holds what was taken."""
+    plane = _PLANES[gen]
+    reply = FrameCodec(KEY).decode(frame)
+    refs = [p.q for p, _ in reply.value["pairs"] if p is not None] + [reply.value["lookups"][0].proposal.q]
+    taken = discard_refs(refs + refs, plane)  # twice: taking a transfer again is a no-op
+    stats = _settle(plane, "pending_recvs")
+    again = resolve_q([VerifyItem(step=_step(), proposal=Proposal(tokens=[1, 2], q=refs[0]))], plane, 0.5)
+    return taken, stats, again[0].proposal.q
 
 
 def make_kv(seed: int, layers: int, n: int, dtype: torch.dtype, hkv: int = 2, d: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -374,6 +401,20 @@ def test_q_rows_offload_and_resolve_through_frames(agents: Agents, gen: int) -> 
     build = [BuildItem(step=_step(), proposal=Proposal(tokens=[1, 2], q=p1.q), fanout=[1, 1, 1], k_next=2)]
     (own, _), _, _ = agents.call(0, job_resolve, gen, codec.encode(build))
     assert torch.equal(own[0].proposal.q, want[1])
+
+
+def test_discarded_references_release_their_sends_and_threads(agents: Agents, gen: int) -> None:
+    """A speculation nobody verifies: its receiver discards it, and the
+    sender's pending send and waiter thread are gone (issue 20's T > 0 leak)."""
+    _, threads = agents.call(0, job_pending_sends, gen)
+    frame, _ = agents.call(0, job_offload, gen, [31, 32, 33], 1)
+    stats, during = agents.call(0, job_pending_sends, gen, False)
+    assert stats["pending_sends"] == 1 and during == threads + 1  # nobody has taken the packed transfer yet ...
+    taken, stats, again = agents.call(1, job_discard, gen, frame)
+    assert taken == 1 and stats["pending_recvs"] == 0
+    assert torch.equal(again, payload(31, 31 % 3 + 2))  # ... now it sits in the receiver's memo
+    stats, after = agents.call(0, job_pending_sends, gen)
+    assert stats["pending_sends"] == 0 and after == threads
 
 
 def test_stale_and_misrouted_references_are_refused(agents: Agents, gen: int) -> None:

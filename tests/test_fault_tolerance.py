@@ -5,9 +5,12 @@ worker is rebuilt by re-prefill. A lost draft degrades to point-mass
 backups (exact, just slower) while Ray restarts it, then SSD resumes; a lost
 target is restarted and running sequences are re-prefilled; when restarts
 are exhausted the affected requests fail with a clear error instead of
-hanging.
+hanging. Restart budgets are windows (N restarts in any W seconds), a
+worker that dies while the engine launches is waited for, and a lost
+coordinator is reported, restarted, and re-attaches fresh workers.
 """
 
+import math
 import os
 import signal
 import time
@@ -18,13 +21,24 @@ import ray
 from helpers import save_tiny_checkpoint
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 from saguaro_ray.engine.transport import WorkerGone
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.runtime.restart_budget import RestartBudget
 
 PROMPT = [3, 5, 7, 9]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
+def exit_once(tmp_path_factory):
+    """A worker whose role names a file here dies (os._exit) in its constructor, once."""
+    folder = tmp_path_factory.mktemp("exit-once")
+    os.environ["SAGUARO_EXIT_ONCE_DIR"] = str(folder)  # the Ray workers inherit it from ray.init
+    yield folder
+    del os.environ["SAGUARO_EXIT_ONCE_DIR"]
+
+
+@pytest.fixture(scope="module")
+def ray_instance(exit_once):
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -83,11 +97,122 @@ def test_killing_the_target_recovers_with_identical_tokens(ray_instance, target)
         handle.shutdown()
 
 
-def test_exhausted_restarts_fail_requests_with_a_clear_error(ray_instance, target):
-    handle = Engine.launch(EngineConfig(target=str(target), spec=SpeculationConfig(mode="ar"), max_restarts=0))
+def test_restart_budget_is_a_sliding_window():
+    now = [0.0]
+    budget = RestartBudget(2, 10.0, clock=lambda: now[0])
+    for t in (0.0, 5.0, 10.0, 15.0, 20.0, 25.0):  # 2 in any 10 s: as many as you like over time
+        now[0] = t
+        assert budget.spend(), t
+    now[0] = 29.0  # 20, 25 and 29 are three within 10 s
+    assert not budget.spend()
+    lifetime = RestartBudget(1, math.inf, clock=lambda: now[0])
+    assert lifetime.spend() and not (now.__setitem__(0, 1e9) or lifetime.spend())
+    assert "max_restarts=2 within 10 s" in str(budget) and "lifetime" in str(lifetime)
+
+
+@pytest.mark.parametrize("window", [0, -1.0, float("nan"), "60", True])
+def test_restart_window_must_be_positive_seconds(target, window):
+    with pytest.raises(ConfigError, match="restart_window_s"):
+        EngineConfig(target=str(target), restart_window_s=window)
+
+
+def test_restarts_spread_over_more_than_the_window_keep_serving(ray_instance, target):
+    """max_restarts=1 per 2 s: two target deaths 2 s apart both recover (a
+    lifetime count of 1 — Ray's own max_restarts — failed the second)."""
+    window = 2.0
+    handle = Engine.launch(EngineConfig(target=str(target), spec=SpeculationConfig(mode="ar"), max_restarts=1, restart_window_s=window))
     try:
-        with pytest.raises(WorkerGone, match="target"):
+        reference = handle.generate([PROMPT], PARAMS)[0].token_ids
+        for restarts in (1, 2):
+            tokens, _ = _kill_mid_stream(handle, "target")
+            assert tokens == reference
+            assert handle.metrics()["restarts"]["target"] == restarts
+            time.sleep(window + 0.5)  # the restart leaves the window
+    finally:
+        handle.shutdown()
+
+
+def test_exhausted_restarts_fail_requests_with_a_clear_error(ray_instance, target):
+    """One restart per hour: the second death within it fails the requests and stops the worker for good."""
+    handle = Engine.launch(EngineConfig(target=str(target), spec=SpeculationConfig(mode="ar"), max_restarts=1, restart_window_s=3600))
+    try:
+        reference = handle.generate([PROMPT], PARAMS)[0].token_ids
+        assert _kill_mid_stream(handle, "target")[0] == reference
+        with pytest.raises(WorkerGone, match=r"target .*budget .*max_restarts=1 within 3600 s"):
             _kill_mid_stream(handle, "target")
+        with pytest.raises(ray.exceptions.ActorDiedError):  # stopped: Ray does not restart it again
+            ray.get(handle.workers["target"].info.remote(), timeout=60)
+        with pytest.raises(WorkerGone, match="target"):
+            handle.generate([PROMPT], PARAMS)
+    finally:
+        handle.shutdown()
+
+
+def test_a_worker_dying_while_the_engine_launches_is_waited_for(ray_instance, target, exit_once):
+    (exit_once / "draft0").touch()
+    handle = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=SpeculationConfig(mode="sd", k=3)))
+    try:
+        assert not (exit_once / "draft0").exists()  # it did die once
+        assert handle.metrics()["restarts"] == {"target": 0, "draft0": 1}
+        result = handle.generate([PROMPT], PARAMS)[0]
+        assert result.stats["mean_accepted"] > 2  # draft == target: the restarted draft serves
+    finally:
+        handle.shutdown()
+
+
+def test_a_worker_dying_at_launch_past_its_budget_fails_the_launch_naming_it(ray_instance, target, exit_once):
+    (exit_once / "draft0").touch()
+    config = EngineConfig(target=str(target), draft=str(target), spec=SpeculationConfig(mode="sd", k=3), max_restarts=0)
+    with pytest.raises(WorkerGone, match="^worker draft0 was restarted more often than its budget allows") as err:
+        Engine.launch(config)
+    assert "\n" not in str(err.value)
+    assert not (exit_once / "draft0").exists()
+
+
+def _coordinator_pid(handle) -> int:
+    return ray.get(handle.coordinator.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def _wait_for_coordinator(handle, timeout_s: float = 180) -> None:
+    """Until the restarted coordinator answers (meanwhile calls fail with WorkerGone: it is restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            handle.metrics()
+            return
+        except WorkerGone as exc:
+            assert "restarting" in str(exc)
+            assert time.monotonic() < deadline, "the coordinator never came back"
+            time.sleep(0.5)
+
+
+def test_a_lost_coordinator_is_reported_restarted_and_serves_with_fresh_workers(ray_instance, target):
+    """The coordinator holds the token histories, so its in-flight requests
+    are lost: they fail with WorkerGone naming it. Ray restarts it; the new
+    one restarts the workers (their KV belonged to the lost requests) and new
+    requests are served exactly. Past its restarts, calls fail the same way."""
+    handle = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=SpeculationConfig(mode="sd", k=3), max_restarts=1))
+    try:
+        reference = handle.generate([PROMPT], PARAMS)[0].token_ids
+        pids = {role: info["pid"] for role, info in handle.worker_info().items()}
+        coordinator = _coordinator_pid(handle)
+        with pytest.raises(WorkerGone, match="coordinator"):
+            for i, _ in enumerate(handle.stream(PROMPT, PARAMS)):
+                if i == 2:
+                    os.kill(coordinator, signal.SIGKILL)
+        _wait_for_coordinator(handle)
+        again = handle.generate([PROMPT], PARAMS)[0]
+        assert again.token_ids == reference
+        assert _coordinator_pid(handle) != coordinator
+        info = handle.worker_info()
+        assert all(info[role]["pid"] != pid for role, pid in pids.items())  # fresh workers, re-attached
+        assert info["target"]["free_kv_blocks"] == info["target"]["kv_tokens"] // info["target"]["block_size"]
+        os.kill(_coordinator_pid(handle), signal.SIGKILL)  # its one restart is spent
+        with pytest.raises(WorkerGone, match="coordinator"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # until Ray has noticed the death
+                handle.metrics()
+                time.sleep(0.2)
     finally:
         handle.shutdown()
 

@@ -12,7 +12,6 @@ import os
 import signal
 
 import pytest
-import ray
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 from saguaro_ray.engine.transport import WorkerGone
@@ -21,16 +20,6 @@ from saguaro_ray.errors import ConfigError
 PROMPTS = [[3, 5, 7, 9], [1, 2, 3, 4, 5, 6, 7, 8], [42]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 MODES = {"ar": SpeculationConfig(mode="ar"), "ssd": SpeculationConfig(mode="ssd", k=3, budget=4)}
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _config(zoo_tiny, mode: str, tp: int, **kw) -> EngineConfig:

@@ -222,6 +222,17 @@ def _released(worker: str, fut: "Future[Timed]") -> None:
         log.warning("release on %s failed: %s", worker, e)
 
 
+def _discarded(worker: str, fut: "Future[Timed]") -> None:
+    """Report a discard that failed (see ``RoundLoop._discard``): its sender keeps the transfer until the data plane is rebuilt."""
+    if fut.exception() is not None:
+        log.info("discard on %s failed: %s", worker, fut.exception())
+
+
+def _on_plane(x: Any) -> bool:
+    """Is ``x`` (q rows, a KV delta) a data-plane reference rather than tensors here?"""
+    return x is not None and not isinstance(x, (torch.Tensor, list, tuple))
+
+
 def _regime(p: Proposal) -> bool | str:
     """The acceptance regime of a proposal for the fan-out estimator."""
     return p.source if p.source in ("neural", "fast") else False
@@ -506,6 +517,8 @@ class RoundLoop:
         # a cached speculation may be longer than what is still worth verifying
         ks = [self.spec_len(s, self.spec.k) for s in running]
         proposals = [_clip(s.proposal, k) for s, k in zip(running, ks)]
+        # a speculation clipped to nothing is never verified: its q rows are never fetched
+        self._discard([self.target], [s.proposal.q for s, p in zip(running, proposals) if s.proposal.tokens and not p.tokens])
         # every draft that is up builds its share of the outcomes (one budget each)
         builders = self.drafts.up()
         shards = max(1, len(builders))
@@ -575,9 +588,10 @@ class RoundLoop:
         for p, out in zip(proposals, outcomes):
             from_cache = p.source == "cache"
             self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else p.source)
-        if not live:  # every sequence finished: nothing to wait for (the target placed lookups anyway)
+        if not live:  # every sequence finished: nothing to wait for (the target placed lookups anyway) ...
             for f in ahead.forwarded if ahead is not None and rec.forwarded else []:
-                f.forget()
+                # ... but their answers' transfers must be taken, whenever they come
+                f.future.add_done_callback(lambda fut, d=f.worker: self._drop_answer(d, fut))
             return
         self._take_lookups(running, proposals, outcomes, live, lookups, rec)
         missed = [running[i] for i in live if running[i].proposal is None]
@@ -630,6 +644,7 @@ class RoundLoop:
             rec.lookup = _span(spans)
             rec.lookup_back = time.perf_counter()
         served = False
+        kept: set[int] = set()  # the proposals and KV deltas this round uses (by id)
         for i, idx in zip(live, lookups.at):
             s, p, out = running[i], proposals[i], outcomes[i]
             cached, rank, backup = None, None, None
@@ -641,6 +656,7 @@ class RoundLoop:
                     cached = r.proposal
                     if r.extension is not None:
                         self._extensions[s.seq_id] = (d, r.extension)
+                        kept.add(id(r.extension))
             hit = cached is not None
             self.fanout.observe(out.accepted, out.proposed, rank, after_backup=_regime(p), hit=hit)
             self.backup_stats.observe_lookup(_regime(p) or "cache", hit)
@@ -649,12 +665,40 @@ class RoundLoop:
             rec.hits += int(hit)
             rec.misses += int(not hit)
             s.proposal = cached or backup  # neither: the round loop's backup serves it
+            kept.add(id(s.proposal))
             served = served or (not hit and backup is not None)
+        self._drop_lookups(answers, kept)
         if served and rec.lookup is not None:  # this lookup made backups for its misses
             rec.backup = lookups.kind
             self.backup_policy.served(lookups.kind)  # type: ignore[arg-type]
             if lookups.kind == "neural":  # drafting them is part of the lookup's time
                 self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
+
+    def _drop_lookups(self, answers: Sequence[tuple[WorkerHandle, Sequence[LookupResult]]], kept: set[int]) -> None:
+        """Discard what lookups answered but the round does not use (``kept``:
+        the ids of what it does): speculations for sequences that finished, a
+        backup next to a hit, the KV deltas of unused hits."""
+        qs = [p.q for _, res in answers for r in res for p in (r.proposal, r.backup) if p is not None and id(p) not in kept]
+        self._discard([self.target], qs)
+        for d, res in answers:
+            kvs = [r.extension.kv for r in res if r.extension is not None and id(r.extension) not in kept]
+            self._discard([x for x in self.drafts.up() if x is not d], kvs)
+
+    def _drop_answer(self, draft: WorkerHandle, fut: "Future[Timed]") -> None:
+        """Discard all of a lookup's answer, once it comes (a failed lookup sent nothing that stays)."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._drop_lookups([(draft, fut.result().value)], set())
+
+    def _discard(self, receivers: Sequence[WorkerHandle], refs: list[Any]) -> None:
+        """Have ``receivers`` take the data-plane transfers behind ``refs``
+        that nobody will resolve: until its receiver takes it, a transfer
+        holds its tensor and a thread on the sender. Without waiting: each
+        receiver takes them before anything asked of it later."""
+        refs = [r for r in refs if _on_plane(r)]
+        if not refs:
+            return
+        for w in receivers:
+            w.submit("discard", refs).add_done_callback(lambda f, name=w.name: _discarded(name, f))
 
     def _ahead(
         self,

@@ -31,9 +31,10 @@ from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
-from saguaro_ray.runtime.ray_transport import RayWorkerHandle
+from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
+from saguaro_ray.runtime.restart_budget import RestartBudget
 from saguaro_ray.runtime.routing import RoutedLogic
-from saguaro_ray.runtime.target_group import TargetGroupHandle, connect_worker, worker_info
+from saguaro_ray.runtime.target_group import TargetGroupHandle, connect_worker, restart_worker, worker_info
 from saguaro_ray.workers.checkpoint import Checkpoint
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
@@ -44,7 +45,7 @@ from saguaro_ray.workers.target import TargetLogic
 log = logging.getLogger(__name__)
 
 _LOGIC = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
-_MEMBERSHIP = ["join_data_plane", "leave_data_plane"]
+_MEMBERSHIP = ["join_data_plane", "leave_data_plane", "discard"]
 _METHODS = {
     "target": ["verify", "prefill", "release", *_MEMBERSHIP],
     "draft": ["propose", "build", "lookup", "prefill", "release", *_MEMBERSHIP],
@@ -81,11 +82,27 @@ def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | N
     )
 
 
+def _exit_if_asked(role: str) -> None:
+    """Fault injection for the tests: a worker whose role names a file in
+    ``$SAGUARO_EXIT_ONCE_DIR`` removes it and dies on the spot — a real process
+    death while the engine launches, once."""
+    folder = os.environ.get("SAGUARO_EXIT_ONCE_DIR")
+    if not folder:
+        return
+    try:
+        os.unlink(os.path.join(folder, role))
+    except FileNotFoundError:
+        return
+    log.warning("worker %s: exiting as asked by %s", role, folder)
+    os._exit(1)
+
+
 class WorkerActor:
     """One model on one device, serving the round protocol over ZeroMQ."""
 
     def __init__(self, role: str, model: str, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
         logging.basicConfig(level=logging.INFO)
+        _exit_if_asked(role)
         torch.set_num_threads(config.threads_per_worker)
         kind = role_kind(role)
         self.role = role
@@ -108,12 +125,15 @@ class WorkerActor:
         return {
             "role": self.role,
             "pid": os.getpid(),
+            "restarted": ray.get_runtime_context().was_current_actor_reconstructed,  # by Ray, before anyone asked
             "node": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
             "threads": torch.get_num_threads(),
+            "python_threads": threading.active_count(),  # a leak of waiter threads shows here
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
+            "free_kv_blocks": self.logic.runner.kv.free_blocks,
             "dropped_frames": self.server.dropped_frames,
             "drop_reasons": self.server.drop_reasons,
             "broadcast_calls": self.server.stats()["broadcast_calls"],
@@ -142,7 +162,16 @@ class CoordinatorActor:
         if config.spec.mode == "pyramid":
             roles["qualifier"] = config.qualifier  # type: ignore[assignment]
         ckpts, tokenizer = open_models(roles)
-        self.clients = {role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s) for role, actor in workers.items()}
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:  # the workers hold the lost coordinator's sequences: start them afresh
+            log.warning("coordinator restarted: the requests it ran are lost; restarting its workers")
+            for role, actor in workers.items():
+                restart_worker(role, actor, timeout_s=RECOVER_TIMEOUT_S)
+        budget = lambda: RestartBudget(config.max_restarts, config.restart_window_s)  # noqa: E731
+        self.clients = {
+            role: connect_worker(role, actor, key, timeout_s=config.call_timeout_s, budget=budget(), charge_prior_restart=not restarted)
+            for role, actor in workers.items()
+        }
         # what the coordinator serves binds where the workers do: the node address, or IPC on one node
         tcp = any(c.client.endpoint.startswith("tcp://") for c in self.clients.values())
         host = ray.util.get_node_ip_address() if tcp else None

@@ -106,6 +106,7 @@ __all__ = [
     "KVDeltaRef",
     "TensorRef",
     "TransferLost",
+    "discard_refs",
     "offload_kv",
     "offload_q",
     "pack_kv",
@@ -305,12 +306,13 @@ class StoreClient(dist.Store):
 class _Op:
     """One posted send or recv: keeps its tensor and Work alive until done."""
 
-    __slots__ = ("done", "error", "nccl", "peer", "tag", "tensor", "work")
+    __slots__ = ("discarded", "done", "error", "nccl", "peer", "tag", "tensor", "work")
 
     def __init__(self, work: Any, tensor: torch.Tensor, peer: int, tag: int, nccl: bool) -> None:
         self.work, self.tensor, self.peer, self.tag, self.nccl = work, tensor, peer, tag, nccl
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.discarded = False  # a recv nobody collects: it settles into the memo by itself
 
     def poll(self) -> bool:
         """Done yet? (NCCL: polls CUDA events; gloo: the waiter thread's flag.)"""
@@ -582,6 +584,17 @@ class DataPlane:
     def _reap_locked(self) -> None:
         for key in [k for k, op in self._sends.items() if op.poll()]:
             del self._sends[key]
+        for key in [k for k, op in self._recvs.items() if op.discarded and op.poll()]:
+            self._settle_locked(key, self._recvs[key])
+
+    def _settle_locked(self, key: tuple[int, int], op: _Op) -> None:
+        """A discarded recv that finished leaves the posted table for the memo
+        (a later call referring to the same transfer is served from there)."""
+        if self._recvs.get(key) is op:
+            del self._recvs[key]
+        if op.error is None:
+            self._memo[key] = op.tensor
+            self._trim(self._memo)
 
     def _start_waiter(self, op: _Op, table: dict, key: tuple[int, int]) -> None:
         """A daemon thread blocks in ``wait`` (gloo's only completion signal)."""
@@ -593,10 +606,12 @@ class DataPlane:
             except Exception as e:  # noqa: BLE001 — peer gone / group broken
                 op.error = e
             op.done.set()
-            if table is self._sends:  # a finished send needs nothing more
-                with self._lock:
+            with self._lock:
+                if table is self._sends:  # a finished send needs nothing more
                     if table.get(key) is op:
                         del table[key]
+                elif op.discarded:
+                    self._settle_locked(key, op)
 
         threading.Thread(target=run, name=f"data-plane-g{self.generation}-{key}", daemon=True).start()
 
@@ -656,6 +671,11 @@ class DataPlane:
         it (an unreceived send stays pending on the sender until the group
         closes). Non-blocking; the result lands in the memo."""
         self.prefetch(src, tag, shape, dtype)
+        with self._lock:
+            op = self._recvs.get((src, tag))
+            if op is not None:
+                op.discarded = True
+                self._reap_locked()  # it may be done already
 
     def _collect(self, src: int, tag: int, shape: tuple[int, ...], dt: torch.dtype, deadline: float) -> torch.Tensor:
         key = (src, tag)
@@ -1079,3 +1099,24 @@ def resolve(value: Any, plane: DataPlane, timeout_s: float) -> Any:
 
 
 resolve_q = resolve  # the name the worker adapters use for call arguments
+
+
+def discard_refs(refs: Iterable[TensorRef | KVDeltaRef], plane: DataPlane) -> int:
+    """Take, without waiting, every transfer in ``refs`` sent to this member
+    that the caller will never resolve (a speculation nobody verifies): an
+    unreceived send keeps its tensor and a waiter thread on the sender until
+    the group closes. References of another generation are skipped (their
+    group is gone, and its sends with it). Returns how many transfers."""
+    wanted: dict[tuple[int, int], tuple[tuple[int, ...], str]] = {}  # (src, tag) → (shape, dtype)
+    for ref in refs:
+        if ref.generation != plane.generation:
+            continue
+        if isinstance(ref, TensorRef):
+            for src, dst, tag, total, _, _ in ref.segments:
+                if dst == plane.rank:
+                    wanted[(src, tag)] = ((total, ref.width), ref.dtype)
+        else:
+            wanted.update({(ref.src, tag): (ref.shape, ref.dtype) for dst, tag in ref.tags if dst == plane.rank})
+    for (src, tag), (shape, dtype) in wanted.items():
+        plane.discard(src, tag, shape, dtype)
+    return len(wanted)

@@ -26,10 +26,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import open_models
 from saguaro_ray.engine.sequence import GenerationResult
+from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.control import EngineKey
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
 from saguaro_ray.runtime.target_group import TargetGroup, kill_worker, stop, worker_info
 from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
 from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
@@ -63,8 +65,11 @@ class EngineHandle:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[dict[str, Any]]:
         """Yield ``{"token_ids", "text", "finish_reason"}`` chunks as rounds complete."""
         gen = self.coordinator.stream.remote(prompt, params)
-        for ref in gen:
-            yield _unwrap(lambda: ray.get(ref))
+        try:
+            for ref in gen:
+                yield _unwrap(lambda: ray.get(ref))
+        except ray.exceptions.RayActorError as exc:
+            raise _user_error(exc) from None
 
     # ------------------------------------------------------------ async
     async def agenerate(
@@ -77,23 +82,23 @@ class EngineHandle:
             prompts = [prompts]
         try:
             return await self.coordinator.generate.remote(list(prompts), params, n)
-        except ray.exceptions.RayTaskError as exc:
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
             raise _user_error(exc) from None
 
     async def astream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> AsyncIterator[dict[str, Any]]:
         gen = self.coordinator.stream.remote(prompt, params)
-        async for ref in gen:
-            try:
+        try:
+            async for ref in gen:
                 yield await ref
-            except ray.exceptions.RayTaskError as exc:
-                raise _user_error(exc) from None
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            raise _user_error(exc) from None
 
     # ------------------------------------------------------------ admin
     def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
-        return ray.get(self.coordinator.timeline.remote(last))
+        return _unwrap(lambda: ray.get(self.coordinator.timeline.remote(last)))
 
     def metrics(self) -> dict[str, Any]:
-        return ray.get(self.coordinator.metrics.remote())
+        return _unwrap(lambda: ray.get(self.coordinator.metrics.remote()))
 
     def health(self, timeout_s: float = 30.0) -> tuple[bool, str]:
         """``(ok, why)``: False when the engine cannot serve — a target or
@@ -138,16 +143,31 @@ def _close_workers(workers: dict[str, Any]) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
 
 
-def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:
-    """Surface our own errors (bad prompt, bad params) as themselves."""
+def _user_error(exc: ray.exceptions.RayError) -> BaseException:
+    """Surface our own errors (bad prompt, bad params) as themselves, and the
+    coordinator's loss as :class:`WorkerGone` (one line, not Ray's report)."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        if isinstance(exc, ray.exceptions.ActorUnavailableError):  # Ray is restarting it
+            return WorkerGone("the engine's coordinator is unavailable (lost, and restarting); the requests it was running are lost, resubmit them")
+        return WorkerGone("the engine's coordinator died; the requests it was running are lost (Ray restarts it while its max_restarts last)")
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, SaguaroError) else exc
+
+
+def _start_error(exc: ray.exceptions.RayActorError) -> BaseException:
+    """Why the coordinator did not start, as our own one-line error where it
+    was ours (e.g. a worker that died during launch past its restart budget)."""
+    for arg in exc.args:
+        if isinstance(getattr(arg, "cause", None), SaguaroError):
+            return arg.cause
+    first = str(exc).strip().splitlines()
+    return WorkerGone(f"the engine's coordinator did not start ({type(exc).__name__}: {first[0] if first else ''})")
 
 
 def _unwrap(fn: Any) -> Any:
     try:
         return fn()
-    except ray.exceptions.RayTaskError as exc:
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
         raise _user_error(exc) from None
 
 
@@ -184,16 +204,25 @@ class Engine:
                 workers["target"] = launch_target_group(config, models["target"], key, tcp_host, lifetime, target_pg)
             for i, role in enumerate(roles[1:], start=1):
                 opts = _actor_options(config, pg, i, lifetime)
-                workers[role] = ray.remote(WorkerActor).options(**opts, max_restarts=config.max_restarts).remote(
+                workers[role] = ray.remote(WorkerActor).options(**opts, max_restarts=RAY_MAX_RESTARTS).remote(
                     role, models[role_kind(role)], config, key, tcp_host
                 )
             copts = _actor_options(config, pg, 0, lifetime)
             copts.pop("num_gpus", None)
+            # Ray restarts a lost coordinator (a lifetime count: nothing outlives it to keep a window);
+            # the restarted one restarts the workers and serves new requests
             coord_cls = ray.remote(CoordinatorActor).options(
-                **copts, name=config.name, namespace=config.namespace if config.name else None, max_concurrency=64
+                **copts,
+                name=config.name,
+                namespace=config.namespace if config.name else None,
+                max_concurrency=64,
+                max_restarts=config.max_restarts,
             )
             coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), workers, key)
-            ray.get(coordinator.ready.remote())
+            try:
+                ray.get(coordinator.ready.remote())
+            except ray.exceptions.RayActorError as exc:  # its __init__ failed: reaching a worker, mostly
+                raise _start_error(exc) from None
         except Exception:
             for a in workers.values():
                 kill_worker(a)

@@ -54,7 +54,10 @@ class EngineConfig:
     address: str | None = None
     name: str | None = None
     namespace: str = "saguaro-ray"
+    # each worker may be restarted max_restarts times within any restart_window_s
+    # seconds (math.inf: in its lifetime); one more and it is stopped for good
     max_restarts: int = 2
+    restart_window_s: float = 600.0
     # q rows and KV deltas go worker-to-worker over a torch.distributed group
     # (gloo on CPU, NCCL on CUDA); False: they ride the ZeroMQ frames
     data_plane: bool = True
@@ -101,6 +104,8 @@ class EngineConfig:
             raise ConfigError(f"encrypt must be True or False, got {self.encrypt!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if isinstance(self.restart_window_s, bool) or not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:
+            raise ConfigError(f"restart_window_s must be a positive number of seconds (math.inf: lifetime), got {self.restart_window_s!r}")
         unknown = set(self.resources) - {"target", "draft", "qualifier", "coordinator"}
         if unknown:
             raise ConfigError(f"resources has unknown roles {sorted(unknown)}; use target, draft, qualifier, coordinator")

@@ -8,7 +8,11 @@ gone, restarting, or was replaced (a different pid), every pending call fails
 at once with :class:`WorkerLost` — no waiting for a call timeout.
 :meth:`recover` waits for Ray's restart of the actor (``max_restarts``),
 connects to its new endpoint, and raises :class:`WorkerGone` once Ray reports
-the actor dead for good.
+the actor dead for good — or once the restart exceeds the worker's
+:class:`RestartBudget` (Ray restarts workers without limit; the engine
+decides), stopping the actor for good first. A handle waits for its worker
+through restarts from the start: a worker that dies while the engine
+launches costs one restart, not the launch.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import ray
 from saguaro_ray.engine.rounds import Forwarded
 from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerLost
 from saguaro_ray.runtime.control import CommandClient
+from saguaro_ray.runtime.restart_budget import RestartBudget
 from saguaro_ray.workers.messages import NeedsPrefillError, Timed
 
 log = logging.getLogger(__name__)
+
+RECOVER_TIMEOUT_S = 300.0  # how long a worker may take to come (back) up
 
 KNOWN_ERRORS = {"NeedsPrefillError": NeedsPrefillError, "TransferLost": TransferLost}
 
@@ -50,10 +57,15 @@ class RayWorkerHandle:
         name: str,
         actor: Any,
         key: bytes,
+        budget: RestartBudget,
         timeout_s: float = 120.0,
         check_interval_s: float = 0.5,
-        recover_timeout_s: float = 300.0,
+        recover_timeout_s: float = RECOVER_TIMEOUT_S,
+        charge_prior_restart: bool = True,
     ) -> None:
+        """``charge_prior_restart``: a worker Ray restarted before this handle
+        first reached it died while the engine launched, and that costs a
+        restart of its budget (not so when the caller restarted it on purpose)."""
         self.name = name
         self.actor = actor
         self._key = key
@@ -64,13 +76,37 @@ class RayWorkerHandle:
         self._pending: set[Future] = set()
         self._closed = threading.Event()
         self.restarts = 0
+        self.budget = budget
         # called after a restart, before any call is re-sent (the coordinator rebuilds the data plane)
         self.on_recovered: Callable[["RayWorkerHandle"], None] | None = None
-        info = ray.get(actor.info.remote())
+        info = self._first_info()
         self._pid = info["pid"]
+        if info.get("restarted") and charge_prior_restart:  # it died before we first reached it (e.g. loading its model)
+            self._spend_restart()
         self._client = self._connect(info["endpoint"])
         self._watchdog = threading.Thread(target=self._watch, name=f"saguaro-watch-{name}", daemon=True)
         self._watchdog.start()
+
+    def _first_info(self) -> dict[str, Any]:
+        """The worker's info once it is up, waiting through Ray's restarts of it."""
+        try:
+            return actor_info(self.actor, timeout_s=self._recover_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerGone(f"worker {self.name} did not come up within {self._recover_timeout_s:.0f} s") from None
+        except ray.exceptions.ActorDiedError as exc:
+            raise WorkerGone(f"worker {self.name} died before it came up ({type(exc).__name__})") from None
+
+    def _spend_restart(self) -> None:
+        """Count a restart of the worker; past its budget, stop it for good."""
+        self.restarts += 1
+        if self.budget.spend():
+            return
+        log.error("worker %s restarted %d times, more than its budget (%s); stopping it", self.name, self.restarts, self.budget)
+        self._stop_for_good()
+        raise WorkerGone(f"worker {self.name} was restarted more often than its budget allows ({self.budget}); it is stopped")
+
+    def _stop_for_good(self) -> None:
+        ray.kill(self.actor, no_restart=True)
 
     def _connect(self, endpoint: str) -> CommandClient:
         return CommandClient(self.name, endpoint, self._key, timeout_s=self._timeout_s, known_errors=KNOWN_ERRORS)
@@ -154,18 +190,19 @@ class RayWorkerHandle:
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.ActorDiedError as exc:
-                raise WorkerGone(f"worker {self.name} died and its restarts are exhausted ({type(exc).__name__})") from None
+                raise WorkerGone(f"worker {self.name} died and cannot be restarted ({type(exc).__name__})") from None
             if info["pid"] != self._pid:
                 break
             time.sleep(0.2)  # Ray has not noticed the death yet
         self._reconnect(info)
 
     def _reconnect(self, info: dict[str, Any]) -> None:
-        """Talk to the restarted process described by ``info`` from now on."""
+        """Talk to the restarted process described by ``info`` from now on
+        (:class:`WorkerGone` if this restart is past the budget)."""
+        self._spend_restart()
         with self._lock:
             old, self._client = self._client, self._connect(info["endpoint"])
             self._pid = info["pid"]
-            self.restarts += 1
         old.close()
         log.warning("worker %s is back (pid %s, restart %d)", self.name, self._pid, self.restarts)
         if self.on_recovered is not None:

@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from saguaro_ray.runtime.control import CallForwarder, ControlError
-from saguaro_ray.runtime.data_plane import DataPlane, offload_kv, offload_q, resolve
+from saguaro_ray.runtime.data_plane import DataPlane, discard_refs, offload_kv, offload_q, resolve
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ class RoutedLogic:
             self.plane.flush(1.0)  # let receivers take what is in flight
             self.plane.close()
             self.plane = None
+
+    def discard(self, refs: list[Any]) -> int:
+        """Take the transfers of ``refs`` (q rows, KV deltas) the round loop
+        will not use, so their senders can let them go; see :func:`discard_refs`."""
+        return 0 if self.plane is None else discard_refs(refs, self.plane)
 
     # -------------------------------------------------------------- routing
     def _in(self, args: Any) -> Any:

@@ -14,7 +14,8 @@ rank 0) while calls are pending; on a loss it fails the pending calls with
 every rank still running the old process, waits for all T fresh processes,
 re-forms the group on a new port, and only then reconnects to rank 0's new
 endpoint; the round loop re-prefills running sequences as for a single
-target. Each loss costs every rank one of its ``max_restarts``.
+target. Each loss costs the group one restart of its budget (Ray restarts
+the ranks without limit; past the budget the whole group is stopped).
 """
 
 from __future__ import annotations
@@ -69,46 +70,51 @@ class TargetGroup:
             return None
 
     def restart(self, old_pids: list[int], deadline: float, name: str = "target") -> list[int]:
-        """Bring every rank up in a fresh process and re-form the group.
-
-        Ranks still running their old process (alive but in a broken group)
-        are killed so Ray restarts them; ranks already restarted are kept.
-        Raises :class:`WorkerGone` when a rank's restarts are exhausted.
-        """
-        pending = dict(enumerate(old_pids))
-        killed: set[int] = set()
-        dead_since: dict[int, float] = {}
-        new: dict[int, int] = {}
-        while pending:
-            if time.monotonic() > deadline:
-                raise WorkerGone(f"worker {name} (ranks {sorted(pending)}) did not come back in time")
-            for rank, old in list(pending.items()):
-                try:
-                    pid = ray.get(self.actors[rank].info.remote(), timeout=2.0)["pid"]
-                except ray.exceptions.ActorDiedError as exc:
-                    since = dead_since.setdefault(rank, time.monotonic())
-                    if time.monotonic() - since > _DEAD_FOR_GOOD_S:
-                        raise WorkerGone(
-                            f"worker {name} rank {rank} died and its restarts are exhausted ({type(exc).__name__})"
-                        ) from None
-                    continue
-                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                    continue  # restarting
-                dead_since.pop(rank, None)
-                if pid != old:
-                    new[rank] = pid
-                    del pending[rank]
-                elif rank not in killed:
-                    ray.kill(self.actors[rank], no_restart=False)
-                    killed.add(rank)
-            if pending:
-                time.sleep(0.2)
+        """Bring every rank up in a fresh process and re-form the group
+        (see :func:`restart_actors`)."""
+        pids = restart_actors(self.actors, old_pids, deadline, name)
         self.join(timeout_s=max(10.0, deadline - time.monotonic()))
-        return [new[r] for r in range(self.size)]
+        return pids
 
     def kill(self) -> None:
         stop(self.actors, self.pg)
         self.pg = None
+
+
+def restart_actors(actors: list[Any], old_pids: list[int], deadline: float, name: str) -> list[int]:
+    """Bring every actor up in a fresh process; returns the new pids.
+
+    Actors still running their old process are killed so Ray restarts them;
+    actors already restarted are kept. Raises :class:`WorkerGone` when one
+    is dead for good or does not come back by ``deadline``.
+    """
+    pending = dict(enumerate(old_pids))
+    killed: set[int] = set()
+    dead_since: dict[int, float] = {}
+    new: dict[int, int] = {}
+    while pending:
+        if time.monotonic() > deadline:
+            raise WorkerGone(f"worker {name} (ranks {sorted(pending)}) did not come back in time")
+        for rank, old in list(pending.items()):
+            try:
+                pid = ray.get(actors[rank].info.remote(), timeout=2.0)["pid"]
+            except ray.exceptions.ActorDiedError as exc:
+                since = dead_since.setdefault(rank, time.monotonic())
+                if time.monotonic() - since > _DEAD_FOR_GOOD_S:
+                    raise WorkerGone(f"worker {name} rank {rank} died and cannot be restarted ({type(exc).__name__})") from None
+                continue
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                continue  # restarting
+            dead_since.pop(rank, None)
+            if pid != old:
+                new[rank] = pid
+                del pending[rank]
+            elif rank not in killed:
+                ray.kill(actors[rank], no_restart=False)
+                killed.add(rank)
+        if pending:
+            time.sleep(0.2)
+    return [new[r] for r in range(len(actors))]
 
 
 class TargetGroupHandle(RayWorkerHandle):
@@ -127,6 +133,9 @@ class TargetGroupHandle(RayWorkerHandle):
         self._pids = self.group.restart(self._pids, deadline, self.name)
         self._reconnect(actor_info(self.group.actors[0]))
 
+    def _stop_for_good(self) -> None:
+        self.group.kill()
+
 
 # ------------------------------------------------ one worker, sharded or not
 
@@ -136,6 +145,16 @@ def connect_worker(role: str, worker: Any, key: bytes, **kwargs: Any) -> RayWork
     if isinstance(worker, TargetGroup):
         return TargetGroupHandle(role, worker, key, **kwargs)
     return RayWorkerHandle(role, worker, key, **kwargs)
+
+
+def restart_worker(role: str, worker: Any, timeout_s: float) -> None:
+    """Have Ray restart ``worker`` (every rank of a sharded target) in a fresh,
+    empty process, and wait until it is up."""
+    deadline = time.monotonic() + timeout_s
+    if isinstance(worker, TargetGroup):
+        worker.restart([i["pid"] for i in worker.infos()], deadline, role)
+    else:
+        restart_actors([worker], [actor_info(worker)["pid"]], deadline, role)
 
 
 def worker_info(worker: Any) -> dict[str, Any]:

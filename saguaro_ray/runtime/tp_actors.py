@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.runtime.actors import WorkerActor, make_runner
 from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
 from saguaro_ray.runtime.target_group import TargetGroup
 from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
@@ -132,7 +133,7 @@ def launch_target_group(
         opts: dict[str, Any] = {
             "num_cpus": config.worker_cpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-            "max_restarts": config.max_restarts,
+            "max_restarts": RAY_MAX_RESTARTS,
         }
         if config.device == "cuda":
             opts["num_gpus"] = config.gpus_per_worker
