@@ -35,3 +35,8 @@ class OutOfKVBlocksError(SaguaroError, RuntimeError):
 
 class IncompatibleModelsError(SaguaroError):
     """A draft/qualifier does not share the target's vocabulary or tokenizer."""
+
+
+class RequestAbortedError(SaguaroError, RuntimeError):
+    """A request was aborted before it finished (its client went away, or
+    ``abort(request_id)`` was called); its KV was freed on every worker."""

@@ -9,15 +9,16 @@ through the paged runner).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine.frontend import Frontend, open_models
+from saguaro_ray.engine.frontend import Frontend, StreamChunk, open_models
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
@@ -150,6 +151,26 @@ class LocalEngine:
         return self.frontend.generate(prompts, params, n)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[str]:
-        """Yield text chunks of one sample as rounds complete."""
-        for chunk in self.frontend.stream(prompt, params):
-            yield chunk.text
+        """Yield text chunks of one sample as rounds complete; closing the
+        generator early aborts the sample."""
+        with contextlib.closing(self.frontend.stream(prompt, params)) as chunks:
+            for chunk in chunks:
+                yield chunk.text
+
+    async def agenerate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        n: int = 1,
+        request_id: str | None = None,
+    ) -> list[GenerationResult]:
+        """:meth:`generate` for an event loop; a cancelled task aborts the request."""
+        return await self.frontend.agenerate(prompts, params, n, request_id)
+
+    def astream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(), request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Chunks of one sample as rounds complete; a cancelled or closed consumer aborts it."""
+        return self.frontend.astream(prompt, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request(s) named ``request_id`` at the next round boundary and free their KV."""
+        self.frontend.abort(request_id)

@@ -8,16 +8,22 @@ the continuous-batching scheduler; it reaches the workers through
 :class:`CommandClient` handles (the same ``submit`` contract as the
 in-process transport), and clients reach it through Ray calls. No algorithm
 math lives here.
+
+The coordinator is an asyncio actor: a request or a stream is a coroutine
+waiting on the scheduler's futures and token queue, never a thread, so
+clients that stop reading cost nothing; one that goes away is aborted
+(``abort``), and its sequences leave the batch at the next round boundary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, AsyncIterator
 
 import ray
 import torch
@@ -97,6 +103,7 @@ class WorkerActor:
             "threads": torch.get_num_threads(),
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
+            "free_blocks": self.logic.runner.kv.free_blocks,
             "dropped_frames": self.server.dropped_frames,
             "broadcast_calls": self.server.stats()["broadcast_calls"],
             "forwarded_calls": 0 if self.routed.forwarder is None else self.routed.forwarder.forwarded,
@@ -163,7 +170,7 @@ class CoordinatorActor:
         )
         self.frontend = Frontend(tokenizer, target_cfg.vocab_size, max_context, config.spec.mode, self.scheduler)
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         return True
 
     # ------------------------------------------------------------ broadcast
@@ -234,19 +241,25 @@ class CoordinatorActor:
                     except Exception:  # noqa: BLE001 — a dead worker has nothing to leave
                         pass
 
-    def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1) -> list[GenerationResult]:
-        return self.frontend.generate(prompts, params, n)
+    async def generate(
+        self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1, request_id: str | None = None
+    ) -> list[GenerationResult]:
+        return await self.frontend.agenerate(prompts, params, n, request_id)
 
-    def stream(self, prompt: Any, params: SamplingParams) -> Iterator[dict[str, Any]]:
-        for chunk in self.frontend.stream(prompt, params):
+    async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in self.frontend.astream(prompt, params, request_id):
             yield {"token_ids": chunk.token_ids, "text": chunk.text, "finish_reason": chunk.finish_reason, "stats": chunk.stats}
 
-    def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
+    async def abort(self, request_id: str) -> None:
+        """Abort the request(s) named ``request_id`` at the next round boundary."""
+        self.frontend.abort(request_id)
+
+    async def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
         recs = list(self.loop.timeline)
         recs = recs if last is None else recs[-last:]
         return [r.to_json() for r in recs]
 
-    def metrics(self) -> dict[str, Any]:
+    async def metrics(self) -> dict[str, Any]:
         return {
             "dropped_frames": {role: c.client.dropped_frames for role, c in self.clients.items()},
             "restarts": {role: c.restarts for role, c in self.clients.items()},
@@ -255,11 +268,15 @@ class CoordinatorActor:
             "drafts_up": len(self.loop.drafts.up()),
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
+            "active": self.scheduler.active,
             "data_plane_generation": self.data_plane_generation,
             "broadcast_subscribers": sorted(self._subscribed),
         }
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
         self.scheduler.shutdown()
         for c in self.clients.values():
             c.close()

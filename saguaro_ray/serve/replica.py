@@ -25,12 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.errors import ConfigError, SaguaroError
-from saguaro_ray.serve.chat import (
-    StopMatcher,
-    chat_prompt_ids,
-    first_stop,
-    tokens_for_text,
-)
+from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.config import (
     EngineEntry,
     ServeAppConfig,
@@ -212,7 +207,9 @@ class ReplicaCore:
             raise APIError(400, str(exc), param="speculation", code="invalid_value") from None
         return self.engines[entry.name], stops
 
-    def _params(self, body: _Common, max_tokens: int) -> SamplingParams:
+    def _params(self, body: _Common, max_tokens: int, stops: list[str]) -> SamplingParams:
+        """The engine's sampling parameters; it cuts at the stop strings itself
+        (and stops decoding there)."""
         try:
             return SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
@@ -221,6 +218,7 @@ class ReplicaCore:
                 max_tokens=max_tokens,
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
+                stop=tuple(stops),
             )
         except ConfigError as exc:
             raise api_error_from(exc) from None
@@ -228,19 +226,18 @@ class ReplicaCore:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         engine, stops = self._prepare(body, request)
-        params = self._params(body, self.cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens)
+        params = self._params(body, self.cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens, stops)
         prompts = body.prompts()
         prompt_lens = self._validate_prompts(engine, prompts, params, body.n, "prompt")
         if body.stream:
-            return await self._stream_response("completions", body, engine, prompts, prompt_lens, params, stops, t0)
+            return await self._stream_response("completions", body, engine, prompts, prompt_lens, params, t0)
         results = await self._generate("completions", engine, prompts, params, body.n, "prompt")
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
-            text, finish, ntok = self._apply_stop(r, stops)
-            completion_tokens += ntok
+            completion_tokens += len(r.token_ids)
             stats.append(r.stats)
             choices.append(
-                {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "saguaro": choice_stats(r.stats)}
+                {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason, "saguaro": choice_stats(r.stats)}
             )
         prompt_tokens = sum(prompt_lens)
         self._record("completions", engine, results, prompt_tokens, completion_tokens, t0)
@@ -267,22 +264,21 @@ class ReplicaCore:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if requested is None:
             requested = max(1, min(self.cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
-        params = self._params(body, requested)
+        params = self._params(body, requested, stops)
         prompt_lens = self._validate_prompts(engine, [ids], params, body.n, "messages")
         if body.stream:
-            return await self._stream_response("chat", body, engine, [ids], prompt_lens, params, stops, t0)
+            return await self._stream_response("chat", body, engine, [ids], prompt_lens, params, t0)
         results = await self._generate("chat", engine, [ids], params, body.n, "messages")
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
-            text, finish, ntok = self._apply_stop(r, stops)
-            completion_tokens += ntok
+            completion_tokens += len(r.token_ids)
             stats.append(r.stats)
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": "assistant", "content": r.text},
                     "logprobs": None,
-                    "finish_reason": finish,
+                    "finish_reason": r.finish_reason,
                     "saguaro": choice_stats(r.stats),
                 }
             )
@@ -353,16 +349,6 @@ class ReplicaCore:
                 log.exception("generation failed")
             raise err from None
 
-    def _apply_stop(self, result: Any, stops: list[str]) -> tuple[str, str, int]:
-        """(text, finish_reason, completion tokens) after cutting at a stop string."""
-        text, ntok = result.text, len(result.token_ids)
-        cut = first_stop(text, stops) if stops else None
-        if cut is None:
-            return text, result.finish_reason, ntok
-        stop_len = max(len(s) for s in stops if text.startswith(s, cut))
-        used = tokens_for_text(self.tokenizer, result.token_ids, cut + stop_len)
-        return text[:cut], "stop", used
-
     def _record(self, route: str, engine: _Engine, results: list[Any], prompt_tokens: int, completion_tokens: int, t0: float) -> None:
         name = engine.entry.name
         self.metrics.request(route, name, 200, time.perf_counter() - t0)
@@ -379,7 +365,6 @@ class ReplicaCore:
         prompts: list[Any],
         prompt_lens: list[int],
         params: SamplingParams,
-        stops: list[str],
         t0: float,
     ) -> Any:
         n = body.n
@@ -410,7 +395,7 @@ class ReplicaCore:
             for t in tasks:
                 t.cancel()
             raise api_error_from(first[1], param)
-        events = self._sse_events(route, body, engine, tasks, queue, first, prompts, prompt_lens, stops, t0)
+        events = self._sse_events(route, body, engine, tasks, queue, first, prompts, prompt_lens, t0)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _sse_events(
@@ -423,7 +408,6 @@ class ReplicaCore:
         first: tuple[int, Any],
         prompts: list[Any],
         prompt_lens: list[int],
-        stops: list[str],
         t0: float,
     ) -> AsyncIterator[str]:
         chat = route == "chat"
@@ -432,7 +416,6 @@ class ReplicaCore:
         obj = "chat.completion.chunk" if chat else "text_completion"
         name = engine.entry.name
         total = len(tasks)
-        matchers = [StopMatcher(stops) for _ in range(total)]
         ntokens = [0] * total
         last_token_t: list[float | None] = [None] * total
         done = [False] * total
@@ -480,13 +463,8 @@ class ReplicaCore:
                         self.metrics.inter_token(route, name, t - last_token_t[index], toks)
                     last_token_t[index] = t
                     ntokens[index] += toks
-                m = matchers[index]
-                text = m.push(payload["text"])
+                text = payload["text"]
                 finish = payload.get("finish_reason")
-                if m.stopped:
-                    finish = "stop"
-                elif finish is not None:
-                    text += m.flush()
                 if text:
                     yield chunk([choice(index, text, None)])
                 if finish is not None:
