@@ -29,12 +29,7 @@ from helpers import save_tiny_checkpoint
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import ConfigError
-from saguaro_ray.serve.chat import (
-    StopMatcher,
-    chat_prompt_ids,
-    first_stop,
-    render_fallback,
-)
+from saguaro_ray.serve.chat import chat_prompt_ids, render_fallback
 from saguaro_ray.serve.config import ServeAppConfig, parse_config
 
 KEY = "sk-test-" + uuid.uuid4().hex[:8]
@@ -442,16 +437,6 @@ def test_tokenizer_without_template_uses_the_fallback(tmp_path):
     assert tok.decode(ids) == "[user]hi[assistant]"
     tok.chat_template = template
     assert chat_prompt_ids(tok, [{"role": "user", "content": "hi"}]) == ids
-
-
-def test_stop_matcher_holds_back_partial_matches():
-    m = StopMatcher(["END", "##"])
-    out = "".join(m.push(c) for c in ["ab", "cE", "N", "xyz#", "#tail"])
-    assert out == "abcENxyz" and m.stopped and m.flush() == ""
-    m = StopMatcher(["END"])
-    assert m.push("abcE") == "ab" and m.push("N") == "c" and m.flush() == "EN" and not m.stopped
-    assert StopMatcher([]).push("anything") == "anything"
-    assert first_stop("hello world", ["o w", "l"]) == 2 and first_stop("abc", ["x"]) is None
 
 
 def test_config_validation_and_routing():

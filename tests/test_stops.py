@@ -128,6 +128,10 @@ def test_stop_checker_holds_back_a_possible_stop(zoo_tiny):
     assert checker.stopped and shown == "abc " and checker.final_text() == "abc "
 
 
+def test_first_stop_is_the_earliest_start():
+    assert first_stop("hello world", ["o w", "l"]) == 2 and first_stop("abc", ["x"]) is None
+
+
 def test_stop_values_are_validated():
     assert SamplingParams(stop="x").stop == ("x",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
