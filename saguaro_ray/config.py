@@ -17,6 +17,7 @@ from saguaro_ray.errors import ConfigError
 MAX_STOPS = 16  # stop strings per request: each is searched for after every token
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_DEADLINE_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class SamplingParams:
     as soon as the text contains one of the ``stop`` strings (cut before it,
     as OpenAI does) or a token of ``stop_token_ids`` is emitted (kept in the
     token ids, its text left out). The engine checks stops after every token,
-    so decoding ends in the round that meets one.
+    so decoding ends in the round that meets one. ``deadline_s``: seconds the
+    request may take from its submission, queueing included; past it the
+    engine aborts it (``DeadlineExceededError``).
     """
 
     temperature: float = 1.0
@@ -41,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         # a single string or any sequence is accepted; kept as a tuple (hashable, and it rides the wire as one)
@@ -54,6 +58,9 @@ class SamplingParams:
             type(t) is not int or not 0 <= t < 2**31 for t in ids
         ):
             raise ConfigError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids, got {self.stop_token_ids!r}")
+        d = self.deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= MAX_DEADLINE_S):
+            raise ConfigError(f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}] or None, got {d!r}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:

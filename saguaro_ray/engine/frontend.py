@@ -241,7 +241,7 @@ class Frontend:
     ) -> tuple[list[SequenceState], "list[Future[list[SequenceState]]]", float]:
         seqs = self.make_sequences(prompts, params, n)
         t0 = time.perf_counter()
-        futures = [self.scheduler.submit([s for s in seqs if s.prompt_index == i], request_id=request_id) for i in range(len(prompts))]
+        futures = self.scheduler.submit_many([[s for s in seqs if s.prompt_index == i] for i in range(len(prompts))], request_id=request_id)
         return seqs, futures, t0
 
     def _results(self, seqs: list[SequenceState], t0: float) -> list[GenerationResult]:

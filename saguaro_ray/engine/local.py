@@ -45,6 +45,7 @@ class LocalEngineConfig:
     attention_backend: str | None = None
     max_kv_tokens: int | None = None
     max_batch_size: int = 64
+    max_queued: int | None = None  # samples waiting for admission; past it a request is refused (EngineOverloadedError)
     num_threads: int | None = None
     num_drafts: int = 1  # SSD: drafts that share the outcome set (each its own model copy and thread)
     # SSD with one draft: the draft starts the next build itself once its lookup is answered.
@@ -62,6 +63,8 @@ class LocalEngineConfig:
             raise ConfigError(f"max_batch_size must be positive, got {self.max_batch_size}")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
+        if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
+            raise ConfigError(f"max_queued must be a positive integer or None, got {self.max_queued!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"num_threads must be positive, got {self.num_threads}")
 
@@ -120,6 +123,7 @@ class LocalEngine:
             config.max_batch_size,
             kv_tokens=min(r.kv.num_blocks * r.kv.block_size for r in runners.values()),
             block_size=max(r.kv.block_size for r in runners.values()),
+            max_queued=config.max_queued,
         )
         self.frontend = Frontend(self.tokenizer, self.vocab_size, self.max_context, spec.mode, self.scheduler)
 

@@ -14,13 +14,17 @@ alone (its worker state rebuilt from the authoritative history, so a retried
 sequence continues exactly); only the requests whose own retry fails get the
 error. ``abort(request_id)`` drops a request at the next round boundary and
 frees its KV everywhere, through the same release path finished sequences
-take — nothing hangs and nothing keeps decoding for a client that left.
+take — nothing hangs and nothing keeps decoding for a client that left. A
+request past its ``deadline_s`` is dropped the same way. The admission queue
+is bounded (``max_queued`` samples): past it a request is refused at once
+with :class:`EngineOverloadedError`, before anything of it is queued.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from typing import Callable
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.transport import WorkerGone
-from saguaro_ray.errors import OutOfKVBlocksError, RequestAbortedError
+from saguaro_ray.errors import DeadlineExceededError, EngineOverloadedError, OutOfKVBlocksError, RequestAbortedError
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +48,34 @@ class _Request:
     future: "Future[list[SequenceState]]"
     listener: TokenListener | None
     request_id: str | None = None
+    deadline: float | None = None  # time.monotonic() past which it is aborted
     sent: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens already streamed
 
 
 class Scheduler:
     """``kv_tokens``: the smallest KV capacity (tokens) among the workers; a
     request is admitted only when the worst-case KV of everything running plus
-    it fits, and one that could never fit is refused at once."""
+    it fits, and one that could never fit is refused at once. ``max_queued``:
+    samples that may wait for admission (None: unbounded)."""
 
-    def __init__(self, loop: RoundLoop, max_batch_size: int = 64, kv_tokens: int | None = None, block_size: int = 16, name: str = "saguaro-scheduler") -> None:
+    def __init__(
+        self,
+        loop: RoundLoop,
+        max_batch_size: int = 64,
+        kv_tokens: int | None = None,
+        block_size: int = 16,
+        name: str = "saguaro-scheduler",
+        max_queued: int | None = None,
+    ) -> None:
         self.loop = loop
+        self.max_queued = max_queued
         self.max_batch_size = max_batch_size
         self.kv_tokens = kv_tokens
         self.block_size = block_size
         self._queue: deque[tuple[_Request, SequenceState]] = deque()  # samples wait individually
         self._aborts: set[str] = set()  # request ids to drop at the next round boundary
         self._running = 0  # samples in the running batch (for ``active``)
+        self._timed: list[_Request] = []  # requests with a deadline that may still be live
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -71,23 +87,44 @@ class Scheduler:
     ) -> "Future[list[SequenceState]]":
         """Queue one request (its samples); the future resolves when all finish.
         ``request_id`` names it for :meth:`abort` (several requests may share one)."""
-        fut: Future[list[SequenceState]] = Future()
-        need = max(self._kv_need([s]) for s in seqs)
-        if self.kv_tokens is not None and need > self.kv_tokens:
-            fut.set_exception(
-                OutOfKVBlocksError(
-                    f"one sample needs up to {need} KV tokens (prompt + max_tokens + speculation) but the "
-                    f"engine holds {self.kv_tokens}; lower max_tokens or raise max_kv_tokens"
+        return self.submit_many([seqs], listener, request_id)[0]
+
+    def submit_many(
+        self, requests: list[list[SequenceState]], listener: TokenListener | None = None, request_id: str | None = None
+    ) -> "list[Future[list[SequenceState]]]":
+        """Queue several requests at once, all or none: raises
+        :class:`EngineOverloadedError` when their samples do not fit the
+        admission queue."""
+        now = time.monotonic()
+        reqs = []
+        for seqs in requests:
+            fut: Future[list[SequenceState]] = Future()
+            need = max(self._kv_need([s]) for s in seqs)
+            if self.kv_tokens is not None and need > self.kv_tokens:
+                fut.set_exception(
+                    OutOfKVBlocksError(
+                        f"one sample needs up to {need} KV tokens (prompt + max_tokens + speculation) but the "
+                        f"engine holds {self.kv_tokens}; lower max_tokens or raise max_kv_tokens"
+                    )
                 )
-            )
-            return fut
-        req = _Request(seqs, fut, listener, request_id, {s.seq_id: 0 for s in seqs})
+            limits = [s.params.deadline_s for s in seqs if s.params.deadline_s is not None]
+            deadline = now + min(limits) if limits else None
+            reqs.append(_Request(seqs, fut, listener, request_id, deadline, {s.seq_id: 0 for s in seqs}))
+        todo = [r for r in reqs if not r.future.done()]
         with self._cv:
             if self._stop:
                 raise RuntimeError("scheduler is shut down")
-            self._queue.extend((req, s) for s in seqs)
+            waiting, adding = len(self._queue), sum(len(r.seqs) for r in todo)
+            if self.max_queued is not None and waiting + adding > self.max_queued:
+                raise EngineOverloadedError(
+                    f"the engine is overloaded: {waiting} samples wait for admission and this request adds {adding} "
+                    f"(at most {self.max_queued} may wait); retry later"
+                )
+            for r in todo:
+                self._queue.extend((r, s) for s in r.seqs)
+            self._timed += [r for r in todo if r.deadline is not None]
             self._cv.notify()
-        return fut
+        return [r.future for r in reqs]
 
     def abort(self, request_id: str) -> None:
         """Drop every request named ``request_id`` at the next round boundary:
@@ -147,7 +184,8 @@ class Scheduler:
             if aborts:
                 for req in {id(r): r for r in owners.values() if r.request_id in aborts}.values():
                     self._fail(req, RequestAbortedError(f"request {req.request_id} was aborted"), owners)
-                running = self._purge(running, owners)
+            self._expire(owners)
+            running = self._purge(running, owners)
             if new:
                 running += self._admit(new, owners)
             if running:
@@ -167,6 +205,16 @@ class Scheduler:
                 req, _ = self._queue.popleft()
                 if not req.future.done():
                     req.future.set_exception(err)
+
+    def _expire(self, owners: dict[int, _Request]) -> None:
+        """Fail the requests past their deadline, queued or running."""
+        now = time.monotonic()
+        with self._cv:
+            self._timed = [r for r in self._timed if not r.future.done()]
+            late = [r for r in self._timed if r.deadline <= now]  # type: ignore[operator]
+        for req in late:
+            limit = min(s.params.deadline_s for s in req.seqs if s.params.deadline_s is not None)
+            self._fail(req, DeadlineExceededError(f"the request ran past its deadline of {limit:g} s and was aborted"), owners)
 
     @staticmethod
     def _drop_aborted(queue: deque[tuple[_Request, SequenceState]], aborts: set[str]) -> list[tuple[_Request, SequenceState]]:

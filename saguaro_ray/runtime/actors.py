@@ -167,6 +167,7 @@ class CoordinatorActor:
             config.max_batch_size,
             kv_tokens=min(i["kv_tokens"] for i in infos),
             block_size=max(i["block_size"] for i in infos),
+            max_queued=config.max_queued,
         )
         self.frontend = Frontend(tokenizer, target_cfg.vocab_size, max_context, config.spec.mode, self.scheduler)
 
