@@ -279,6 +279,39 @@ def test_client_disconnect_mid_stream(server, client):
     assert ok.choices[0].text is not None
 
 
+def test_http_disconnect_aborts_the_engine_request(server, handle):
+    """A client that hangs up mid-stream stops the decoding of its samples:
+    the engine verifies a few rounds more at most (counted on its timeline),
+    and every worker's KV returns to its baseline."""
+
+    def idle() -> dict[str, int]:
+        deadline = time.monotonic() + TIMEOUT_S
+        while handle.metrics()["active"]:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            time.sleep(0.05)
+        return {role: info["free_blocks"] for role, info in handle.worker_info().items()}
+
+    def settled(baseline: dict[str, int]) -> bool:
+        deadline = time.monotonic() + TIMEOUT_S
+        while idle() != baseline:  # releases run asynchronously on the workers
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    baseline = idle()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True, "n": 2, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+        at_hangup = len(handle.timeline())
+    assert settled(baseline)
+    after = handle.timeline()[at_hangup:]
+    assert sum(sum(a + 1 for a in r["accepted"]) for r in after) < 300  # of the 2 x ~1500 tokens asked for
+
+
 def test_n_samples_and_seeds(client, handle):
     # T = 0: every sample is the greedy text
     resp = client.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
