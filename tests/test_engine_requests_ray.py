@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
 
 import pytest
-import ray
-from engine_helpers import WAIT_S, greedy, local_engine, poisoned, wait_until
+from engine_helpers import greedy, local_engine, poisoned, wait_until
+from test_runtime import bounded, ray_instance  # noqa: F401 — the module's Ray instance fixture
 
 from saguaro_ray import Engine, EngineConfig, SpeculationConfig
 from saguaro_ray.engine.stops import first_stop
@@ -26,26 +25,6 @@ from saguaro_ray.errors import SaguaroError
 
 LONG = 1500
 PROMPTS = ["def main(", "import os", "class Foo:"]
-
-
-def bounded(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` with a deadline, so a hung engine fails the test instead of the suite."""
-    pool = ThreadPoolExecutor(1)
-    try:
-        return pool.submit(fn, *args).result(timeout=WAIT_S)
-    finally:
-        pool.shutdown(wait=False)
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    started = False
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

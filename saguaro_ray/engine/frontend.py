@@ -14,7 +14,6 @@ so the scheduler drops it at the next round boundary and frees its KV.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import queue
 import secrets
@@ -32,8 +31,6 @@ from saguaro_ray.engine.stops import StopChecker
 from saguaro_ray.errors import ConfigError, IncompatibleModelsError, PromptTooLongError
 from saguaro_ray.tokenizer import IncrementalDecoder, check_same_vocabulary, load_tokenizer
 from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
-
-log = logging.getLogger(__name__)
 
 
 def open_models(roles: dict[str, str | os.PathLike]) -> tuple[dict[str, Checkpoint], Any]:

@@ -161,13 +161,7 @@ class LocalEngine:
             for chunk in chunks:
                 yield chunk.text
 
-    async def agenerate(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        n: int = 1,
-        request_id: str | None = None,
-    ) -> list[GenerationResult]:
+    async def agenerate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), n: int = 1, request_id: str | None = None) -> list[GenerationResult]:  # fmt: skip
         """:meth:`generate` for an event loop; a cancelled task aborts the request."""
         return await self.frontend.agenerate(prompts, params, n, request_id)
 
