@@ -186,6 +186,7 @@ class Scheduler:
                     self._fail(req, RequestAbortedError(f"request {req.request_id} was aborted"), owners)
             self._expire(owners)
             running = self._purge(running, owners)
+            new = [s for s in new if s.seq_id in owners]  # a request that just expired is not prefilled
             if new:
                 running += self._admit(new, owners)
             if running:
