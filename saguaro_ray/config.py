@@ -27,6 +27,12 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+MAX_STOPS = 16  # stop strings per request: each is searched for after every token
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_DEADLINE_S = 86_400.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one sequence.
@@ -34,7 +40,13 @@ class SamplingParams:
     ``temperature == 0`` is greedy decoding (ties go to the lowest token id).
     ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
     sample reproducible; ``None`` draws a fresh one. Generation stops at an
-    end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``.
+    end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``, or
+    as soon as the text contains one of the ``stop`` strings (cut before it,
+    as OpenAI does) or a token of ``stop_token_ids`` is emitted (kept in the
+    token ids, its text left out). The engine checks stops after every token,
+    so decoding ends in the round that meets one. ``deadline_s``: seconds the
+    request may take from its submission, queueing included; past it the
+    engine aborts it (``DeadlineExceededError``).
     """
 
     temperature: float = 1.0
@@ -43,8 +55,27 @@ class SamplingParams:
     max_tokens: int = 64
     seed: int | None = None
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
+        # a single string or any sequence is accepted; kept as a tuple (hashable, and it rides the wire as one)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or any(
+            not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop
+        ):
+            raise ConfigError(f"stop must be at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or len(ids) > MAX_STOP_TOKEN_IDS or any(
+            type(t) is not int or not 0 <= t < 2**31 for t in ids
+        ):
+            raise ConfigError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids, got {self.stop_token_ids!r}")
+        d = self.deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= MAX_DEADLINE_S):
+            raise ConfigError(f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}] or None, got {d!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:

@@ -35,3 +35,18 @@ class OutOfKVBlocksError(SaguaroError, RuntimeError):
 
 class IncompatibleModelsError(SaguaroError):
     """A draft/qualifier does not share the target's vocabulary or tokenizer."""
+
+
+class RequestAbortedError(SaguaroError, RuntimeError):
+    """A request was aborted before it finished (its client went away, or
+    ``abort(request_id)`` was called); its KV was freed on every worker."""
+
+
+class EngineOverloadedError(SaguaroError, RuntimeError):
+    """The engine's admission queue is full (``max_queued``); nothing of the
+    request was queued — retry later (the HTTP server answers 429)."""
+
+
+class DeadlineExceededError(SaguaroError, TimeoutError):
+    """A request ran past its ``deadline_s`` (queueing included) and was
+    aborted; its KV was freed on every worker."""

@@ -32,12 +32,7 @@ from helpers import save_tiny_checkpoint
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import ConfigError
-from saguaro_ray.serve.chat import (
-    StopMatcher,
-    chat_prompt_ids,
-    first_stop,
-    render_fallback,
-)
+from saguaro_ray.serve.chat import chat_prompt_ids, render_fallback
 from saguaro_ray.serve.config import ServeAppConfig, parse_config
 
 KEY = "sk-test-" + uuid.uuid4().hex[:8]
@@ -285,6 +280,39 @@ def test_client_disconnect_mid_stream(server, client):
         next(resp.iter_lines())  # one event, then hang up
     ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert ok.choices[0].text is not None
+
+
+def test_http_disconnect_aborts_the_engine_request(server, handle):
+    """A client that hangs up mid-stream stops the decoding of its samples:
+    the engine verifies a few rounds more at most (counted on its timeline),
+    and every worker's KV returns to its baseline."""
+
+    def idle() -> dict[str, int]:
+        deadline = time.monotonic() + TIMEOUT_S
+        while handle.metrics()["active"]:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            time.sleep(0.05)
+        return {role: info["free_kv_blocks"] for role, info in handle.worker_info().items()}
+
+    def settled(baseline: dict[str, int]) -> bool:
+        deadline = time.monotonic() + TIMEOUT_S
+        while idle() != baseline:  # releases run asynchronously on the workers
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    baseline = idle()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True, "n": 2, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+        at_hangup = len(handle.timeline())
+    assert settled(baseline)
+    after = handle.timeline()[at_hangup:]
+    assert sum(sum(a + 1 for a in r["accepted"]) for r in after) < 300  # of the 2 x ~1500 tokens asked for
 
 
 def test_n_samples_and_seeds(client, handle):
@@ -636,16 +664,6 @@ def test_tokenizer_without_template_uses_the_fallback(tmp_path):
     assert tok.decode(ids) == "[user]hi[assistant]"
     tok.chat_template = template
     assert chat_prompt_ids(tok, [{"role": "user", "content": "hi"}]) == ids
-
-
-def test_stop_matcher_holds_back_partial_matches():
-    m = StopMatcher(["END", "##"])
-    out = "".join(m.push(c) for c in ["ab", "cE", "N", "xyz#", "#tail"])
-    assert out == "abcENxyz" and m.stopped and m.flush() == ""
-    m = StopMatcher(["END"])
-    assert m.push("abcE") == "ab" and m.push("N") == "c" and m.flush() == "EN" and not m.stopped
-    assert StopMatcher([]).push("anything") == "anything"
-    assert first_stop("hello world", ["o w", "l"]) == 2 and first_stop("abc", ["x"]) is None
 
 
 def test_config_validation_and_routing():

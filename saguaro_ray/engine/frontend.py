@@ -5,21 +5,29 @@ outside the vocabulary, prompts that (with ``max_tokens``) do not fit the
 context window of *every* model. Sample i of a prompt gets seed ``seed + i``.
 The in-process engine and the Ray coordinator both put a :class:`Frontend`
 in front of their :class:`Scheduler`, so they answer identically.
+
+Every request gets a request id; a caller that goes away (a cancelled
+``agenerate``/``astream`` task, a stream generator closed early) aborts it,
+so the scheduler drops it at the next round boundary and frees its KV.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import secrets
 import threading
 import time
+import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
+from saguaro_ray.engine.stops import StopChecker
 from saguaro_ray.errors import ConfigError, IncompatibleModelsError, PromptTooLongError
 from saguaro_ray.tokenizer import IncrementalDecoder, check_same_vocabulary, load_tokenizer
 from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
@@ -68,6 +76,35 @@ class StreamChunk:
     stats: dict[str, Any] | None = None  # the sample's stats, on the last chunk
 
 
+@dataclass
+class _Stream:
+    """One streamed sample on its way out. Its text comes from the stop
+    checker when the request has stops (which holds back what may still turn
+    into a stop string; read on the scheduler thread, right after the round
+    that changed it), else from an incremental decoder on the consumer's side."""
+
+    seq: SequenceState
+    request_id: str
+    decoder: IncrementalDecoder | None
+    future: "Future[list[SequenceState]] | None" = None
+
+    def item(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """What the scheduler's listener hands the consumer for new ``tokens``."""
+        stopper = self.seq.stopper
+        return list(tokens), None if stopper is None else stopper.release(self.seq.finished)
+
+    def chunk(self, item: tuple[list[int], str | None]) -> StreamChunk:
+        tokens, text = item
+        return StreamChunk(tokens, text if text is not None else self.decoder.push(tokens))
+
+    def last(self) -> StreamChunk:
+        """The closing chunk (re-raises the request's failure)."""
+        self.future.result()
+        seq = self.seq
+        text = seq.stopper.release(True) if seq.stopper is not None else self.decoder.flush()
+        return StreamChunk([], text, seq.finish_reason or "length", dict(seq.stats))
+
+
 class Frontend:
     def __init__(self, tokenizer: Any, vocab_size: int, max_context: int, mode: str, scheduler: Scheduler | None) -> None:
         self.tokenizer = tokenizer
@@ -112,9 +149,12 @@ class Frontend:
                     f"{len(ids) + p.max_tokens} > the context window of {self.max_context}; "
                     "shorten the prompt or lower max_tokens"
                 )
+            if any(t >= self.vocab_size for t in p.stop_token_ids):
+                raise ConfigError(f"stop_token_ids must be in [0, {self.vocab_size})")
             base = p.seed if p.seed is not None else secrets.randbelow(2**31)
             for j in range(n):
-                seqs.append(SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j))
+                stopper = StopChecker(self.tokenizer, p.stop, p.stop_token_ids) if p.stop or p.stop_token_ids else None
+                seqs.append(SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j, stopper=stopper))
         return seqs
 
     def _new_id(self) -> int:
@@ -130,28 +170,90 @@ class Frontend:
         n: int = 1,
     ) -> list[GenerationResult]:
         """Generate ``n`` samples for every prompt; results in (prompt, sample) order."""
-        seqs = self.make_sequences(prompts, params, n)
-        t0 = time.perf_counter()
-        futures = [self.scheduler.submit([s for s in seqs if s.prompt_index == i]) for i in range(len(prompts))]
+        seqs, futures, t0 = self._submit(prompts, params, n, None)
         for f in futures:
             f.result()  # re-raises a failed request's error
+        return self._results(seqs, t0)
+
+    async def agenerate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        n: int = 1,
+        request_id: str | None = None,
+    ) -> list[GenerationResult]:
+        """:meth:`generate` for an event loop; cancelling the awaiting task
+        aborts the request (``request_id``, default a fresh one)."""
+        request_id = request_id or uuid.uuid4().hex
+        seqs, futures, t0 = self._submit(prompts, params, n, request_id)
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:
+            self.scheduler.abort(request_id)
+            raise
+        return self._results(seqs, t0)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
+        """Yield one sample's new tokens and text as rounds complete; the last
+        chunk carries the finish reason. Closing the generator early aborts it."""
+        chunks: queue.Queue[tuple[list[int], str | None] | None] = queue.Queue()
+        stream = self._submit_stream(prompt, params, None, chunks.put)
+        try:
+            while (item := chunks.get()) is not None:
+                yield stream.chunk(item)
+            yield stream.last()
+        finally:
+            if not stream.future.done():
+                self.scheduler.abort(stream.request_id)
+
+    async def astream(
+        self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """:meth:`stream` for an event loop: no thread waits for the tokens, and
+        a cancelled or closed consumer aborts the request."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[tuple[list[int], str | None] | None] = asyncio.Queue()
+
+        def put(item: tuple[list[int], str | None] | None) -> None:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+        stream = self._submit_stream(prompt, params, request_id, put)
+        try:
+            while (item := await chunks.get()) is not None:
+                yield stream.chunk(item)
+            yield stream.last()
+        finally:
+            if not stream.future.done():
+                self.scheduler.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort the request(s) named ``request_id`` (see :meth:`Scheduler.abort`)."""
+        self.scheduler.abort(request_id)
+
+    def _submit(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams], n: int, request_id: str | None
+    ) -> tuple[list[SequenceState], "list[Future[list[SequenceState]]]", float]:
+        seqs = self.make_sequences(prompts, params, n)
+        t0 = time.perf_counter()
+        futures = self.scheduler.submit_many([[s for s in seqs if s.prompt_index == i] for i in range(len(prompts))], request_id=request_id)
+        return seqs, futures, t0
+
+    def _results(self, seqs: list[SequenceState], t0: float) -> list[GenerationResult]:
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats["seconds"] = round(elapsed, 6)
         return [self._result(s) for s in seqs]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
-        """Yield one sample's new tokens and text as rounds complete; the last
-        chunk carries the finish reason."""
+    def _submit_stream(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None, put: Callable[[Any], None]) -> "_Stream":
+        """Submit one streamed sample whose chunks ``put`` delivers (None ends them)."""
         [seq] = self.make_sequences([prompt], params, 1)
-        chunks: queue.Queue[list[int] | None] = queue.Queue()
-        fut = self.scheduler.submit([seq], lambda s, toks: chunks.put(list(toks)))
-        fut.add_done_callback(lambda _: chunks.put(None))
-        decoder = IncrementalDecoder(self.tokenizer)
-        while (toks := chunks.get()) is not None:
-            yield StreamChunk(toks, decoder.push(toks))
-        fut.result()  # re-raise a failure
-        yield StreamChunk([], decoder.flush(), seq.finish_reason or "length", dict(seq.stats))
+        stream = _Stream(seq, request_id or uuid.uuid4().hex, None if seq.stopper is not None else IncrementalDecoder(self.tokenizer))
+        stream.future = self.scheduler.submit([seq], lambda s, toks: put(stream.item(toks)), stream.request_id)
+        stream.future.add_done_callback(lambda _: put(None))
+        return stream
 
     def _result(self, s: SequenceState) -> GenerationResult:
         return GenerationResult(
@@ -159,7 +261,7 @@ class Frontend:
             sample_index=s.sample_index,
             mode=self.mode,
             token_ids=list(s.output_ids),
-            text=self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
+            text=s.stopper.final_text() if s.stopper is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
             finish_reason=s.finish_reason or "length",
             prompt_tokens=len(s.prompt_ids),
             stats=dict(s.stats),

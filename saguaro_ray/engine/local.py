@@ -9,15 +9,16 @@ through the paged runner).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine.frontend import Frontend, open_models
+from saguaro_ray.engine.frontend import Frontend, StreamChunk, open_models
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
@@ -44,6 +45,7 @@ class LocalEngineConfig:
     attention_backend: str | None = None
     max_kv_tokens: int | None = None
     max_batch_size: int = 64
+    max_queued: int | None = None  # samples waiting for admission; past it a request is refused (EngineOverloadedError)
     num_threads: int | None = None
     num_drafts: int = 1  # SSD: drafts that share the outcome set (each its own model copy and thread)
     # SSD with one draft: the draft starts the next build itself once its lookup is answered.
@@ -61,6 +63,8 @@ class LocalEngineConfig:
             raise ConfigError(f"max_batch_size must be positive, got {self.max_batch_size}")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
+        if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
+            raise ConfigError(f"max_queued must be a positive integer or None, got {self.max_queued!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"num_threads must be positive, got {self.num_threads}")
 
@@ -119,6 +123,7 @@ class LocalEngine:
             config.max_batch_size,
             kv_tokens=min(r.kv.num_blocks * r.kv.block_size for r in runners.values()),
             block_size=max(r.kv.block_size for r in runners.values()),
+            max_queued=config.max_queued,
         )
         self.frontend = Frontend(self.tokenizer, self.vocab_size, self.max_context, spec.mode, self.scheduler)
 
@@ -150,6 +155,20 @@ class LocalEngine:
         return self.frontend.generate(prompts, params, n)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[str]:
-        """Yield text chunks of one sample as rounds complete."""
-        for chunk in self.frontend.stream(prompt, params):
-            yield chunk.text
+        """Yield text chunks of one sample as rounds complete; closing the
+        generator early aborts the sample."""
+        with contextlib.closing(self.frontend.stream(prompt, params)) as chunks:
+            for chunk in chunks:
+                yield chunk.text
+
+    async def agenerate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), n: int = 1, request_id: str | None = None) -> list[GenerationResult]:  # fmt: skip
+        """:meth:`generate` for an event loop; a cancelled task aborts the request."""
+        return await self.frontend.agenerate(prompts, params, n, request_id)
+
+    def astream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(), request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Chunks of one sample as rounds complete; a cancelled or closed consumer aborts it."""
+        return self.frontend.astream(prompt, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request(s) named ``request_id`` at the next round boundary and free their KV."""
+        self.frontend.abort(request_id)

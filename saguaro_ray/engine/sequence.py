@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from saguaro_ray.config import SamplingParams
+from saguaro_ray.engine.stops import StopChecker
 
 
 @dataclass
@@ -21,6 +22,7 @@ class SequenceState:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    stopper: StopChecker | None = None  # the request's stop strings / stop token ids, if any
     # speculation bookkeeping (the round loop's)
     proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
     rounds: int = 0  # verification rounds, the prefill round included
@@ -38,7 +40,9 @@ class SequenceState:
         return self.prompt_ids + self.output_ids
 
     def emit(self, tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-        """Append accepted tokens, stopping at EOS or ``max_tokens``; returns those kept."""
+        """Append accepted tokens one by one, stopping at EOS, a stop (see
+        :mod:`saguaro_ray.engine.stops`) or ``max_tokens``; returns those kept
+        (the ones after a stop are dropped, as if never decoded)."""
         kept: list[int] = []
         for t in tokens:
             if self.finished:
@@ -46,6 +50,8 @@ class SequenceState:
             kept.append(t)
             self.output_ids.append(t)
             if t in eos_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+            elif self.stopper is not None and self.stopper.accept(t):
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"

@@ -8,17 +8,23 @@ the continuous-batching scheduler; it reaches the workers through
 :class:`CommandClient` handles (the same ``submit`` contract as the
 in-process transport), and clients reach it through Ray calls. No algorithm
 math lives here.
+
+The coordinator is an asyncio actor: a request or a stream is a coroutine
+waiting on the scheduler's futures and token queue, never a thread, so
+clients that stop reading cost nothing; one that goes away is aborted
+(``abort``), and its sequences leave the batch at the next round boundary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import threading
 from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, AsyncIterator
 
 import ray
 import torch
@@ -209,13 +215,14 @@ class CoordinatorActor:
             config.max_batch_size,
             kv_tokens=min(i["kv_tokens"] for i in infos),
             block_size=max(i["block_size"] for i in infos),
+            max_queued=config.max_queued,
         )
         self.frontend = Frontend(tokenizer, target_cfg.vocab_size, max_context, config.spec.mode, self.scheduler)
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         return True
 
-    def health(self) -> tuple[bool, str]:
+    async def health(self) -> tuple[bool, str]:
         """Can this engine serve? ``(ok, why)`` from every worker's liveness.
 
         A worker Ray reports dead for good (its restarts exhausted) is gone; a
@@ -224,7 +231,8 @@ class CoordinatorActor:
         a worker that is restarting or slow to answer is given the benefit of
         the doubt — the round loop waits for it within its restart budget.
         """
-        states = {role: _liveness(c) for role, c in self.clients.items()}
+        # the probes block on Ray calls: off this actor's event loop
+        states = await asyncio.to_thread(lambda: {role: _liveness(c) for role, c in self.clients.items()})
         gone = [role for role, s in states.items() if s == "gone"]
         fatal = [role for role in gone if not role.startswith("draft")]
         why = ", ".join(f"{role}: {s}" for role, s in states.items())
@@ -300,14 +308,20 @@ class CoordinatorActor:
                     except Exception:  # noqa: BLE001 — a dead worker has nothing to leave
                         pass
 
-    def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1) -> list[GenerationResult]:
-        return self.frontend.generate(prompts, params, n)
+    async def generate(
+        self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1, request_id: str | None = None
+    ) -> list[GenerationResult]:
+        return await self.frontend.agenerate(prompts, params, n, request_id)
 
-    def stream(self, prompt: Any, params: SamplingParams) -> Iterator[dict[str, Any]]:
-        for chunk in self.frontend.stream(prompt, params):
+    async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in self.frontend.astream(prompt, params, request_id):
             yield {"token_ids": chunk.token_ids, "text": chunk.text, "finish_reason": chunk.finish_reason, "stats": chunk.stats}
 
-    def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
+    async def abort(self, request_id: str) -> None:
+        """Abort the request(s) named ``request_id`` at the next round boundary."""
+        self.frontend.abort(request_id)
+
+    async def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
         recs = list(self.loop.timeline)
         recs = recs if last is None else recs[-last:]
         return [r.to_json() for r in recs]
@@ -341,8 +355,8 @@ class CoordinatorActor:
         out["coordinator"] = dict(own)
         return out
 
-    def metrics(self) -> dict[str, Any]:
-        drops = self.drop_counts()
+    async def metrics(self) -> dict[str, Any]:
+        drops = await asyncio.to_thread(self.drop_counts)  # waits on the workers' answers
         return {
             "dropped_frames": {role: sum(reasons.values()) for role, reasons in drops.items()},
             "drop_reasons": drops,
@@ -352,11 +366,15 @@ class CoordinatorActor:
             "drafts_up": len(self.loop.drafts.up()),
             "rounds": len(self.loop.timeline),
             "queued": self.scheduler.queued,
+            "active": self.scheduler.active,
             "data_plane_generation": self.data_plane_generation,
             "broadcast_subscribers": sorted(self._subscribed),
         }
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
         self.scheduler.shutdown()
         for c in self.clients.values():
             c.close()

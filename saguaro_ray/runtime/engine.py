@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -39,6 +40,10 @@ from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
 log = logging.getLogger(__name__)
 
 _PG_TIMEOUT_S = 120.0
+# the coordinator is an asyncio actor: this bounds the requests and streams it
+# serves at once (each a waiting coroutine, not a thread); the scheduler's
+# batch and KV limits decide what decodes
+COORDINATOR_CONCURRENCY = 1000
 
 
 class EngineHandle:
@@ -63,13 +68,24 @@ class EngineHandle:
         return _unwrap(lambda: ray.get(self.coordinator.generate.remote(list(prompts), params, n)))
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[dict[str, Any]]:
-        """Yield ``{"token_ids", "text", "finish_reason"}`` chunks as rounds complete."""
-        gen = self.coordinator.stream.remote(prompt, params)
+        """Yield ``{"token_ids", "text", "finish_reason"}`` chunks as rounds
+        complete; closing the generator early aborts the request."""
+        request_id = uuid.uuid4().hex
+        gen = self.coordinator.stream.remote(prompt, params, request_id)
+        finished = False
         try:
             for ref in gen:
-                yield _unwrap(lambda: ray.get(ref))
-        except ray.exceptions.RayActorError as exc:
-            raise _user_error(exc) from None
+                chunk = _unwrap(lambda: ray.get(ref))
+                finished = chunk["finish_reason"] is not None
+                yield chunk
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort the request(s) named ``request_id`` (fire and forget: the
+        engine drops them at its next round boundary and frees their KV)."""
+        self.coordinator.abort.remote(request_id)
 
     # ------------------------------------------------------------ async
     async def agenerate(
@@ -78,20 +94,34 @@ class EngineHandle:
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         n: int = 1,
     ) -> list[GenerationResult]:
+        """:meth:`generate` for an event loop; cancelling the task aborts the request."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        request_id = uuid.uuid4().hex
         try:
-            return await self.coordinator.generate.remote(list(prompts), params, n)
+            return await self.coordinator.generate.remote(list(prompts), params, n, request_id)
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
             raise _user_error(exc) from None
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
 
     async def astream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> AsyncIterator[dict[str, Any]]:
-        gen = self.coordinator.stream.remote(prompt, params)
+        """:meth:`stream` for an event loop; a cancelled or closed consumer aborts the request."""
+        request_id = uuid.uuid4().hex
+        gen = self.coordinator.stream.remote(prompt, params, request_id)
+        finished = False
         try:
             async for ref in gen:
-                yield await ref
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-            raise _user_error(exc) from None
+                try:
+                    chunk = await ref
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                    raise _user_error(exc) from None
+                finished = chunk["finish_reason"] is not None
+                yield chunk
+        finally:
+            if not finished:
+                self.abort(request_id)
 
     # ------------------------------------------------------------ admin
     def timeline(self, last: int | None = None) -> list[dict[str, Any]]:
@@ -215,7 +245,7 @@ class Engine:
                 **copts,
                 name=config.name,
                 namespace=config.namespace if config.name else None,
-                max_concurrency=64,
+                max_concurrency=COORDINATOR_CONCURRENCY,
                 max_restarts=config.max_restarts,
             )
             coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), workers, key)

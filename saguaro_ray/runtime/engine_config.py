@@ -46,6 +46,7 @@ class EngineConfig:
     attention_backend: str | None = None
     max_kv_tokens: int | None = None
     max_batch_size: int = 64
+    max_queued: int | None = None  # samples waiting for admission; past it a request is refused (EngineOverloadedError)
     worker_cpus: float = 0.5
     coordinator_cpus: float = 0.25
     gpus_per_worker: float = 1.0
@@ -102,6 +103,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.encrypt, bool):
             raise ConfigError(f"encrypt must be True or False, got {self.encrypt!r}")
+        if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
+            raise ConfigError(f"max_queued must be a positive integer or None, got {self.max_queued!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
         if isinstance(self.restart_window_s, bool) or not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:

@@ -1,4 +1,4 @@
-"""Chat messages → prompt token ids, and stop-string handling.
+"""Chat messages → prompt token ids (stop strings are the engine's: :mod:`saguaro_ray.engine.stops`).
 
 The chat template comes from the target's tokenizer (``chat_template`` in its
 ``tokenizer_config.json``), or from the deployment's ``chat_template`` option.
@@ -47,60 +47,3 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], template
     """Token ids of ``messages`` rendered for generation. The template's own
     special tokens (e.g. a BOS it writes) are kept; nothing else is added."""
     return list(tokenizer.encode(render_chat(tokenizer, messages, template), add_special_tokens=False))
-
-
-class StopMatcher:
-    """Cuts a growing text at the first of several stop strings.
-
-    ``push(chunk)`` returns the text that is safe to release: everything that
-    cannot be the start of a stop string. Once a stop string appears,
-    ``stopped`` is set and the text before it is released; ``flush()``
-    releases what was held back at the end of a stream. With no stop strings
-    every chunk is released as is.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.buffer = ""
-        self.stopped = False
-
-    def push(self, chunk: str) -> str:
-        if self.stopped:
-            return ""
-        if not self.stops:
-            return chunk
-        self.buffer += chunk
-        cut = first_stop(self.buffer, self.stops)
-        if cut is not None:
-            self.stopped = True
-            out, self.buffer = self.buffer[:cut], ""
-            return out
-        safe = len(self.buffer) - self.hold
-        if safe <= 0:
-            return ""
-        out, self.buffer = self.buffer[:safe], self.buffer[safe:]
-        return out
-
-    def flush(self) -> str:
-        out, self.buffer = ("" if self.stopped else self.buffer), ""
-        return out
-
-
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or ``None``."""
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
-
-
-def tokens_for_text(tokenizer: Any, token_ids: Sequence[int], chars: int) -> int:
-    """The fewest leading tokens whose decoded text covers ``chars`` characters
-    (for usage after a stop-string cut)."""
-    lo, hi = 0, len(token_ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tokenizer.decode(list(token_ids[:mid]), skip_special_tokens=True)) >= chars:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo

@@ -14,7 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from saguaro_ray.serve.protocol import APIError, engine_unavailable, too_many_requests
+from saguaro_ray.serve.protocol import RETRY_AFTER_S, APIError, engine_unavailable, too_many_requests
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -26,7 +26,6 @@ Send = Callable[[Message], Awaitable[None]]
 # longest token's bytes per token is a bound no real tokeniser gets near, so a
 # prompt over it is too long for certain, and no prompt that fits is refused.
 _NORMALISER_SLACK = 4
-RETRY_AFTER_S = 1
 
 
 def max_token_bytes(tokenizer: Any) -> int:

@@ -19,7 +19,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
+from saguaro_ray.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    EngineOverloadedError,
+    OutOfKVBlocksError,
+    PromptTooLongError,
+    RequestAbortedError,
+)
 
 
 class APIError(Exception):
@@ -88,6 +95,12 @@ def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError
         return APIError(400, msg, code="request_too_large")
     if isinstance(exc, (WorkerGone, WorkerLost, RayActorError)):
         return engine_unavailable(f"the engine cannot serve: {type(exc).__name__}: {msg}")
+    if isinstance(exc, EngineOverloadedError):  # the engine's admission queue is full
+        return too_many_requests_message(msg, RETRY_AFTER_S)
+    if isinstance(exc, DeadlineExceededError):
+        return APIError(504, msg, type="server_error", code="timeout")
+    if isinstance(exc, RequestAbortedError):  # aborted on the engine side, not by this client
+        return APIError(503, msg, type="server_error", code="aborted")
     return APIError(500, f"internal error: {type(exc).__name__}: {msg}", type="server_error", code="internal_error")
 
 
@@ -95,16 +108,18 @@ def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="engine_unavailable")
 
 
+RETRY_AFTER_S = 1  # what a refused client is told to wait
+
+
 def too_many_requests(limit: int, retry_after_s: int) -> APIError:
+    """The replica's own bound is reached (see :func:`too_many_requests_message`)."""
+    return too_many_requests_message(f"this replica is running its limit of {limit} requests; retry after {retry_after_s} s", retry_after_s)
+
+
+def too_many_requests_message(message: str, retry_after_s: int) -> APIError:
     """OpenAI's rate-limit shape (the official client raises ``RateLimitError``
     and honours ``Retry-After``)."""
-    return APIError(
-        429,
-        f"this replica is running its limit of {limit} requests; retry after {retry_after_s} s",
-        type="requests",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(retry_after_s)},
-    )
+    return APIError(429, message, type="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
 
 
 # ------------------------------------------------------------------ requests

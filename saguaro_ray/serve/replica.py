@@ -25,12 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.errors import ConfigError, SaguaroError
-from saguaro_ray.serve.chat import (
-    StopMatcher,
-    chat_prompt_ids,
-    first_stop,
-    tokens_for_text,
-)
+from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.config import (
     EngineEntry,
     ServeAppConfig,
@@ -235,7 +230,9 @@ class ReplicaCore:
             raise APIError(400, str(exc), param="speculation", code="invalid_value") from None
         return self.engines[entry.name], stops
 
-    def _params(self, body: _Common, max_tokens: int) -> SamplingParams:
+    def _params(self, body: _Common, max_tokens: int, stops: list[str]) -> SamplingParams:
+        """The engine's sampling parameters; it cuts at the stop strings itself
+        (and stops decoding there)."""
         try:
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
@@ -244,6 +241,7 @@ class ReplicaCore:
                 max_tokens=max_tokens,
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
+                stop=tuple(stops),
             )
             params.check_samples(body.n)
         except ConfigError as exc:
@@ -255,7 +253,7 @@ class ReplicaCore:
         prompts = body.prompts()
         engine, stops = self._prepare(body, request, len(prompts))
         deadline = time.monotonic() + body.timeout_s(self.cfg.request_timeout_s)
-        params = self._params(body, self.cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens)
+        params = self._params(body, self.cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens, stops)
         for p in prompts:
             if isinstance(p, str):
                 check_prompt_bytes([p], engine.prompt_bytes, "prompt")
@@ -264,7 +262,7 @@ class ReplicaCore:
         try:
             prompt_lens = await self._validate_prompts(engine, prompts, params, "prompt")
             if body.stream:
-                response = await self._stream_response("completions", body, engine, prompts, prompt_lens, params, stops, t0, deadline, release)
+                response = await self._stream_response("completions", body, engine, prompts, prompt_lens, params, t0, deadline, release)
                 streaming = True
                 return response
             results = await self._generate(engine, prompts, params, body.n, "prompt", deadline)
@@ -273,11 +271,10 @@ class ReplicaCore:
                 release()
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
-            text, finish, ntok = self._apply_stop(r, stops)
-            completion_tokens += ntok
+            completion_tokens += len(r.token_ids)
             stats.append(r.stats)
             choices.append(
-                {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "saguaro": choice_stats(r.stats)}
+                {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason, "saguaro": choice_stats(r.stats)}
             )
         prompt_tokens = sum(prompt_lens)
         self._record("completions", engine, results, prompt_tokens, completion_tokens, t0)
@@ -299,7 +296,7 @@ class ReplicaCore:
         check_prompt_bytes([m["content"] for m in messages], engine.prompt_bytes, "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if requested is not None:
-            self._params(body, requested)  # refuse bad values before any work
+            self._params(body, requested, stops)  # refuse bad values before any work
         release = self.admission.enter()
         streaming = False
         try:
@@ -311,10 +308,10 @@ class ReplicaCore:
                 raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
             if requested is None:
                 requested = max(1, min(self.cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
-            params = self._params(body, requested)
+            params = self._params(body, requested, stops)
             prompt_lens = await self._validate_prompts(engine, [ids], params, "messages")
             if body.stream:
-                response = await self._stream_response("chat", body, engine, [ids], prompt_lens, params, stops, t0, deadline, release)
+                response = await self._stream_response("chat", body, engine, [ids], prompt_lens, params, t0, deadline, release)
                 streaming = True
                 return response
             results = await self._generate(engine, [ids], params, body.n, "messages", deadline)
@@ -323,15 +320,14 @@ class ReplicaCore:
                 release()
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
-            text, finish, ntok = self._apply_stop(r, stops)
-            completion_tokens += ntok
+            completion_tokens += len(r.token_ids)
             stats.append(r.stats)
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": "assistant", "content": r.text},
                     "logprobs": None,
-                    "finish_reason": finish,
+                    "finish_reason": r.finish_reason,
                     "saguaro": choice_stats(r.stats),
                 }
             )
@@ -404,16 +400,6 @@ class ReplicaCore:
                 log.error("generation failed: %s", err.message)
             raise err from None
 
-    def _apply_stop(self, result: Any, stops: list[str]) -> tuple[str, str, int]:
-        """(text, finish_reason, completion tokens) after cutting at a stop string."""
-        text, ntok = result.text, len(result.token_ids)
-        cut = first_stop(text, stops) if stops else None
-        if cut is None:
-            return text, result.finish_reason, ntok
-        stop_len = max(len(s) for s in stops if text.startswith(s, cut))
-        used = tokens_for_text(self.tokenizer, result.token_ids, cut + stop_len)
-        return text[:cut], "stop", used
-
     def _record(self, route: str, engine: _Engine, results: list[Any], prompt_tokens: int, completion_tokens: int, t0: float) -> None:
         name = engine.entry.name
         self.metrics.request(route, name, 200, time.perf_counter() - t0)
@@ -430,7 +416,6 @@ class ReplicaCore:
         prompts: list[Any],
         prompt_lens: list[int],
         params: SamplingParams,
-        stops: list[str],
         t0: float,
         deadline: float,
         release: Callable[[], None],
@@ -477,7 +462,7 @@ class ReplicaCore:
         if isinstance(first[1], BaseException):  # failed before any output: a plain HTTP error
             close()
             raise api_error_from(first[1], param)
-        events = self._sse_events(route, body, engine, queue, len(tasks), first, prompt_lens, stops, t0, deadline)
+        events = self._sse_events(route, body, engine, queue, len(tasks), first, prompt_lens, t0, deadline)
         return _EventStream(events, close)
 
     async def _sse_events(
@@ -489,7 +474,6 @@ class ReplicaCore:
         total: int,
         first: tuple[int, Any],
         prompt_lens: list[int],
-        stops: list[str],
         t0: float,
         deadline: float,
     ) -> AsyncIterator[str]:
@@ -498,7 +482,6 @@ class ReplicaCore:
         created = now()
         obj = "chat.completion.chunk" if chat else "text_completion"
         name = engine.entry.name
-        matchers = [StopMatcher(stops) for _ in range(total)]
         ntokens = [0] * total
         last_token_t: list[float | None] = [None] * total
         done = [False] * total
@@ -546,13 +529,8 @@ class ReplicaCore:
                         self.metrics.inter_token(route, name, t - last_token_t[index], toks)
                     last_token_t[index] = t
                     ntokens[index] += toks
-                m = matchers[index]
-                text = m.push(payload["text"])
+                text = payload["text"]
                 finish = payload.get("finish_reason")
-                if m.stopped:
-                    finish = "stop"
-                elif finish is not None:
-                    text += m.flush()
                 if text:
                     yield chunk([choice(index, text, None)])
                 if finish is not None:
