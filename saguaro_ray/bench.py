@@ -412,14 +412,15 @@ def step_costs(
     pays (on CPU a draft step must cost ≲ 1/10 of a target verify)."""
     import torch
 
+    from saguaro_ray.models.resolve import resolve_models
     from saguaro_ray.workers.runner import ModelRunner
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     out: dict[str, dict[str, float]] = {}
     try:
-        for role, path in models.items():
-            runner = ModelRunner(path, device=device, dtype=dtype, attention_backend=attention_backend)
+        for role, ref in resolve_models(models).items():
+            runner = ModelRunner(ref.path, device=device, dtype=dtype, attention_backend=attention_backend, quantize=ref.quantize)
             runner.add_sequence(0)
             prompt = [(7 * i) % runner.vocab_size for i in range(context)]
             runner.forward([0], [prompt])

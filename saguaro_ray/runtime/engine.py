@@ -25,6 +25,8 @@ from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import open_models
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.models.resolve import resolve_models
+from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.target_group import kill_worker, stop, worker_info
@@ -160,7 +162,8 @@ class Engine:
             coord_cls = ray.remote(CoordinatorActor).options(
                 **copts, name=config.name, namespace=config.namespace if config.name else None, max_concurrency=64
             )
-            coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), workers, key)
+            resolved = replace(config, target=models["target"].path, draft=models.get("draft"), qualifier=models.get("qualifier"))
+            coordinator = coord_cls.remote(resolved, workers, key)
             ray.get(coordinator.ready.remote())
         except Exception:
             for a in workers.values():
@@ -183,19 +186,14 @@ def connect(name: str, address: str | None = "auto", namespace: str = "saguaro-r
     return EngineHandle(coordinator)
 
 
-def _resolve_models(config: EngineConfig) -> dict[str, str]:
-    """Resolve ``zoo:`` names (building on first use) and validate every model
-    and vocabulary here, before any actor starts."""
-    from saguaro_ray.zoo import resolve_model_path
-
-    paths = {"target": str(resolve_model_path(config.target))}
-    if config.spec.needs_draft:
-        paths["draft"] = str(resolve_model_path(config.draft))  # type: ignore[arg-type]
-    if config.spec.mode == "pyramid":
-        paths["qualifier"] = str(resolve_model_path(config.qualifier))  # type: ignore[arg-type]
-    ckpts, _ = open_models(paths)
-    check_tensor_parallel(ckpts["target"].config, config.target_tp, source=paths["target"])
-    return paths
+def _resolve_models(config: EngineConfig) -> dict[str, ModelRef]:
+    """Resolve model names (``zoo:`` built, ``real:`` converted on first use;
+    ``self:`` drafts) and validate every model and vocabulary here, before any
+    actor starts: workers only ever load a directory."""
+    refs = resolve_models({role_kind(r): config.model_for(r) for r in config.roles})
+    ckpts, _ = open_models(refs)
+    check_tensor_parallel(ckpts["target"].config, config.target_tp, source=refs["target"].path)
+    return refs
 
 
 def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:

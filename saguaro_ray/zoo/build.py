@@ -441,20 +441,3 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
     return "\n".join(lines)
 
-
-def resolve_model_path(spec: str | os.PathLike) -> Path:
-    """``zoo:<preset>/<role>`` → that model's directory (built on first use); else ``Path(spec)``."""
-    if isinstance(spec, str) and spec.startswith("zoo:"):
-        body = spec[len("zoo:") :]
-        preset, sep, role = body.partition("/")
-        expected = (
-            f"expected 'zoo:<preset>/<role>' with preset in {{{', '.join(sorted(PRESETS))}}} "
-            f"and role in {{{', '.join(ROLES)}}}, e.g. 'zoo:tiny/draft'"
-        )
-        if not sep or not preset or role not in ROLES or "/" in role:
-            raise ConfigError(f"malformed zoo model spec {spec!r}: {expected}")
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown zoo preset {preset!r} in {spec!r}: {expected}")
-        build_family(preset, progress=True)
-        return zoo_root() / preset / role
-    return Path(spec)
