@@ -204,11 +204,12 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_models_import(args: argparse.Namespace) -> int:
-    from saguaro_ray.models import import_gguf, read_gguf_info
+    from saguaro_ray.models import import_gguf
+    from saguaro_ray.models.gguf_import import read_stamp
 
     out = import_gguf(args.gguf_file, args.out, dtype=args.dtype)
-    info = read_gguf_info(args.gguf_file)
-    print(f"imported {info.path} ({info.architecture}, {info.name or 'unnamed'}) -> {out} ({args.dtype})")
+    stamp = read_stamp(out) or {}
+    print(f"imported {stamp.get('source')} ({stamp.get('architecture')}, {stamp.get('name') or 'unnamed'}) -> {out} ({args.dtype})")
     return 0
 
 

@@ -325,6 +325,9 @@ def _weights_id(path: Path) -> tuple[int, int]:
 
 
 def test_real_model_converts_once_and_reuses(fake_wheel: real.RealModel, tmp_path: Path, monkeypatch):
+    killed = tmp_path / "models" / ".tiny-test.importing-killed"  # what a SIGKILLed conversion leaves
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half")
     path = resolve_model_path("real:tiny-test")
     assert path == tmp_path / "models" / "tiny-test" and path == models_root() / "tiny-test"
     assert "fake_gguf_wheel" not in sys.modules

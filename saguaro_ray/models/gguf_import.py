@@ -144,7 +144,7 @@ def import_gguf(
         raise CheckpointError(f"{dest} already exists and is not an empty directory; remove it or choose another output")
     dest.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.importing-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.importing-", dir=dest.parent))  # (real.py clears leftovers)
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         _convert(info, tmp, dtype)

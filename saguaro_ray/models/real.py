@@ -128,8 +128,9 @@ def real_model_path(name: str) -> Path:
             if _is_current(dest, model, gguf):  # the process we waited for converted it
                 return dest
             log.warning("converting %s%s from %s into %s (once)", REAL_PREFIX, name, gguf, dest)
-            if dest.exists():  # stale: another converter or wheel version (we hold the lock)
-                shutil.rmtree(dest)
+            # stale: another converter or wheel version; and what a killed conversion left (we hold the lock)
+            for leftover in [dest, *dest.parent.glob(f".{dest.name}.importing-*")]:
+                shutil.rmtree(leftover, ignore_errors=True)
             gguf_import.import_gguf(gguf, dest, "float32", provenance={"real_model": name, "wheel": model.wheel, "wheel_version": _wheel_version(model)})
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
