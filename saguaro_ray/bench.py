@@ -20,13 +20,11 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine.rounds import round_components
-from saguaro_ray.errors import ConfigError
 from saguaro_ray.bench_peers import PEER_MODES, PeerRunner
 from saguaro_ray.bench_prompts import load_prompts
 
@@ -382,14 +380,15 @@ def step_costs(
     pays (on CPU a draft step must cost ≲ 1/10 of a target verify)."""
     import torch
 
+    from saguaro_ray.models.resolve import resolve_models
     from saguaro_ray.workers.runner import ModelRunner
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     out: dict[str, dict[str, float]] = {}
     try:
-        for role, path in models.items():
-            runner = ModelRunner(path, device=device, dtype=dtype, attention_backend=attention_backend)
+        for role, ref in resolve_models(models).items():
+            runner = ModelRunner(ref.path, device=device, dtype=dtype, attention_backend=attention_backend, quantize=ref.quantize)
             runner.add_sequence(0)
             prompt = [(7 * i) % runner.vocab_size for i in range(context)]
             runner.forward([0], [prompt])
@@ -452,7 +451,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     from tqdm import tqdm
 
     from saguaro_ray.tokenizer import load_tokenizer
-    from saguaro_ray.zoo import resolve_model_path
+    from saguaro_ray.models.resolve import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(args.target)) if args.prompts == "chat" else None
     prompts = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts), tokenizer=tokenizer)
@@ -489,7 +488,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
 
 def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
     """Every setting over one runtime's engines (and the peers), interleaved (A B C A B C …)."""
-    from saguaro_ray.zoo import resolve_model_path
+    from saguaro_ray.models.resolve import resolve_model_path
 
     runners: list[Any] = []
     runs: list[RunResult] = []

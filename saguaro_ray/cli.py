@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 
 from saguaro_ray.config import MODES
 from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.models.spec import QUANT_SCHEMES, SELF_PREFIX
 
 EXIT_USAGE = 2
+MODEL_FORMS = "a directory, zoo:<preset>/<role>, real:<name> (see `saguaro-ray models list`) or hf:<org>/<name>"
+SELF_FORMS = f"or {' / '.join(SELF_PREFIX + s for s in QUANT_SCHEMES)} (the target's own weights, quantised at load)"
 
 
 def add_sampling_args(group: argparse._ActionsContainer) -> None:
@@ -52,10 +55,10 @@ def add_speculation_args(group: argparse._ActionsContainer) -> None:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from prompts")
-    p.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
+    p.add_argument("--target", required=True, help=f"target model: {MODEL_FORMS}")
     p.add_argument("--mode", default="ar", choices=MODES, help="decoding mode")
-    p.add_argument("--draft", default=None, help="draft model directory (sd, ssd, pyramid)")
-    p.add_argument("--qualifier", default=None, help="qualifier model directory (pyramid)")
+    p.add_argument("--draft", default=None, help=f"draft model (sd, ssd, pyramid): the same forms, {SELF_FORMS}")
+    p.add_argument("--qualifier", default=None, help=f"qualifier model (pyramid): the same forms, {SELF_FORMS}")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts-file", help="JSONL file, one {\"prompt\": ...} object a line")
@@ -187,6 +190,45 @@ def _cmd_zoo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="real models: import a GGUF file, list the named ones")
+    msub = p.add_subparsers(dest="models_cmd", required=True)
+    i = msub.add_parser("import", help="write a Hugging Face checkpoint directory from a GGUF file")
+    i.add_argument("gguf_file", metavar="GGUF_FILE")
+    i.add_argument("--out", required=True, help="the checkpoint directory to write (new or empty)")
+    i.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16: the weights as written")
+    i.set_defaults(func=_cmd_models_import)
+    ls = msub.add_parser("list", help="the named real models (real:<name>), installed or not, and their cache")
+    ls.add_argument("--json", action="store_true", help="one JSON object per model per line")
+    ls.set_defaults(func=_cmd_models_list)
+
+
+def _cmd_models_import(args: argparse.Namespace) -> int:
+    from saguaro_ray.models import import_gguf
+    from saguaro_ray.models.gguf_import import read_stamp
+
+    out = import_gguf(args.gguf_file, args.out, dtype=args.dtype)
+    stamp = read_stamp(out) or {}
+    print(f"imported {stamp.get('source')} ({stamp.get('architecture')}, {stamp.get('name') or 'unnamed'}) -> {out} ({args.dtype})")
+    return 0
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from saguaro_ray.models import list_real_models, models_root
+
+    rows = list_real_models()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print(f"named real models (cache: {models_root()}, $SAGUARO_MODELS_DIR)")
+    for row in rows:
+        state = ("converted" if row["converted"] else "installed, converted on first use") if row["installed"] else f"not installed: {row['install']}"
+        print(f"  {row['spec']:<28} {state}")
+        print(f"  {'':<28} {row['description']}; cache {row['cache']}")
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD on a real instruct model (or a built-in zoo family)")
     p.add_argument(
@@ -228,9 +270,9 @@ def _csv(kind: type) -> "Callable[[str], list]":
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark modes side by side (JSON + plot)")
-    p.add_argument("--target", default="zoo:small/target")
-    p.add_argument("--draft", default="zoo:small/draft")
-    p.add_argument("--qualifier", default=None)
+    p.add_argument("--target", default="zoo:small/target", help=f"{MODEL_FORMS}")
+    p.add_argument("--draft", default="zoo:small/draft", help=f"the same forms, {SELF_FORMS}")
+    p.add_argument("--qualifier", default=None, help=f"the same forms, {SELF_FORMS}")
     p.add_argument(
         "--modes",
         type=_csv(str),
@@ -335,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_zoo(sub)
+    _add_models(sub)
     _add_serve(sub)
     return parser
 

@@ -60,7 +60,7 @@ def demo_prompts(models: dict[str, str], count: int) -> list[str]:
     from saguaro_ray.bench_prompts import load_prompts
     from saguaro_ray.serve.chat import render_chat
     from saguaro_ray.tokenizer import load_tokenizer
-    from saguaro_ray.zoo import resolve_model_path
+    from saguaro_ray.models.resolve import resolve_model_path
 
     if models["target"].startswith("zoo:"):
         return load_prompts("code", count, chars=160)

@@ -23,8 +23,9 @@ def ray_instance():
 
     started = not ray.is_initialized()
     if started:
+        # address="local": never attach to some other `ray start` cluster on this machine
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
+    yield ray
     if started:
         ray.shutdown()
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from engine_helpers import greedy, local_engine, poisoned, wait_until
-from test_runtime import bounded, ray_instance  # noqa: F401 — the module's Ray instance fixture
+from test_runtime import bounded
 
 from saguaro_ray import Engine, EngineConfig, SpeculationConfig
 from saguaro_ray.engine.stops import first_stop

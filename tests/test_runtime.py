@@ -60,18 +60,6 @@ def tokens(results: list) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    started = False
-    if not ray.is_initialized():
-        # address="local": never attach to some other `ray start` cluster on this machine
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime-models")
     return {

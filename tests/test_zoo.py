@@ -18,9 +18,9 @@ from saguaro_ray.zoo import (
     build_family,
     format_summary,
     heldout_texts,
-    resolve_model_path,
     zoo_root,
 )
+from saguaro_ray.models import resolve_model_path
 from saguaro_ray.zoo import build as zoo_build
 from saguaro_ray.zoo.corpus import corpus_files
 

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from saguaro_ray.errors import CheckpointError
+from saguaro_ray.models.spec import is_named_spec
 from saguaro_ray.workers.decoder import Decoder
 from saguaro_ray.workers.model_config import DecoderConfig
 from saguaro_ray.workers.tensor_parallel import ShardPlan, ShardedDecoder, TPContext
@@ -42,13 +43,16 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike, require_tokenizer: bool = True) -> Checkpoint:
-    """Validate a checkpoint directory and read its config and weight index."""
-    if isinstance(path, str) and path.startswith("zoo:"):
-        from saguaro_ray.zoo import resolve_model_path  # builds the family on first use
+    """Validate a checkpoint directory and read its config and weight index.
 
-        root = resolve_model_path(path)
-    else:
-        root = Path(path)
+    Only a directory: model specs (``zoo:``, ``real:``, ...) are resolved
+    before, by :mod:`saguaro_ray.models.resolve` — loading never builds or
+    converts anything."""
+    root = Path(path)
+    if not root.is_dir() and is_named_spec(path):
+        raise CheckpointError(
+            f"{path!r} is a model name, not a directory: resolve it first (saguaro_ray.models.resolve_model_path)"
+        )
     if not root.is_dir():
         raise CheckpointError(f"model directory {str(root)!r} does not exist")
     cfg_file = root / "config.json"

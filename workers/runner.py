@@ -69,9 +69,14 @@ class ModelRunner:
         max_tree_depth: int = 16,
         attention_backend: str | None = None,
         tp: TPContext | None = None,
+        quantize: str | None = None,
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel group and
-        loads and runs only its slice (see :mod:`saguaro_ray.workers.tensor_parallel`)."""
+        loads and runs only its slice (see :mod:`saguaro_ray.workers.tensor_parallel`).
+        ``quantize``: quantise the weights at load with this scheme (one of
+        :data:`saguaro_ray.models.spec.QUANT_SCHEMES`; a ``self:`` draft)."""
+        if quantize is not None:
+            raise ConfigError(f"self:{quantize}: quantised self-drafts need the quantised kernels")
         self.device = torch.device(device)
         self.checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = self.checkpoint.config

@@ -14,7 +14,6 @@ so the scheduler drops it at the next round boundary and frees its KV.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import secrets
 import threading
@@ -22,25 +21,30 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.stops import StopChecker
 from saguaro_ray.errors import ConfigError, IncompatibleModelsError, PromptTooLongError
+from saguaro_ray.models.resolve import resolve_models
+from saguaro_ray.models.spec import ModelRef, Spec
 from saguaro_ray.tokenizer import IncrementalDecoder, check_same_vocabulary, load_tokenizer
 from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
 
 
-def open_models(roles: dict[str, str | os.PathLike]) -> tuple[dict[str, Checkpoint], Any]:
-    """Open (and validate) every role's checkpoint and the target's tokenizer;
-    refuse drafts/qualifiers whose vocabulary differs from the target's."""
-    ckpts = {role: open_checkpoint(path) for role, path in roles.items()}
-    tokenizer = load_tokenizer(ckpts["target"].path)
-    target = ckpts["target"]
+def open_models(roles: Mapping[str, Spec | ModelRef]) -> tuple[dict[str, Checkpoint], Any]:
+    """Resolve every role's model spec, open (and validate) its checkpoint and
+    the target's tokenizer; refuse drafts/qualifiers whose vocabulary differs
+    from the target's. A self-draft (the target's own directory) shares the
+    target's checkpoint and, trivially, its tokenizer."""
+    refs = resolve_models(roles)
+    target = open_checkpoint(refs["target"].path)
+    ckpts = {role: target if ref.path == refs["target"].path else open_checkpoint(ref.path) for role, ref in refs.items()}
+    tokenizer = load_tokenizer(target.path)
     for role, ck in ckpts.items():
-        if role == "target":
+        if ck is target:
             continue
         if ck.config.vocab_size != target.config.vocab_size:
             raise IncompatibleModelsError(
@@ -52,7 +56,7 @@ def open_models(roles: dict[str, str | os.PathLike]) -> tuple[dict[str, Checkpoi
 
 
 def preflight(
-    models: dict[str, str | os.PathLike],
+    models: Mapping[str, Spec | ModelRef],
     prompts: Sequence[str | Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     n: int,

@@ -24,6 +24,8 @@ from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.engine.transport import InProcessWorker
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.models.resolve import resolve_models
+from saguaro_ray.models.spec import check_spec
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 class LocalEngineConfig:
     """Models and devices for the in-process engine; ``spec`` picks the mode."""
 
+    # model specs (saguaro_ray.models.spec): a directory, zoo:, real:, hf:; self:<scheme> for a draft or qualifier
     target: str
     draft: str | None = None
     qualifier: str | None = None
@@ -59,6 +62,8 @@ class LocalEngineConfig:
             raise ConfigError(f"mode {self.spec.mode!r} needs a draft model (--draft)")
         if self.spec.mode == "pyramid" and not self.qualifier:
             raise ConfigError("mode 'pyramid' needs a qualifier model (--qualifier)")
+        for role in ("target", "draft", "qualifier"):
+            check_spec(role, getattr(self, role))
         if self.max_batch_size <= 0:
             raise ConfigError(f"max_batch_size must be positive, got {self.max_batch_size}")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
@@ -75,33 +80,30 @@ class LocalEngine:
     def __init__(self, config: LocalEngineConfig) -> None:
         self.config = config
         spec = config.spec
-        roles = {"target": config.target}
+        specs = {"target": config.target}
         if spec.needs_draft:
-            roles["draft"] = config.draft
+            specs["draft"] = config.draft
         if spec.mode == "pyramid":
-            roles["qualifier"] = config.qualifier
-        ckpts, self.tokenizer = open_models(roles)  # validates every directory and the vocabularies first
+            specs["qualifier"] = config.qualifier
+        refs = resolve_models(specs)  # builds / converts named models on first use
+        ckpts, self.tokenizer = open_models(refs)  # validates every directory and the vocabularies first
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // len(ckpts))
         torch.set_num_threads(threads)
-        runners = {
-            role: ModelRunner(
-                ck,
+
+        def runner(role: str) -> ModelRunner:
+            return ModelRunner(
+                ckpts[role],
                 device=config.device,
                 dtype=config.dtype,
                 attention_backend=config.attention_backend,
                 max_kv_tokens=config.max_kv_tokens,
+                quantize=refs[role].quantize,
             )
-            for role, ck in ckpts.items()
-        }
+
+        runners = {role: runner(role) for role in ckpts}
         if spec.needs_draft:
             for i in range(1, config.num_drafts):  # further drafts: their own copy of the draft model
-                runners[f"draft{i}"] = ModelRunner(
-                    ckpts["draft"],
-                    device=config.device,
-                    dtype=config.dtype,
-                    attention_backend=config.attention_backend,
-                    max_kv_tokens=config.max_kv_tokens,
-                )
+                runners[f"draft{i}"] = runner("draft")
         logic = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
         self.workers = {
             role: InProcessWorker(role, logic[role.rstrip("0123456789")](r), follow_up=config.build_ahead) for role, r in runners.items()

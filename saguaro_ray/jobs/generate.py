@@ -51,16 +51,16 @@ _WAIT_S = 600.0  # longest wait for one prompt's results before the job gives up
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from saguaro_ray.cli import add_sampling_args, add_speculation_args
+    from saguaro_ray.cli import MODEL_FORMS, SELF_FORMS, add_sampling_args, add_speculation_args
     from saguaro_ray.config import MODES
 
     p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.generate", description="batch generation from JSONL (resumable)")
     p.add_argument("--input", required=True, help="JSONL, one {\"prompt\": ...} object a line")
     p.add_argument("--output", required=True, help="JSONL results (appended to; existing results are skipped)")
     m = p.add_argument_group("models")
-    m.add_argument("--target", help="target model directory, zoo:<preset>/target or hf:<org>/<name>")
-    m.add_argument("--draft", default=None)
-    m.add_argument("--qualifier", default=None)
+    m.add_argument("--target", help=f"target model: {MODEL_FORMS}")
+    m.add_argument("--draft", default=None, help=f"the same forms, {SELF_FORMS}")
+    m.add_argument("--qualifier", default=None, help=f"the same forms, {SELF_FORMS}")
     m.add_argument("--connect", default=None, help="use a running named engine (EngineConfig(name=...)) instead of launching one")
     m.add_argument("--namespace", default="saguaro-ray", help="namespace of the --connect engine")
     add_sampling_args(p.add_argument_group("sampling"))
@@ -118,30 +118,31 @@ def completed(path: str, n: int) -> set[int]:
 # ------------------------------------------------------------------ engine
 
 
-def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, str]]:
-    """(handle, owned, role → model path) — launched, or attached by name."""
+def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, Any]]:
+    """(handle, owned, role → resolved ModelRef) — launched, or attached by name."""
     from saguaro_ray.cli import engine_options_from_args, speculation_from_args
     from saguaro_ray.errors import ConfigError
     from saguaro_ray.runtime.engine import Engine, connect
     from saguaro_ray.runtime.engine_config import EngineConfig
-    from saguaro_ray.serve.config import resolve_model
+    from saguaro_ray.models.resolve import resolve_models
 
     if not args.target:
         raise ConfigError("--target is required (the tokenizer and context length come from it, also with --connect)")
     spec = speculation_from_args(args)
-    models = {"target": resolve_model(args.target)}
+    specs = {"target": args.target}
     if spec.needs_draft:
         if not args.draft:
             raise ConfigError(f"--mode {args.mode} needs --draft")
-        models["draft"] = resolve_model(args.draft)
+        specs["draft"] = args.draft
     if spec.mode == "pyramid":
         if not args.qualifier:
             raise ConfigError("--mode pyramid needs --qualifier")
-        models["qualifier"] = resolve_model(args.qualifier)
+        specs["qualifier"] = args.qualifier
+    models = resolve_models(specs)
     if args.connect:
         return connect(args.connect, address=args.address or "auto", namespace=args.namespace), False, models
     config = EngineConfig(
-        target=models["target"],
+        target=models["target"].path,
         draft=models.get("draft"),
         qualifier=models.get("qualifier"),
         spec=spec,

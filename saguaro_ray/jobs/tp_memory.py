@@ -39,11 +39,12 @@ def measure_rank(model: str, rank: int, world: int, device: str, dtype: str | No
     """Load rank ``rank`` of ``world`` in this process and report its memory."""
     import torch
 
+    from saguaro_ray.models.resolve import resolve_model_path
     from saguaro_ray.workers.checkpoint import load_decoder, open_checkpoint
     from saguaro_ray.workers.model_config import parse_dtype
     from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext
 
-    ckpt = open_checkpoint(model)
+    ckpt = open_checkpoint(resolve_model_path(model))
     dev = torch.device(device)
     torch_dtype = parse_dtype(dtype, default=torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if dev.type == "cuda":

@@ -34,6 +34,7 @@ from saguaro_ray.engine.frontend import Frontend, open_models
 from saguaro_ray.engine.rounds import RoundLoop, submit_each
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
+from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
@@ -76,8 +77,11 @@ def _liveness(client: RayWorkerHandle) -> str:
     return "up"
 
 
-def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None) -> ModelRunner:
-    """A worker's model runner on the configured device (``tp``: one rank's slice)."""
+def make_runner(
+    model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None, quantize: str | None = None
+) -> ModelRunner:
+    """A worker's model runner on the configured device (``tp``: one rank's slice;
+    ``quantize``: a self-draft's weight scheme)."""
     return ModelRunner(
         model,
         device=config.device,
@@ -85,6 +89,7 @@ def make_runner(model: str | Checkpoint, config: EngineConfig, tp: TPContext | N
         attention_backend=config.attention_backend,
         max_kv_tokens=config.max_kv_tokens,
         tp=tp,
+        quantize=quantize,
     )
 
 
@@ -106,7 +111,7 @@ def _exit_if_asked(role: str) -> None:
 class WorkerActor:
     """One model on one device, serving the round protocol over ZeroMQ."""
 
-    def __init__(self, role: str, model: str, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
+    def __init__(self, role: str, model: ModelRef, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
         logging.basicConfig(level=logging.INFO)
         _exit_if_asked(role)
         torch.set_num_threads(config.threads_per_worker)
@@ -120,9 +125,9 @@ class WorkerActor:
         follow_up = self.routed.follow_up if config.build_ahead else None  # the work a draft starts after answering
         self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=follow_up)
 
-    def _make_runner(self, model: str, config: EngineConfig) -> Any:
+    def _make_runner(self, model: ModelRef, config: EngineConfig) -> Any:
         """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""
-        return make_runner(model, config)
+        return make_runner(model.path, config, quantize=model.quantize)
 
     def endpoint(self) -> str:
         return self.server.endpoint

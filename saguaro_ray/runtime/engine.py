@@ -29,6 +29,8 @@ from saguaro_ray.engine.frontend import open_models
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.models.resolve import resolve_models
+from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.control import EngineKey
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
@@ -248,7 +250,8 @@ class Engine:
                 max_concurrency=COORDINATOR_CONCURRENCY,
                 max_restarts=config.max_restarts,
             )
-            coordinator = coord_cls.remote(replace(config, target=models["target"], draft=models.get("draft"), qualifier=models.get("qualifier")), workers, key)
+            resolved = replace(config, target=models["target"].path, draft=models.get("draft"), qualifier=models.get("qualifier"))
+            coordinator = coord_cls.remote(resolved, workers, key)
             try:
                 ray.get(coordinator.ready.remote())
             except ray.exceptions.RayActorError as exc:  # its __init__ failed: reaching a worker, mostly
@@ -274,19 +277,14 @@ def connect(name: str, address: str | None = "auto", namespace: str = "saguaro-r
     return EngineHandle(coordinator)
 
 
-def _resolve_models(config: EngineConfig) -> dict[str, str]:
-    """Resolve ``zoo:`` names (building on first use) and validate every model
-    and vocabulary here, before any actor starts."""
-    from saguaro_ray.zoo import resolve_model_path
-
-    paths = {"target": str(resolve_model_path(config.target))}
-    if config.spec.needs_draft:
-        paths["draft"] = str(resolve_model_path(config.draft))  # type: ignore[arg-type]
-    if config.spec.mode == "pyramid":
-        paths["qualifier"] = str(resolve_model_path(config.qualifier))  # type: ignore[arg-type]
-    ckpts, _ = open_models(paths)
-    check_tensor_parallel(ckpts["target"].config, config.target_tp, source=paths["target"])
-    return paths
+def _resolve_models(config: EngineConfig) -> dict[str, ModelRef]:
+    """Resolve model names (``zoo:`` built, ``real:`` converted on first use;
+    ``self:`` drafts) and validate every model and vocabulary here, before any
+    actor starts: workers only ever load a directory."""
+    refs = resolve_models({role_kind(r): config.model_for(r) for r in config.roles})
+    ckpts, _ = open_models(refs)
+    check_tensor_parallel(ckpts["target"].config, config.target_tp, source=refs["target"].path)
+    return refs
 
 
 def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.models.spec import ModelRef, check_spec
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -34,9 +35,11 @@ class EngineConfig:
     processes reach with :func:`saguaro_ray.connect`.
     """
 
+    # model specs (saguaro_ray.models.spec): a directory, zoo:, real:, hf:; self:<scheme>
+    # for a draft or qualifier. Launch resolves them (the coordinator gets ModelRefs).
     target: str
-    draft: str | None = None
-    qualifier: str | None = None
+    draft: str | ModelRef | None = None
+    qualifier: str | ModelRef | None = None
     spec: SpeculationConfig = field(default_factory=SpeculationConfig)
     num_drafts: int = 1
     target_tp: int = 1
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ConfigError(f"mode {self.spec.mode!r} needs a draft model")
         if self.spec.mode == "pyramid" and not self.qualifier:
             raise ConfigError("mode 'pyramid' needs a qualifier model")
+        for role in ("target", "draft", "qualifier"):
+            check_spec(role, getattr(self, role))
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
         if self.num_drafts > 1 and self.spec.mode != "ssd":
@@ -128,7 +133,7 @@ class EngineConfig:
         """Worker actors this engine starts: one per role, T for a sharded target."""
         return len(self.roles) + self.target_tp - 1
 
-    def model_for(self, role: str) -> str:
+    def model_for(self, role: str) -> str | ModelRef:
         if role == "target":
             return self.target
         if role.startswith("draft"):

@@ -25,6 +25,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.actors import WorkerActor, make_runner
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
@@ -47,8 +48,8 @@ def rank_runner(model: str, config: EngineConfig, rank: int) -> tuple[ModelRunne
 class TargetLeaderActor(WorkerActor):
     """Rank 0: the target worker the coordinator sees, driving the followers."""
 
-    def _make_runner(self, model: str, config: EngineConfig) -> TPRunnerProxy:
-        runner, self.tp = rank_runner(model, config, 0)
+    def _make_runner(self, model: ModelRef, config: EngineConfig) -> TPRunnerProxy:
+        runner, self.tp = rank_runner(model.path, config, 0)  # a target: never quantised
         return TPRunnerProxy(runner, self.tp)
 
     def rendezvous(self) -> str:
@@ -125,7 +126,7 @@ def reserve_target_group(config: EngineConfig, timeout_s: float) -> Any:
 
 
 def launch_target_group(
-    config: EngineConfig, model: str, key: bytes, tcp_host: str | None, lifetime: str | None, pg: Any
+    config: EngineConfig, model: ModelRef, key: bytes, tcp_host: str | None, lifetime: str | None, pg: Any
 ) -> TargetGroup:
     """Start the T rank actors in ``pg`` and form their group."""
     actors = []
@@ -142,7 +143,7 @@ def launch_target_group(
         if rank == 0:
             actors.append(ray.remote(TargetLeaderActor).options(**opts).remote("target", model, config, key, tcp_host))
         else:
-            actors.append(ray.remote(TargetFollowerActor).options(**opts).remote(model, config, rank))
+            actors.append(ray.remote(TargetFollowerActor).options(**opts).remote(model.path, config, rank))
     group = TargetGroup(actors, pg)
     try:
         group.join(timeout_s=config.call_timeout_s + 300.0)

@@ -15,7 +15,6 @@ from saguaro_ray.serve.config import (
     EngineEntry,
     ServeAppConfig,
     parse_config,
-    resolve_model,
 )
 
 
@@ -27,4 +26,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'saguaro_ray.serve' has no attribute {name!r}")
 
 
-__all__ = ["EngineEntry", "SaguaroDeployment", "ServeAppConfig", "build_app", "parse_config", "resolve_model"]
+__all__ = ["EngineEntry", "SaguaroDeployment", "ServeAppConfig", "build_app", "parse_config"]

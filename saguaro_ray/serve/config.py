@@ -3,8 +3,8 @@
 ``ServeAppConfig`` is what ``build_app`` takes, as a dict or the model itself::
 
     model_name: saguaro-zoo-tiny          # the id /v1/models lists and requests name
-    target: zoo:tiny/target               # a model directory or zoo:<preset>/<role>
-    draft: zoo:tiny/draft                 # needed by sd / ssd / pyramid engines
+    target: zoo:tiny/target               # a model directory, zoo:<preset>/<role>, real:<name> or hf:<org>/<name>
+    draft: zoo:tiny/draft                 # needed by sd / ssd / pyramid engines (also self:int8, self:int4)
     qualifier: zoo:tiny/qualifier         # needed by pyramid engines
     engines:                              # one engine per entry; the first is the default
       - {mode: ssd, k: 4, budget: 8}
@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from saguaro_ray.config import MODES, SpeculationConfig
 from saguaro_ray.errors import ConfigError
+
+if TYPE_CHECKING:
+    from saguaro_ray.models.spec import ModelRef
 
 # SpeculationConfig fields an engine entry (and a request's `speculation` object) may set
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationConfig))
@@ -172,14 +175,14 @@ class ServeAppConfig(BaseModel):
             **kwargs,
         )
 
-    def launch_config(self, entry: EngineEntry, models: dict[str, str] | None = None) -> Any:
-        """``engine_config(entry)`` with ``models`` (role → resolved local path,
-        see :func:`resolve_model`) in place of the configured names."""
+    def launch_config(self, entry: EngineEntry, models: dict[str, ModelRef] | None = None) -> Any:
+        """``engine_config(entry)`` with ``models`` (role → resolved model, see
+        :func:`saguaro_ray.models.resolve_models`) in place of the configured names."""
         config = self.engine_config(entry)
         if models:
             config = dataclasses.replace(
                 config,
-                target=models.get("target", config.target),
+                target=models["target"].path if "target" in models else config.target,
                 draft=models.get("draft", config.draft) if config.draft else None,
                 qualifier=models.get("qualifier", config.qualifier) if config.qualifier else None,
             )
@@ -229,26 +232,6 @@ def _same(configured: Any, requested: Any) -> bool:
     if isinstance(configured, tuple) and isinstance(requested, list):
         requested = tuple(requested)
     return configured == requested
-
-
-def resolve_model(spec: str) -> str:
-    """A model spec → a local directory: ``zoo:<preset>/<role>`` (built on first
-    use), ``hf:<org>/<name>[@revision]`` (a snapshot already in the local
-    Hugging Face cache — nothing is downloaded), or a path."""
-    if spec.startswith("hf:"):
-        repo, _, revision = spec[3:].partition("@")
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(repo_id=repo, revision=revision or None, local_files_only=True)
-        except Exception as exc:  # not cached (or hub missing): say what to do
-            raise ConfigError(
-                f"{spec}: not found in the local Hugging Face cache ({type(exc).__name__}); run "
-                f"`huggingface-cli download {repo}` on every node that runs a worker, or give a local path"
-            ) from None
-    from saguaro_ray.zoo import resolve_model_path
-
-    return str(resolve_model_path(spec))
 
 
 def parse_config(config: dict[str, Any] | ServeAppConfig | None) -> ServeAppConfig:

@@ -30,7 +30,6 @@ from saguaro_ray.serve.config import (
     EngineEntry,
     ServeAppConfig,
     parse_config,
-    resolve_model,
 )
 from saguaro_ray.serve.limits import Admission, check_prompt_bytes, max_token_bytes, prompt_byte_limit
 from saguaro_ray.serve.metrics import ServeMetrics
@@ -87,15 +86,17 @@ class ReplicaCore:
     # ------------------------------------------------------------ lifecycle
     def _start_engines(self) -> tuple[Any, dict[str, _Engine]]:
         from saguaro_ray.engine.frontend import Frontend, open_models
+        from saguaro_ray.models.resolve import resolve_models
         from saguaro_ray.runtime.engine import Engine, connect
 
         cfg = self.cfg
-        paths = {"target": resolve_model(cfg.target)}
+        specs = {"target": cfg.target}
         for role in ("draft", "qualifier"):
             if getattr(cfg, role) and any(
                 (e.spec().needs_draft if role == "draft" else e.spec().mode == "pyramid") for e in cfg.engines
             ):
-                paths[role] = resolve_model(getattr(cfg, role))
+                specs[role] = getattr(cfg, role)
+        paths = resolve_models(specs)  # once here, not once per engine
         ckpts, tokenizer = open_models(paths)
         vocab = ckpts["target"].config.vocab_size
         token_bytes = max_token_bytes(tokenizer)

@@ -6,12 +6,11 @@ Public API::
 
     zoo_root()                       -> Path   ($SAGUARO_ZOO_DIR or ~/.cache/saguaro-ray/zoo)
     build_family(preset, out=None, progress=True) -> dict   (also DIR/zoo.json)
-    resolve_model_path("zoo:tiny/draft")          -> Path   (builds on first use)
     format_summary(summary)          -> str
     heldout_texts(max_files=None)    -> list[str]  (prompts never seen in training)
 """
 
-from saguaro_ray.zoo.build import BUILD_VERSION, build_family, format_summary, resolve_model_path, zoo_root
+from saguaro_ray.zoo.build import BUILD_VERSION, build_family, format_summary, zoo_root
 from saguaro_ray.zoo.corpus import heldout_texts
 from saguaro_ray.zoo.presets import PRESETS, ROLES
 
@@ -22,6 +21,5 @@ __all__ = [
     "build_family",
     "format_summary",
     "heldout_texts",
-    "resolve_model_path",
     "zoo_root",
 ]

@@ -34,7 +34,7 @@ import torch
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.zoo import corpus
 from saguaro_ray.zoo.model import TrainLlama
-from saguaro_ray.zoo.presets import PRESETS, ROLES, Preset, get_preset
+from saguaro_ray.zoo.presets import ROLES, Preset, get_preset
 from saguaro_ray.zoo.tokenizer import EOS_TOKEN, hf_tokenizer, train_tokenizer
 from saguaro_ray.zoo.train import distill, evaluate, token_stream, train_lm
 
@@ -441,20 +441,3 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
     return "\n".join(lines)
 
-
-def resolve_model_path(spec: str | os.PathLike) -> Path:
-    """``zoo:<preset>/<role>`` → that model's directory (built on first use); else ``Path(spec)``."""
-    if isinstance(spec, str) and spec.startswith("zoo:"):
-        body = spec[len("zoo:") :]
-        preset, sep, role = body.partition("/")
-        expected = (
-            f"expected 'zoo:<preset>/<role>' with preset in {{{', '.join(sorted(PRESETS))}}} "
-            f"and role in {{{', '.join(ROLES)}}}, e.g. 'zoo:tiny/draft'"
-        )
-        if not sep or not preset or role not in ROLES or "/" in role:
-            raise ConfigError(f"malformed zoo model spec {spec!r}: {expected}")
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown zoo preset {preset!r} in {spec!r}: {expected}")
-        build_family(preset, progress=True)
-        return zoo_root() / preset / role
-    return Path(spec)
