@@ -1,0 +1,213 @@
+"""Weight-only quantised linear layers: the target's own weights as a self-draft.
+
+A self-draft is the target with its linear weights (the LM head included)
+rounded to int8 per output channel or to int4 in groups of 32 inputs, at
+load. Activations stay floating point: quantising them too (torch's dynamic
+int8 fbgemm linear) was fast but agreed with the fp32 model's greedy tokens
+only 62% of the time, the weight-only schemes 96% (int8) and 92% (int4).
+The embedding lookup keeps exact float rows; a tied head gets its own
+quantised copy of the embedding.
+
+Kernels (SmolLM2-135M's 121 linears + its 49152×576 head, 1 thread, this
+2-core AMD EPYC with avx512_bf16; ms per forward for M = 1/2/3/4/8/16 rows):
+
+=====================================  =====  =====  =====  =====  =====  ======
+bf16 oneDNN packed (dequantised)        10.1   10.3   10.6   10.9   13.6   18.2
+``_weight_int8pack_mm``, bf16 x          8.5    7.8    9.2    9.0   16.7   30.3
+``_weight_int4pack_mm_for_cpu``, bf16 x  5.2    5.7    6.6    7.4   13.9   26.4
+=====================================  =====  =====  =====  =====  =====  ======
+
+Both int kernels work in blocks of 4 rows, so they win up to 4 rows and lose
+beyond; with fp32 activations they are scalar code (int8: 86 ms at M = 1,
+1428 at 16; int4: 195 and 3076). Dequantising per call was slower than all
+of these (to bf16 then ``F.linear``: 96–147 ms; then packing: 164–194;
+torchao 0.18's int8 weight-only path, which is that dequantise-and-``mm``,
+55–97), and torchao's int4 CPU path is the same ``_weight_int4pack_mm_for_cpu``
+op. So on CPU the ``auto`` kernel runs the int kernel for up to
+:data:`INT_KERNEL_MAX_ROWS` rows and bf16 oneDNN on the dequantised weights
+above (a tree step); both compute in bf16 whatever the runner's dtype, and
+differ only by rounding. Other devices run ``F.linear`` on the dequantised
+weights (the reference; no int kernel was measured there).
+
+A quantised runner is simply another model: the logits it returns are the
+law its tokens are drawn from, whichever kernel computed them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.kernels.linear import pack_weight, packed_linear, packing_available, plain_linears
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How weights are rounded: ``bits`` per weight, one scale per output
+    channel (``group_size`` None) or one scale and zero per ``group_size`` inputs."""
+
+    bits: int
+    group_size: int | None
+    summary: str
+
+
+# The one home of the scheme names (a model spec such as ``self:int8`` uses these keys).
+SCHEMES: dict[str, QuantScheme] = {
+    "int8": QuantScheme(8, None, "int8 weights, one symmetric scale per output channel"),
+    "int4": QuantScheme(4, 32, "int4 weights, an asymmetric scale and zero per 32 inputs"),
+}
+
+# Up to this many rows the int kernels beat bf16 oneDNN (see the module docstring).
+INT_KERNEL_MAX_ROWS = 4
+# What the int kernels compute in: their fp32 paths are scalar code.
+COMPUTE_DTYPE = torch.bfloat16
+# _convert_weight_to_int4pack_for_cpu wants a multiple of 16 output channels
+_INT4_ROWS = 16
+
+
+def scheme(name: str) -> QuantScheme:
+    """The scheme called ``name``; an unknown name is a one-line :class:`ConfigError`."""
+    if name not in SCHEMES:
+        raise ConfigError(f"unknown quantization {name!r}; expected one of {', '.join(SCHEMES)}")
+    return SCHEMES[name]
+
+
+@dataclass
+class QuantizedWeight:
+    """``codes [N, K]`` with ``scales`` (and ``zeros``) in :data:`COMPUTE_DTYPE`.
+
+    int8: ``w = codes · scales[n]``, codes in [-127, 127].
+    int4: ``w = (codes − 8) · scales[n, g] + zeros[n, g]``, codes in [0, 15]
+    (the convention of torch's int4 kernel), g = k // group_size.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int | None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the quantised model uses, ``[N, K]`` in ``dtype``."""
+        if self.zeros is None:
+            return (self.codes.float() * self.scales.float()[:, None]).to(dtype)
+        n, k = self.codes.shape
+        codes = self.codes.float().view(n, k // self.group_size, self.group_size) - 8
+        return (codes * self.scales.float()[..., None] + self.zeros.float()[..., None]).view(n, k).to(dtype)
+
+
+def quantize_weight(weight: torch.Tensor, qs: QuantScheme) -> QuantizedWeight:
+    """Round ``weight [N, K]`` by scheme ``qs`` (round to nearest, deterministic)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if qs.group_size is None:
+        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(COMPUTE_DTYPE)
+        codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight(codes, scales, None, None)
+    g = qs.group_size
+    levels = 2**qs.bits - 1
+    groups = w.view(n, k // g, g)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scales = ((hi - lo) / levels).clamp_min(torch.finfo(torch.float32).tiny).to(COMPUTE_DTYPE)
+    zeros = (lo + 2 ** (qs.bits - 1) * scales.float()).to(COMPUTE_DTYPE)
+    # codes against the rounded scale and zero, so dequantize() is what the kernel computes
+    codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]) + 2 ** (qs.bits - 1)
+    return QuantizedWeight(codes.clamp(0, levels).to(torch.uint8).view(n, k), scales, zeros, g)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ dequantize(W).T + b`` through the kernel ``kernel`` chose.
+
+    ``kernel``: ``auto`` (CPU: the int kernel up to :data:`INT_KERNEL_MAX_ROWS`
+    rows, bf16 oneDNN above; elsewhere ``dense``), ``int``, ``packed`` or
+    ``dense`` (``F.linear`` on the dequantised weight in ``dtype``). Only the
+    tensors the chosen paths read are kept; the float weight is dropped.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qs: QuantScheme, kernel: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits, self.group_size = qs.bits, qs.group_size
+        device = weight.device
+        if kernel == "int" and device.type != "cpu":
+            raise ConfigError(f"the int linear kernel runs on the CPU only, not on {device.type}")
+        packed = kernel in ("auto", "packed") and packing_available(device, COMPUTE_DTYPE)
+        if kernel == "packed" and not packed:
+            raise ConfigError(f"the packed linear kernel needs oneDNN bf16 on the CPU, not available on {device.type}")
+        # the int kernel serves up to int_rows rows, oneDNN the rest
+        if kernel == "int" or (kernel == "auto" and device.type == "cpu" and not packed):
+            self.int_rows = sys.maxsize
+        else:
+            self.int_rows = INT_KERNEL_MAX_ROWS if kernel == "auto" and packed else 0
+        q = quantize_weight(weight, qs)
+        on_cpu_kernels = packed or self.int_rows > 0
+        dense = q.dequantize(COMPUTE_DTYPE if on_cpu_kernels else dtype)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self._packed = pack_weight(dense) if packed else None
+        self._dense = None if on_cpu_kernels else dense
+        self._codes, self._scales = self._int_kernel_operands(q) if self.int_rows else (None, None)
+
+    def _int_kernel_operands(self, q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.zeros is None:
+            return q.codes, q.scales
+        pad = -self.out_features % _INT4_ROWS  # zero rows, sliced off the output
+        codes = F.pad(q.codes.to(torch.int32), (0, 0, 0, pad))
+        sz = F.pad(torch.stack([q.scales, q.zeros], -1), (0, 0, 0, 0, 0, pad))
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz.transpose(0, 1).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None:
+            return F.linear(x, self._dense, self.bias)
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k).to(COMPUTE_DTYPE)
+        rows = flat.shape[0]
+        if rows <= self.int_rows:
+            if self.group_size is None:
+                y = torch.ops.aten._weight_int8pack_mm(flat, self._codes, self._scales)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._codes, self.group_size, self._scales)
+                y = y[:, : self.out_features]
+            if self.bias is not None:
+                y = y + self.bias.to(COMPUTE_DTYPE)
+        else:
+            y = packed_linear(flat, self._packed, None if self.bias is None else self.bias.to(COMPUTE_DTYPE))
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        if self._dense is not None:
+            path = "dense"
+        else:
+            path = "packed" if not self.int_rows else "int" if self._packed is None else f"int up to {self.int_rows} rows, packed above"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"int{self.bits}, group={self.group_size or 'channel'}, kernel={path}"
+        )
+
+
+def quantize_linears(module: nn.Module, name: str, dtype: torch.dtype, kernel: str = "auto") -> int:
+    """Replace every ``nn.Linear`` under ``module`` (a tied head included) by a
+    :class:`QuantizedLinear` of scheme ``name``; returns how many.
+
+    The int4 groups must tile each input dimension: a model whose linears
+    have an input size that is not a multiple of the group size is refused
+    with a :class:`ConfigError` before anything is replaced.
+    """
+    qs = scheme(name)
+    swaps = plain_linears(module)
+    if qs.group_size is not None:
+        for _, attr, child in swaps:
+            if child.in_features % qs.group_size:
+                raise ConfigError(
+                    f"{name} quantization needs linear input sizes divisible by {qs.group_size}; "
+                    f"{attr} has {child.in_features}"
+                )
+    for parent, attr, child in swaps:
+        setattr(parent, attr, QuantizedLinear(child.weight, child.bias, qs, kernel, dtype))
+    return len(swaps)
+
+
+__all__ = ["INT_KERNEL_MAX_ROWS", "QuantScheme", "QuantizedLinear", "QuantizedWeight", "SCHEMES", "quantize_linears", "quantize_weight", "scheme"]
