@@ -53,13 +53,12 @@ class QuantScheme:
 
     bits: int
     group_size: int | None
-    summary: str
 
 
 # The one home of the scheme names (a model spec such as ``self:int8`` uses these keys).
 SCHEMES: dict[str, QuantScheme] = {
-    "int8": QuantScheme(8, None, "int8 weights, one symmetric scale per output channel"),
-    "int4": QuantScheme(4, 32, "int4 weights, an asymmetric scale and zero per 32 inputs"),
+    "int8": QuantScheme(8, None),  # symmetric, one scale per output channel
+    "int4": QuantScheme(4, 32),  # asymmetric, a scale and a zero per 32 inputs
 }
 
 # Up to this many rows the int kernels beat bf16 oneDNN (see the module docstring).
@@ -146,7 +145,8 @@ class QuantizedLinear(nn.Module):
         q = quantize_weight(weight, qs)
         on_cpu_kernels = packed or self.int_rows > 0
         dense = q.dequantize(COMPUTE_DTYPE if on_cpu_kernels else dtype)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        kept_bias = None if bias is None else bias.detach().to(COMPUTE_DTYPE if on_cpu_kernels else dtype, copy=True)
+        self.register_buffer("bias", kept_bias, persistent=False)
         self._packed = pack_weight(dense) if packed else None
         self._dense = None if on_cpu_kernels else dense
         self._codes, self._scales = self._int_kernel_operands(q) if self.int_rows else (None, None)
@@ -172,9 +172,9 @@ class QuantizedLinear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._codes, self.group_size, self._scales)
                 y = y[:, : self.out_features]
             if self.bias is not None:
-                y = y + self.bias.to(COMPUTE_DTYPE)
+                y = y + self.bias
         else:
-            y = packed_linear(flat, self._packed, None if self.bias is None else self.bias.to(COMPUTE_DTYPE))
+            y = packed_linear(flat, self._packed, self.bias)
         return y.to(x.dtype).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -74,6 +74,11 @@ def test_quantized_linear_computes_the_dequantized_product(name: str, kernel: st
             torch.testing.assert_close(got, F.linear(x, ref_w, lin.bias), **TOL)
         x = torch.randn(2, 3, 64)
         torch.testing.assert_close(q(x), F.linear(x, ref_w, lin.bias), **TOL)
+        if kernel != "dense":  # a bf16 model's activations go in and come out as they are
+            x = torch.randn(2, 3, 64)
+            got = q(x.bfloat16())
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), F.linear(x, ref_w, lin.bias), **TOL)
 
 
 def test_bad_schemes_and_shapes_are_config_errors(zoo_tiny) -> None:
