@@ -22,7 +22,17 @@ from saguaro_ray.engine import LocalEngine, LocalEngineConfig
 from saguaro_ray.engine import local as local_engine
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.kernels.linear import LINEAR_KERNELS, packing_available
-from saguaro_ray.kernels.quantized import INT_KERNEL_MAX_ROWS, SCHEMES, QuantizedLinear, quantize_linears, quantize_weight
+from saguaro_ray.kernels.quantized import (
+    INT4_GROUP32,
+    INT8_PER_CHANNEL,
+    INT_KERNEL_MAX_ROWS,
+    SCHEMES,
+    QuantizedLinear,
+    quantize_decoder,
+    quantize_weight,
+)
+from saguaro_ray.workers.decoder import Decoder
+from saguaro_ray.workers.model_config import DecoderConfig
 from saguaro_ray.workers.runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -40,9 +50,12 @@ def _one_thread():
         yield
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
-def test_rounding_is_within_half_a_step(name: str) -> None:
-    qs = SCHEMES[name]
+FORMATS = {"int8": INT8_PER_CHANNEL, "int4-g32": INT4_GROUP32}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rounding_is_within_half_a_step(fmt: str) -> None:
+    qs = FORMATS[fmt]
     torch.manual_seed(0)
     w = torch.randn(48, 96) * torch.linspace(0.01, 3, 96)  # input columns of very different size
     q = quantize_weight(w, qs)
@@ -57,15 +70,15 @@ def test_rounding_is_within_half_a_step(name: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", list(LINEAR_KERNELS))
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("bias", [False, True])
-def test_quantized_linear_computes_the_dequantized_product(name: str, kernel: str, bias: bool) -> None:
+def test_quantized_linear_computes_the_dequantized_product(fmt: str, kernel: str, bias: bool) -> None:
     if kernel in ("auto", "packed") and not packing_available(CPU, torch.bfloat16):
         pytest.skip("oneDNN bf16 not available here")
     torch.manual_seed(1)
     lin = nn.Linear(64, 40, bias=bias)  # 40 output channels: the int4 kernel's rows are padded to 48
-    q = QuantizedLinear(lin.weight, lin.bias, SCHEMES[name], kernel, torch.float32)
-    ref_w = quantize_weight(lin.weight, SCHEMES[name]).dequantize()
+    q = QuantizedLinear(lin.weight, lin.bias, FORMATS[fmt], kernel, torch.float32)
+    ref_w = quantize_weight(lin.weight, FORMATS[fmt]).dequantize()
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, 64)
@@ -84,8 +97,12 @@ def test_quantized_linear_computes_the_dequantized_product(name: str, kernel: st
 def test_bad_schemes_and_shapes_are_config_errors(zoo_tiny) -> None:
     with pytest.raises(ConfigError, match="unknown quantization 'int3'"):
         ModelRunner(zoo_tiny / "target", quantize="int3")
+    cfg = DecoderConfig.from_hf(
+        {"model_type": "llama", "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    )
     with pytest.raises(ConfigError, match="divisible by 32"):
-        quantize_linears(nn.Sequential(nn.Linear(48, 16)), "int4", torch.float32)
+        quantize_decoder(Decoder(cfg, CPU), "int4", torch.float32)
 
 
 @pytest.fixture(scope="module", params=list(SCHEMES))
@@ -94,9 +111,10 @@ def qrunner(request, zoo_tiny) -> ModelRunner:
 
 
 def test_quantized_runner_replaces_every_linear(qrunner: ModelRunner) -> None:
-    model = qrunner.model
-    assert isinstance(model.lm_head, QuantizedLinear)
+    model, qs = qrunner.model, SCHEMES[qrunner.quantize]
     assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == qs.head.bits
+    assert all(layer.mlp.down.bits == qs.linears.bits for layer in model.layers)
     assert model.embed.weight.dtype == torch.float32  # embedding rows stay exact
 
 

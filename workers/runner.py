@@ -29,7 +29,7 @@ import torch
 from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
 from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatch, select_backend
 from saguaro_ray.kernels.linear import linear_kernel, pack_linears
-from saguaro_ray.kernels.quantized import SCHEMES, quantize_linears, scheme
+from saguaro_ray.kernels.quantized import SCHEMES, quantize_decoder, scheme
 from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
 from saguaro_ray.workers.decoder import AttentionStep
 from saguaro_ray.workers.kv_cache import PagedKVCache
@@ -100,7 +100,7 @@ class ModelRunner:
         self.kv_heads = self.model.cfg.num_kv_heads  # this rank's KV heads (all of them without tp)
         # every projection and the LM head: quantised, or (CPU fp32/bf16) pre-packed oneDNN weights
         if quantize is not None:
-            quantize_linears(self.model, quantize, self.dtype, kernel)
+            quantize_decoder(self.model, quantize, self.dtype, kernel)
         else:
             pack_linears(self.model, self.device, self.dtype, kernel)
         cfg = self.config
