@@ -8,9 +8,10 @@ with the weight reordered once into its blocked layout is 2–3× faster for
 every row count a decoder sees (1-token decode, (K+1)-token verification,
 N-branch tree steps). bf16 halves the bytes again: on SmolLM2-135M's linears
 and LM head (1 thread, ms per forward for 1/5/8/16 rows) fp32 packed costs
-17.5/19.1/23.6/31.9, bf16 packed 10.2/11.2/13.3/17.6 and bf16
-``F.linear`` 34.3/19.2/32.7/31.4, so bf16 is packed as well. Results differ
-from ``torch.nn.functional.linear`` in the same dtype only by summation order.
+17.5/19.1/23.6/31.9 and bf16 packed 10.2/11.2/13.3/17.6; bf16 ``F.linear``
+was 1.2–2.4× slower than bf16 packed in every interleaved run, so bf16 is
+packed as well. Results differ from ``torch.nn.functional.linear`` in the
+same dtype only by summation order.
 
 :func:`pack_linears` swaps every ``nn.Linear`` of a module (the decoder's LM
 head included; a tied head keeps sharing the embedding's parameter) for a
