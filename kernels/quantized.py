@@ -183,20 +183,22 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:
             return F.linear(x, self._dense, self.bias)
-        lead, k = x.shape[:-1], x.shape[-1]
-        flat = x.reshape(-1, k).to(COMPUTE_DTYPE)
-        rows = flat.shape[0]
-        if rows <= self.int_rows:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the decoder's activations are 2-D already
+        xc = flat if flat.dtype == COMPUTE_DTYPE else flat.to(COMPUTE_DTYPE)
+        if xc.shape[0] > self.int_rows:
+            y = packed_linear(xc, self._packed, self.bias)
+        else:
             if self.group_size is None:
-                y = torch.ops.aten._weight_int8pack_mm(flat, self._codes, self._scales)
+                y = torch.ops.aten._weight_int8pack_mm(xc, self._codes, self._scales)
             else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._codes, self.group_size, self._scales)
-                y = y[:, : self.out_features]
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self._codes, self.group_size, self._scales)
+                if y.shape[1] != self.out_features:
+                    y = y[:, : self.out_features]
             if self.bias is not None:
                 y = y + self.bias
-        else:
-            y = packed_linear(flat, self._packed, self.bias)
-        return y.to(x.dtype).view(*lead, self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         if self._dense is not None:
