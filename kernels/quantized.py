@@ -12,26 +12,33 @@ with an int8 head 0.979 / 0.975, with an int4 head only 0.881 / 0.908 (the
 head, a tied embedding, is the sensitive part). The embedding lookup keeps
 exact float rows; a tied head gets its own quantised copy of the embedding.
 
-Kernels (SmolLM2-135M's 121 linears + its 49152×576 head, 1 thread, this
-2-core AMD EPYC with avx512_bf16; ms per forward for M = 1/2/3/4/8/16 rows):
+Kernels (SmolLM2-135M's 120 linears + its 49152×576 head, 1 thread, this
+2-core AMD EPYC with avx512_bf16; ms per forward for M = 1/2/4/5/8/16 rows,
+the least of 15 interleaved repetitions; the machine was shared):
 
-=====================================  =====  =====  =====  =====  =====  ======
-bf16 oneDNN packed (dequantised)        10.1   10.3   10.6   10.9   13.6   18.2
-``_weight_int8pack_mm``, bf16 x          8.5    7.8    9.2    9.0   16.7   30.3
-``_weight_int4pack_mm_for_cpu``, bf16 x  5.2    5.7    6.6    7.4   13.9   26.4
-=====================================  =====  =====  =====  =====  =====  ======
+=====================================  =====  =====  =====  =====  =====  =====
+fp32 oneDNN packed (the float default)  17.1   18.2   19.0   19.8   24.9   32.8
+bf16 oneDNN packed                       9.6    9.9   10.2   11.0   13.2   17.1
+``_weight_int8pack_mm``, bf16 x          8.9    8.2    9.1   14.0   16.8   29.9
+``_weight_int4pack_mm_for_cpu``, bf16 x  5.1    5.5    7.0   10.5   13.4   25.2
+:class:`QuantizedLinear` int8, auto     10.1    9.3   10.3   13.0   15.5   20.2
+:class:`QuantizedLinear` int4, auto      6.9    7.0    8.4   11.5   14.5   19.2
+=====================================  =====  =====  =====  =====  =====  =====
 
-Both int kernels work in blocks of 4 rows, so they win up to 4 rows and lose
-beyond; with fp32 activations they are scalar code (int8: 86 ms at M = 1,
-1428 at 16; int4: 195 and 3076). Dequantising per call was slower than all
-of these (to bf16 then ``F.linear``: 96–147 ms; then packing: 164–194;
-torchao 0.18's int8 weight-only path, which is that dequantise-and-``mm``,
-55–97), and torchao's int4 CPU path is the same ``_weight_int4pack_mm_for_cpu``
-op. So on CPU the ``auto`` kernel runs the int kernel for up to
-:data:`INT_KERNEL_MAX_ROWS` rows and bf16 oneDNN on the dequantised weights
-above (a tree step); both compute in bf16 whatever the runner's dtype, and
-differ only by rounding. Other devices run ``F.linear`` on the dequantised
-weights (the reference; no int kernel was measured there).
+The int kernels' cost grows in steps of a few rows: int8 beats bf16 oneDNN
+up to 4 rows, int4 up to 8 (at 5–8 rows by ~1 ms, at 16 it is 1.5× slower),
+so each :class:`QuantFormat` carries its crossover (``int_rows``) and the
+``auto`` kernel runs the int kernel up to it and bf16 oneDNN on the
+dequantised weights above (a wide tree step). The two compute in bf16 whatever
+the runner's dtype and differ only by rounding; the auto rows above include
+the runner's fp32↔bf16 casts (~1 ms). Left out because slower: the int
+kernels with fp32 activations are scalar code (int8 85 ms at M = 1, 1764 at
+16; int4 191 and 3116); dequantising per call (to bf16 then ``F.linear``:
+94–127 ms; then oneDNN packing: 159–248); torchao 0.18's int8 weight-only
+path, which is that dequantise-and-``mm`` (53–61). torchao's int4 CPU path is
+the same ``_weight_int4pack_mm_for_cpu`` op, so torchao is not a dependency.
+Other devices run ``F.linear`` on the dequantised weights (the reference; no
+int kernel was measured there).
 
 A quantised runner is simply another model: the logits it returns are the
 law its tokens are drawn from, whichever kernel computed them.
@@ -57,14 +64,17 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class QuantFormat:
     """How a weight is rounded: ``bits`` per weight, one scale per output
-    channel (``group_size`` None) or one scale and zero per ``group_size`` inputs."""
+    channel (``group_size`` None) or one scale and zero per ``group_size`` inputs.
+    ``int_rows``: up to this many rows the format's int kernel beats bf16
+    oneDNN on the CPU (measured; see the module docstring)."""
 
     bits: int
     group_size: int | None
+    int_rows: int
 
 
-INT8_PER_CHANNEL = QuantFormat(8, None)  # symmetric
-INT4_GROUP32 = QuantFormat(4, 32)  # asymmetric
+INT8_PER_CHANNEL = QuantFormat(8, None, int_rows=4)  # symmetric
+INT4_GROUP32 = QuantFormat(4, 32, int_rows=8)  # asymmetric
 
 
 @dataclass(frozen=True)
@@ -82,8 +92,6 @@ SCHEMES: dict[str, QuantScheme] = {
     "int4": QuantScheme(INT4_GROUP32, INT8_PER_CHANNEL),
 }
 
-# Up to this many rows the int kernels beat bf16 oneDNN (see the module docstring).
-INT_KERNEL_MAX_ROWS = 4
 # What the int kernels compute in: their fp32 paths are scalar code.
 COMPUTE_DTYPE = torch.bfloat16
 # _convert_weight_to_int4pack_for_cpu wants a multiple of 16 output channels
@@ -142,7 +150,7 @@ def quantize_weight(weight: torch.Tensor, qs: QuantFormat) -> QuantizedWeight:
 class QuantizedLinear(nn.Module):
     """``y = x @ dequantize(W).T + b`` through the kernel ``kernel`` chose.
 
-    ``kernel``: ``auto`` (CPU: the int kernel up to :data:`INT_KERNEL_MAX_ROWS`
+    ``kernel``: ``auto`` (CPU: the int kernel up to ``qs.int_rows``
     rows, bf16 oneDNN above; elsewhere ``dense``), ``int``, ``packed`` or
     ``dense`` (``F.linear`` on the dequantised weight in ``dtype``). Only the
     tensors the chosen paths read are kept; the float weight is dropped.
@@ -162,7 +170,7 @@ class QuantizedLinear(nn.Module):
         if kernel == "int" or (kernel == "auto" and device.type == "cpu" and not packed):
             self.int_rows = sys.maxsize
         else:
-            self.int_rows = INT_KERNEL_MAX_ROWS if kernel == "auto" and packed else 0
+            self.int_rows = qs.int_rows if kernel == "auto" and packed else 0
         q = quantize_weight(weight, qs)
         on_cpu_kernels = packed or self.int_rows > 0
         dense = q.dequantize(COMPUTE_DTYPE if on_cpu_kernels else dtype)
@@ -235,7 +243,6 @@ def quantize_decoder(model: Decoder, name: str, dtype: torch.dtype, kernel: str 
 __all__ = [
     "INT4_GROUP32",
     "INT8_PER_CHANNEL",
-    "INT_KERNEL_MAX_ROWS",
     "QuantFormat",
     "QuantScheme",
     "QuantizedLinear",
