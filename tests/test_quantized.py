@@ -30,9 +30,11 @@ from saguaro_ray.kernels.quantized import (
     quantize_decoder,
     quantize_weight,
 )
+from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.decoder import Decoder
 from saguaro_ray.workers.model_config import DecoderConfig
 from saguaro_ray.workers.runner import ModelRunner
+from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext
 
 CPU = torch.device("cpu")
 ROWS = (1, 4, 5, 8, 9, 17)  # either side of each format's int_rows
@@ -96,6 +98,9 @@ def test_quantized_linear_computes_the_dequantized_product(fmt: str, kernel: str
 def test_bad_schemes_and_shapes_are_config_errors(zoo_tiny) -> None:
     with pytest.raises(ConfigError, match="unknown quantization 'int3'"):
         ModelRunner(zoo_tiny / "target", quantize="int3")
+    target = open_checkpoint(zoo_tiny / "target")
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        ModelRunner(target, quantize="int8", tp=TPContext(ShardPlan.for_rank(target.config, 0, 2)))
     cfg = DecoderConfig.from_hf(
         {"model_type": "llama", "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
