@@ -1,4 +1,4 @@
-"""Pre-packed fp32 linear layers for CPU decoding.
+"""Pre-packed fp32 and bf16 linear layers for CPU decoding, and the kernel choice.
 
 At batch 1 a decoder step is a handful of matrix-vector products, so its time
 is the time to stream the weights. PyTorch's default fp32 CPU ``linear`` goes
@@ -6,14 +6,21 @@ through MKL, which on the AMD EPYC machines we measure on reaches about half
 the memory bandwidth oneDNN does and is slower still for 2–32 rows; oneDNN
 with the weight reordered once into its blocked layout is 2–3× faster for
 every row count a decoder sees (1-token decode, (K+1)-token verification,
-N-branch tree steps). Results differ from ``torch.nn.functional.linear``
-only by fp32 summation order.
+N-branch tree steps). bf16 halves the bytes again: on SmolLM2-135M's linears
+and LM head (1 thread, ms per forward for 1/5/8/16 rows) fp32 packed costs
+17.5/19.1/23.6/31.9 and bf16 packed 10.2/11.2/13.3/17.6; bf16 ``F.linear``
+was 1.2–2.4× slower than bf16 packed in every interleaved run, so bf16 is
+packed as well. Results differ from ``torch.nn.functional.linear`` in the
+same dtype only by summation order.
 
-:func:`pack_linears` swaps every ``nn.Linear`` of a module for a
-:class:`PackedLinear` (same ``weight``/``bias`` parameters, plus the packed
-copy) when the op is available, the device is the CPU and the dtype fp32;
-otherwise it leaves the module alone. ``SAGUARO_PACKED_LINEAR=0`` turns it
-off.
+:func:`pack_linears` swaps every ``nn.Linear`` of a module (the decoder's LM
+head included; a tied head keeps sharing the embedding's parameter) for a
+:class:`PackedLinear` when the kernel choice, device and dtype allow it.
+
+The kernel choice is the one documented override, the environment variable
+``SAGUARO_LINEAR_KERNEL`` (read when a runner is built; see
+:data:`LINEAR_KERNELS`); it reaches Ray workers too, which inherit the
+driver's environment.
 """
 
 from __future__ import annotations
@@ -25,29 +32,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from saguaro_ray.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+KERNEL_ENV = "SAGUARO_LINEAR_KERNEL"
+LINEAR_KERNELS: dict[str, str] = {
+    "auto": "the measured fastest path for the device, dtype and row count (the default)",
+    "packed": "oneDNN pre-packed weights for every row count (CPU fp32/bf16; quantised weights are dequantised to bf16)",
+    "dense": "torch.nn.functional.linear on plain (dequantised) weights: the reference path",
+    "int": "quantised models only: the int8/int4 weight-only kernel for every row count",
+}
+
+
+def linear_kernel() -> str:
+    """The kernel choice from ``SAGUARO_LINEAR_KERNEL`` (``auto`` when unset)."""
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in LINEAR_KERNELS:
+        raise ConfigError(f"{KERNEL_ENV}={choice!r} is not a linear kernel; expected one of {', '.join(LINEAR_KERNELS)}")
+    return choice
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`PackedLinear` can serve this device and dtype here."""
-    if os.environ.get("SAGUARO_PACKED_LINEAR", "1").lower() in ("0", "false", "no", "off"):
-        return False
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return ops is not None and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-    except RuntimeError:  # an op namespace without the op raises on lookup in some versions
+        if ops is None or not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+            return False
+        # without native bf16 instructions oneDNN would emulate bf16, which is not what was measured
+        return dtype == torch.float32 or bool(ops._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):  # an op namespace without the op raises on lookup in some versions
         return False
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` reordered into oneDNN's blocked layout (an opaque copy)."""
+    """``weight [out, in]`` reordered into oneDNN's blocked layout (an opaque copy in its dtype)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with a weight from :func:`pack_weight`."""
+    """``x @ W.T + bias`` with a weight from :func:`pack_weight` (``x`` in the weight's dtype)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -55,11 +81,13 @@ class PackedLinear(nn.Module):
     """A linear layer whose forward runs oneDNN on a pre-packed weight.
 
     ``weight`` and ``bias`` stay the original parameters (state dicts and
-    parameter listings are unchanged); the packed copy is derived from them
-    when the module is built — call :meth:`repack` after changing them.
-    ``dense_single_row``: oneDNN costs ~10 µs more per call than MKL, which
-    for one row of a cache-resident weight is most of the call, so such
-    products go through ``F.linear``.
+    parameter listings are unchanged, a tied head keeps its tie); the packed
+    copy is derived from them when the module is built — call :meth:`repack`
+    after changing them.
+    ``dense_single_row``: in fp32 oneDNN costs ~10 µs more per call than MKL,
+    which for one row of a cache-resident weight is most of the call, so such
+    products go through ``F.linear`` (in bf16 oneDNN is the faster at every
+    size measured, 128×384 included).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_single_row: bool = False) -> None:
@@ -86,24 +114,35 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self._packed, self._bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=oneDNN"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"dtype={self.weight.dtype}, packed=oneDNN"
+        )
 
 
-# Below this many bytes of linear weights a model stays cache-resident between
-# steps, and single-row products are faster through plain MKL (see PackedLinear).
+# Below this many bytes of fp32 linear weights a model stays cache-resident
+# between steps, and single-row products are faster through plain MKL (see PackedLinear).
 CACHE_RESIDENT_BYTES = 16 << 20
 
 
-def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def plain_linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every exact ``nn.Linear`` under ``module`` as ``(parent, attribute, linear)``
+    (subclasses such as tensor-parallel row-parallel linears are left alone)."""
+    return [(parent, name, child) for parent in module.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
+
+
+def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, kernel: str = "auto") -> int:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear`
-    when packing is available for ``device``/``dtype``; returns how many."""
-    if not packing_available(device, dtype):
+    when ``kernel`` (see :data:`LINEAR_KERNELS`) allows packing and packing is
+    available for ``device``/``dtype``; returns how many."""
+    if kernel not in ("auto", "packed") or not packing_available(device, dtype):
         return 0
-    swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
+    swaps = plain_linears(module)
     total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in swaps)
+    dense_single_row = kernel == "auto" and dtype == torch.float32 and total <= CACHE_RESIDENT_BYTES
     try:
         for parent, name, child in swaps:
-            setattr(parent, name, PackedLinear.from_linear(child, dense_single_row=total <= CACHE_RESIDENT_BYTES))
+            setattr(parent, name, PackedLinear.from_linear(child, dense_single_row=dense_single_row))
     except RuntimeError as exc:  # a oneDNN build that refuses the shape: keep plain linears
         log.info("oneDNN linear packing unavailable (%s); using torch.nn.functional.linear", exc)
         for parent, name, child in swaps:
@@ -112,4 +151,14 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return len(swaps)
 
 
-__all__ = ["PackedLinear", "pack_linears", "pack_weight", "packed_linear", "packing_available"]
+__all__ = [
+    "KERNEL_ENV",
+    "LINEAR_KERNELS",
+    "PackedLinear",
+    "linear_kernel",
+    "pack_linears",
+    "pack_weight",
+    "packed_linear",
+    "packing_available",
+    "plain_linears",
+]

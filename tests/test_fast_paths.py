@@ -17,7 +17,7 @@ from torch import nn
 from saguaro_ray.algorithms.sampling import position_generator, position_uniforms, process_logits, uniforms
 from saguaro_ray.algorithms.verification import greedy_outcomes, verify
 from saguaro_ray.kernels.attention import TorchBackend, TreeBatch
-from saguaro_ray.kernels.linear import PackedLinear, pack_linears, packing_available
+from saguaro_ray.kernels.linear import PackedLinear, linear_kernel, pack_linears, packing_available
 
 CPU = torch.device("cpu")
 
@@ -38,12 +38,11 @@ def test_packed_linear_matches_linear(bias: bool, dense_single_row: bool) -> Non
         torch.testing.assert_close(packed(x), nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_pack_linears_respects_device_dtype_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pack_linears_respects_device_dtype_and_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    assert pack_linears(model, CPU, torch.bfloat16) == 0
-    monkeypatch.setenv("SAGUARO_PACKED_LINEAR", "0")
-    assert not packing_available(CPU, torch.float32)
-    assert pack_linears(model, CPU, torch.float32) == 0
+    assert pack_linears(model, CPU, torch.float16) == 0
+    monkeypatch.setenv("SAGUARO_LINEAR_KERNEL", "dense")
+    assert pack_linears(model, CPU, torch.float32, linear_kernel()) == 0
     assert all(type(m) is not PackedLinear for m in model)
 
 

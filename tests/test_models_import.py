@@ -457,20 +457,30 @@ def test_self_specs_in_configs(tmp_path: Path, q8_gguf):
 
 
 def test_self_draft_reaches_the_runner(tmp_path: Path, q8_gguf):
-    """The scheme is handed to every runner the draft gets (here: refused,
-    until the quantised kernels land)."""
-    from saguaro_ray.config import SpeculationConfig
+    """``self:<scheme>`` gives the draft the target's own checkpoint quantised
+    at load (the target stays as stored), in process and for a Ray worker's
+    runner; and SD with it emits AR's tokens at T = 0."""
+    from saguaro_ray.config import SamplingParams, SpeculationConfig
     from saguaro_ray.engine import LocalEngine, LocalEngineConfig
     from saguaro_ray.runtime.actors import make_runner
     from saguaro_ray.runtime.engine_config import EngineConfig
 
     gguf_path, _ = q8_gguf
     target = str(import_gguf(gguf_path, tmp_path / "t"))
-    with pytest.raises(ConfigError, match="self:int8: quantised self-drafts need the quantised kernels"):
-        LocalEngine(LocalEngineConfig(target=target, draft="self:int8", spec=SpeculationConfig(mode="sd")))
-    with pytest.raises(ConfigError, match="self:int4: quantised"):
-        make_runner(target, EngineConfig(target=target), quantize="int4")
-    ModelRunner(target, quantize=None)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for mode, draft in (("ar", None), ("sd", "self:int8")):
+        engine = LocalEngine(LocalEngineConfig(target=target, draft=draft, spec=SpeculationConfig(mode=mode, k=3)))
+        try:
+            if draft:
+                runners = {role: w.logic.runner for role, w in engine.workers.items()}
+                assert runners["target"].quantize is None and runners["draft"].quantize == "int8"
+                assert runners["draft"].checkpoint.path == runners["target"].checkpoint.path
+            outputs[mode] = [r.token_ids for r in engine.generate([[1, 2, 3], [4, 5]], params)]
+        finally:
+            engine.close()
+    assert outputs["sd"] == outputs["ar"]
+    assert make_runner(target, EngineConfig(target=target), quantize="int4").quantize == "int4"
 
 
 # ------------------------------------------------------------- real model

@@ -176,6 +176,7 @@ def load_decoder(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp:
     with torch.device("meta"):
         model = Decoder(cfg, device=torch.device("meta")) if plan.world == 1 else ShardedDecoder(cfg, tp, torch.device("meta"))
     model = model.to(dtype).to_empty(device=device)  # allocates once, in the final dtype
+    model.tie_head()  # to_empty gave the tied head its own storage
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
     params = dict(model.named_parameters())
     if plan.vocab_end - plan.vocab_start < plan.vocab_shard:  # padding rows of the last vocabulary shard

@@ -127,8 +127,21 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_head()
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+    def tie_head(self) -> None:
+        """With tied embeddings the LM head's weight *is* the embedding's parameter.
+
+        The head is an ordinary linear module either way, so the kernels that
+        replace linears (packed, quantised) replace it too and a tied head
+        keeps reading the embedding's rows. Call again after anything that
+        gives parameters new storage one by one (``to_empty``) or replaces
+        the embedding (tensor parallelism's vocabulary shard).
+        """
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     def hidden_states(
         self,
@@ -146,5 +159,4 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)

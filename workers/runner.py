@@ -28,7 +28,8 @@ import torch
 
 from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
 from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatch, select_backend
-from saguaro_ray.kernels.linear import PackedLinear, pack_linears
+from saguaro_ray.kernels.linear import linear_kernel, pack_linears
+from saguaro_ray.kernels.quantized import SCHEMES, quantize_decoder, scheme
 from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
 from saguaro_ray.workers.decoder import AttentionStep
 from saguaro_ray.workers.kv_cache import PagedKVCache
@@ -73,11 +74,20 @@ class ModelRunner:
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel group and
         loads and runs only its slice (see :mod:`saguaro_ray.workers.tensor_parallel`).
-        ``quantize``: quantise the weights at load with this scheme (one of
-        :data:`saguaro_ray.models.spec.QUANT_SCHEMES`; a ``self:`` draft)."""
+        ``quantize``: ``None`` or a scheme of :data:`saguaro_ray.kernels.quantized.SCHEMES`
+        (``"int8"``, ``"int4"``): the linears and LM head are quantised at
+        load (weight-only; embedding rows stay exact) — a different, cheaper
+        model, e.g. the target's self-draft. The linear kernels follow
+        ``SAGUARO_LINEAR_KERNEL`` (see :mod:`saguaro_ray.kernels.linear`)."""
         if quantize is not None:
-            raise ConfigError(f"self:{quantize}: quantised self-drafts need the quantised kernels")
+            scheme(quantize)  # refuse an unknown name before loading anything
+            if tp is not None:
+                raise ConfigError("quantize is not supported on a tensor-parallel runner")
+        kernel = linear_kernel()
+        if kernel == "int" and quantize is None:
+            raise ConfigError(f"SAGUARO_LINEAR_KERNEL=int needs a quantised model (quantize= one of {', '.join(SCHEMES)})")
         self.device = torch.device(device)
+        self.quantize = quantize
         self.checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = self.checkpoint.config
         self.dtype = parse_dtype(dtype, default=torch.float32 if self.device.type == "cpu" else torch.bfloat16)
@@ -88,16 +98,11 @@ class ModelRunner:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.model = load_decoder(self.checkpoint, self.device, self.dtype, tp)
         self.kv_heads = self.model.cfg.num_kv_heads  # this rank's KV heads (all of them without tp)
-        # CPU fp32: run every projection (and the LM head) through pre-packed oneDNN weights
-        self._head = self.model.logits
-        # (a tensor-parallel LM head must go through the model: its logits are gathered)
-        if pack_linears(self.model, self.device, self.dtype) and tp is None:
-            head = self.model.lm_head
-            if isinstance(head, PackedLinear):
-                self._head = head
-            elif head is None:  # tied embeddings: the embedding stays dense for lookups
-                dense_single_row = next(m for m in self.model.modules() if isinstance(m, PackedLinear)).dense_single_row
-                self._head = PackedLinear(self.model.embed.weight, None, dense_single_row)
+        # every projection and the LM head: quantised, or (CPU fp32/bf16) pre-packed oneDNN weights
+        if quantize is not None:
+            quantize_decoder(self.model, quantize, self.dtype, kernel)
+        else:
+            pack_linears(self.model, self.device, self.dtype, kernel)
         cfg = self.config
         if max_kv_tokens is None:
             max_kv_tokens = 8 * min(cfg.max_position_embeddings, 4096)
@@ -202,7 +207,7 @@ class ModelRunner:
                     end += n
                     rows.extend(range(end - w, end))
                 hidden = hidden[torch.tensor(rows, device=dev)]
-        return self._head(hidden).float()
+        return self.model.logits(hidden).float()
 
     def _check_capacity(self, seq_ids: Sequence[SeqId], qlens: Sequence[int]) -> None:
         """Refuse a forward that would overflow the context or the block pool
@@ -289,7 +294,7 @@ class ModelRunner:
         )
         hidden = self.model.hidden_states(tok.reshape(-1), positions.reshape(-1).to(dev), self.kv.layers, step, self._scratch)
         tree.suffix_len += n_new
-        return self._head(hidden).float().view(nb, n_new, -1)
+        return self.model.logits(hidden).float().view(nb, n_new, -1)
 
     def tree_export(self, tree: TreeState, branch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n`` suffix K/V rows of a branch, per layer (copies)."""

@@ -269,6 +269,7 @@ class ShardedDecoder(Decoder):
             attn, mlp = layer.attn, layer.mlp
             attn.o = RowParallelLinear(attn.o.in_features, cfg.hidden_size, cfg.o_bias, tp)
             mlp.down = RowParallelLinear(mlp.down.in_features, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.tie_head()  # the head is this rank's vocabulary shard of the new embedding
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.gather_vocab(super().logits(hidden), self.full_config.vocab_size)

@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass
 
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.kernels.quantized import SCHEMES
 
-# Weight quantisation schemes a self-draft may name (``self:int8``); the kernels
-# live with the runner, this is the one list of their names.
-QUANT_SCHEMES = ("int8", "int4")
+# Weight quantisation schemes a self-draft may name (``self:int8``): the kernels' own list.
+QUANT_SCHEMES = tuple(SCHEMES)
 ZOO_PREFIX, REAL_PREFIX, HF_PREFIX, SELF_PREFIX = "zoo:", "real:", "hf:", "self:"
 SPEC_PREFIXES = (ZOO_PREFIX, REAL_PREFIX, HF_PREFIX, SELF_PREFIX)
 
