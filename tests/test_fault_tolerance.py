@@ -104,6 +104,10 @@ def test_restart_budget_is_a_sliding_window():
         now[0] = t
         assert budget.spend(), t
     now[0] = 29.0  # 20, 25 and 29 are three within 10 s
+    assert budget.exhausted() and budget.exhausted()  # asking records nothing
+    now[0] = 30.0  # 20 has left the window: one more fits
+    assert not budget.exhausted()
+    now[0] = 29.0
     assert not budget.spend()
     lifetime = RestartBudget(1, math.inf, clock=lambda: now[0])
     assert lifetime.spend() and not (now.__setitem__(0, 1e9) or lifetime.spend())

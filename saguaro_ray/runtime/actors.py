@@ -64,16 +64,20 @@ HEALTH_PROBE_S = 5.0  # how long a health check waits for one worker's answer
 
 
 def _liveness(client: RayWorkerHandle) -> str:
-    """``"up"``, ``"restarting"`` (unavailable or not answering) or ``"gone"``
-    (Ray reports an actor dead: its restarts are exhausted) — every rank of a
-    sharded target counts."""
+    """``"up"``, ``"restarting"`` (unavailable, not answering, or restarted
+    within its budget) or ``"gone"`` (Ray reports an actor dead — the engine
+    stopped it past its restart budget — or Ray restarted it once more than
+    the budget allows, which the engine's next call to it will find and stop
+    for good) — every rank of a sharded target counts."""
     actors = client.group.actors if isinstance(client, TargetGroupHandle) else [client.actor]
     try:
-        ray.get([a.info.remote() for a in actors], timeout=HEALTH_PROBE_S)
+        infos = ray.get([a.info.remote() for a in actors], timeout=HEALTH_PROBE_S)
     except ray.exceptions.ActorDiedError:
         return "gone"
     except Exception:  # noqa: BLE001 — unavailable while Ray restarts it, or busy
         return "restarting"
+    if [i["pid"] for i in infos] != client.pids:
+        return "gone" if client.budget.exhausted() else "restarting"
     return "up"
 
 

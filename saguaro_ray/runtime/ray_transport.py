@@ -158,6 +158,11 @@ class RayWorkerHandle:
         return outer
 
     # --------------------------------------------------------- liveness
+    @property
+    def pids(self) -> list[int]:
+        """The process(es) this handle talks to (a restart it has not yet noticed has others)."""
+        return [self._pid]
+
     def _alive(self) -> bool:
         """Is the very process we talk to still up? (False while Ray restarts it.)"""
         try:

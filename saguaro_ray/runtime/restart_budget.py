@@ -38,6 +38,12 @@ class RestartBudget:
         self._spent.append(now)
         return len(self._spent) <= self.max_restarts
 
+    def exhausted(self) -> bool:
+        """Whether a restart now would be one more than the window allows (what
+        :meth:`spend` would answer, without recording anything)."""
+        now = self._clock()
+        return sum(1 for t in self._spent if now - t < self.window_s) + 1 > self.max_restarts
+
     def __str__(self) -> str:
         within = "in its lifetime" if math.isinf(self.window_s) else f"within {self.window_s:g} s"
         return f"max_restarts={self.max_restarts} {within}"

@@ -125,6 +125,10 @@ class TargetGroupHandle(RayWorkerHandle):
         self._pids = [i["pid"] for i in group.infos()]
         super().__init__(name, group.actors[0], key, **kwargs)
 
+    @property
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
     def _alive(self) -> bool:
         return self.group.pids(timeout_s=max(2.0, 4 * self._check_interval_s)) == self._pids
 
