@@ -1,0 +1,1 @@
+"""Models made for a target: drafts distilled from it."""
