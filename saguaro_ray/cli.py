@@ -322,7 +322,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     d = dsub.add_parser("distill", help="distil a small draft from a target, on text the target writes")
     d.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
     d.add_argument("--out", required=True, help="output checkpoint directory (reused when already distilled alike)")
-    d.add_argument("--minutes", type=float, default=10.0, help="training time budget (turned into a step count)")
+    d.add_argument("--minutes", type=float, default=10.0, help="training time budget, turned into a step count (the target's text is sized by the flags below)")
     d.add_argument("--max-steps", type=int, default=None, help="cap on the training steps")
     d.add_argument("--layers", type=int, default=1, help="draft layers, initialised from the target's first ones")
     d.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
@@ -337,6 +337,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--samples-per-prompt", type=int, default=1, help="1 greedy + sampled continuations per training prompt")
     data.add_argument("--sample-temperature", type=float, default=0.8)
     data.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position")
+    data.add_argument("--gen-batch", type=int, default=16, help="sequences the target decodes together")
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     d.add_argument("--json", action="store_true", help="print distill.json")
     d.set_defaults(func=_cmd_draft_distill)
@@ -368,6 +369,7 @@ def _cmd_draft_distill(args: argparse.Namespace) -> int:
             samples_per_prompt=args.samples_per_prompt,
             sample_temperature=args.sample_temperature,
             top_k=args.top_k,
+            batch_size=args.gen_batch,
         ),
     )
     result = distill_draft(args.target, args.out, spec)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from saguaro_ray.cli import main
 from saguaro_ray.models.distill import HELDOUT_FILE, SUMMARY_FILE, DistillSpec, distill_draft, topk_kl
@@ -59,7 +60,7 @@ def test_draft_is_an_ordinary_checkpoint(draft: Path, target: Path):
     assert not torch.equal(ours["model.layers.0.mlp.up_proj.weight"], theirs["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_runner_and_transformers_agree_on_the_draft(draft: Path):
+def _assert_runner_matches_transformers(draft: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from saguaro_ray.workers.runner import ModelRunner
@@ -73,6 +74,26 @@ def test_runner_and_transformers_agree_on_the_draft(draft: Path):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     assert float((ours - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
+
+
+def test_runner_and_transformers_agree_on_the_draft(draft: Path):
+    _assert_runner_matches_transformers(draft)
+
+
+def test_a_tied_target_gives_a_tied_draft(target: Path, tmp_path: Path, cache: Path):
+    # the tiny target with its embedding as the head (as SmolLM2 has it)
+    tied = tmp_path / "tied"
+    shutil.copytree(target, tied)
+    cfg = json.loads((tied / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(tied / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    draft = distill_draft(tied, tmp_path / "d", SPEC, progress=False).path
+    assert json.loads((draft / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(draft / "model.safetensors")
+    _assert_runner_matches_transformers(draft)
 
 
 def test_transformers_assisted_generation_takes_the_draft(draft: Path, target: Path):
