@@ -325,7 +325,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--minutes", type=float, default=10.0, help="training time budget, turned into a step count (the target's text is sized by the flags below)")
     d.add_argument("--max-steps", type=int, default=None, help="cap on the training steps")
     d.add_argument("--layers", type=int, default=1, help="draft layers, initialised from the target's first ones")
-    d.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
+    d.add_argument("--batch-size", type=int, default=4, help="sequences per training step")
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--train-embeddings", action="store_true", help="also train the embeddings and head (frozen by default)")
     d.add_argument("--seed", type=int, default=0)

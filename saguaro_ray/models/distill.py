@@ -68,9 +68,9 @@ class DistillSpec:
     layers: int = 1
     minutes: float = 10.0  # training time budget
     max_steps: int | None = None  # cap on the steps the budget allows
-    batch_size: int = 8  # sequences per step
+    batch_size: int = 4  # sequences per step
     lr: float = 1e-3
-    warmup_steps: int = 50
+    warmup_steps: int = 20
     train_embeddings: bool = False
     seed: int = 0
     data: DataSpec = field(default_factory=DataSpec)
