@@ -145,6 +145,7 @@ def test_second_call_reuses_the_draft_and_the_text(target: Path, tmp_path: Path,
             "--batch-size", "4", "--chat-prompts", "8", "--code-prompts", "8", "--gen-tokens", "12"]
     assert main(args) == 0
     assert "(reused)" not in capsys.readouterr().out
+    shutil.copyfile(tmp_path / "d" / SUMMARY_FILE, tmp_path / "first.json")
     marker = tmp_path / "d" / "marker"
     marker.write_text("a rebuild replaces the directory and loses this file")
     assert main(args) == 0
@@ -153,7 +154,18 @@ def test_second_call_reuses_the_draft_and_the_text(target: Path, tmp_path: Path,
     # another setting makes another draft, from the same cached text of the target
     other = distill_draft(target, tmp_path / "d", dataclasses.replace(SPEC, max_steps=7), progress=False)
     assert not other.reused and other.summary["data"]["reused"] and not marker.exists()
+    made = json.loads((tmp_path / "first.json").read_text())["data"]["generate_seconds"]
+    assert other.summary["data"]["generate_seconds"] == made > 0
     assert other.summary["steps"] == 7
+
+
+def test_a_corrupt_text_cache_is_made_again(target: Path, tmp_path: Path, cache: Path):
+    first = distill_draft(target, tmp_path / "a", SPEC, progress=False)
+    (cached,) = (cache / "distill").glob("*.safetensors")
+    cached.write_bytes(b"not a safetensors file")
+    second = distill_draft(target, tmp_path / "b", SPEC, progress=False)
+    assert not second.summary["data"]["reused"]
+    assert (first.path / "model.safetensors").read_bytes() == (second.path / "model.safetensors").read_bytes()
 
 
 def test_minutes_becomes_a_step_count(target: Path, tmp_path: Path, cache: Path):

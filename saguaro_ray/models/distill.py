@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from saguaro_ray.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
@@ -173,9 +173,9 @@ def distill_draft(target: str | os.PathLike, out: str | os.PathLike, spec: Disti
             target_fingerprint=fingerprint,
             settings=dataclasses.asdict(spec),
         )
-        summary["seconds"]["generate"] = round(gen_seconds, 1)
         summary["seconds"]["total"] = round(time.perf_counter() - t_start, 1)
-        summary["data"]["reused"] = data_reused
+        summary["data"]["reused"] = data_reused  # from the cache: generating it took generate_seconds once
+        summary["data"]["generate_seconds"] = None if gen_seconds is None else round(gen_seconds, 1)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if dest.exists():
             shutil.rmtree(dest)
@@ -186,22 +186,29 @@ def distill_draft(target: str | os.PathLike, out: str | os.PathLike, spec: Disti
     return DistillResult(dest, summary, reused=False)
 
 
-def _teacher_data(ckpt: Checkpoint, fingerprint: str, spec: DataSpec, progress: bool) -> tuple[TeacherData, float, bool]:
-    """The target's text and top-k log-probs for ``spec``: from the cache, or generated once."""
+def _teacher_data(ckpt: Checkpoint, fingerprint: str, spec: DataSpec, progress: bool) -> tuple[TeacherData, float | None, bool]:
+    """The target's text and top-k log-probs for ``spec``: from the cache, or generated once.
+
+    Also returns the seconds generating it took (when it was made) and whether it was cached.
+    """
     path = cache_root() / f"{_sha(DISTILL_VERSION, fingerprint, dataclasses.asdict(spec))}.safetensors"
     if path.is_file():
         try:
-            return TeacherData.from_tensors(load_file(path)), 0.0, True
-        except (OSError, KeyError, ValueError) as exc:
+            with safe_open(path, framework="pt") as f:
+                made_in = (f.metadata() or {}).get("generate_seconds")
+            made_in = None if made_in is None else float(made_in)
+            return TeacherData.from_tensors(load_file(path)), made_in, True
+        except (OSError, KeyError, ValueError, SafetensorError) as exc:
             log.warning("ignoring an unreadable distillation cache %s (%s)", path, exc)
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         data = generate_teacher_data(ckpt.path, spec, progress)
+    seconds = time.perf_counter() - t0
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.{os.getpid()}")
-    save_file(data.tensors(), str(part))
+    save_file(data.tensors(), str(part), metadata={"generate_seconds": f"{seconds:.1f}"})
     os.replace(part, path)
-    return data, time.perf_counter() - t0, False
+    return data, seconds, False
 
 
 def _student(ckpt: Checkpoint, layers: int, max_len: int, train_embeddings: bool, seed: int) -> TrainLlama:
