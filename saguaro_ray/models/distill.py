@@ -12,10 +12,11 @@ they are most of a one-layer draft's parameters, the target's own head is
 what the draft must imitate, and the optimizer then only carries the layers.
 
 Everything is seeded and step-counted, so the same target and settings give
-the same draft. ``minutes`` becomes a step count once the first steps are
-timed (all within the warm-up, whose learning rates do not depend on the
-total, so the run equals one made with that step count; the count is written
-to ``distill.json``); ``max_steps`` caps it. Results are cached twice: the
+the same draft. ``minutes`` becomes a step count once the warm-up steps are
+timed (the warm-up's learning rates do not depend on the total, so the run
+equals one made with that step count; the count is written to
+``distill.json``); ``max_steps`` caps it. On a shared machine the count
+follows the load during the warm-up. Results are cached twice: the
 target's text per (target, data settings) under the cache root, shared by
 drafts of any depth, and the draft itself in ``out`` with a key of the target
 checkpoint and every setting, so a second call with the same arguments
@@ -58,7 +59,6 @@ _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
-_CALIBRATION_STEPS = 5  # steps timed to turn ``minutes`` into a step count (inside the warm-up)
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,8 @@ def _validate(target: str | os.PathLike, out: str | os.PathLike, spec: DistillSp
         raise ConfigError(f"--layers must be between 1 and the target's {cfg.num_layers} layers, got {spec.layers}")
     if not spec.minutes > 0:
         raise ConfigError(f"--minutes must be positive, got {spec.minutes}")
-    if spec.warmup_steps < _CALIBRATION_STEPS:
-        raise ConfigError(f"warmup_steps must be at least {_CALIBRATION_STEPS} (the steps timed for --minutes)")
+    if spec.warmup_steps < 2:
+        raise ConfigError("warmup_steps must be at least 2 (the warm-up is timed for --minutes)")
     if spec.max_steps is not None and spec.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {spec.max_steps}")
     if spec.batch_size < 1 or spec.data.batch_size < 1 or spec.data.top_k < 1 or spec.data.gen_tokens < 1:
@@ -316,9 +316,9 @@ def _train(model: TrainLlama, data: TeacherData, spec: DistillSpec, progress: bo
         while steps is None or step < steps:
             if step == 1:
                 t_probe = time.perf_counter()
-            elif step == _CALIBRATION_STEPS and (steps is None or steps > step):
-                per_step = (time.perf_counter() - t_probe) / (_CALIBRATION_STEPS - 1)
-                affordable = max(_CALIBRATION_STEPS, int(budget / per_step))
+            elif step == spec.warmup_steps and (steps is None or steps > step):
+                per_step = (time.perf_counter() - t_probe) / (step - 1)
+                affordable = max(step, int(budget / per_step))
                 steps = affordable if steps is None else min(steps, affordable)
                 bar.total = steps
                 bar.refresh()
