@@ -26,7 +26,7 @@ from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine.rounds import round_components
 from saguaro_ray.bench_peers import PEER_MODES, PeerRunner
-from saguaro_ray.bench_prompts import load_prompts
+from saguaro_ray.prompt_sets import load_prompts
 
 log = logging.getLogger(__name__)
 

@@ -369,6 +369,76 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_draft(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft", help="make a draft for a target")
+    dsub = p.add_subparsers(dest="draft_cmd", required=True)
+    d = dsub.add_parser("distill", help="distil a small draft from a target, on text the target writes")
+    d.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
+    d.add_argument("--out", required=True, help="output checkpoint directory (reused when already distilled alike)")
+    d.add_argument("--minutes", type=float, default=10.0, help="training time budget, turned into a step count (the target's text is sized by the flags below)")
+    d.add_argument("--max-steps", type=int, default=None, help="cap on the training steps")
+    d.add_argument("--layers", type=int, default=1, help="draft layers, initialised from the target's first ones")
+    d.add_argument("--batch-size", type=int, default=4, help="sequences per training step")
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--train-embeddings", action="store_true", help="also train the embeddings and head (frozen by default)")
+    d.add_argument("--seed", type=int, default=0)
+    data = d.add_argument_group("target text")
+    data.add_argument("--chat-prompts", type=int, default=None, help="built-in chat prompts to use (default all)")
+    data.add_argument("--code-prompts", type=int, default=None, help="HumanEval prompts to use (default all 164)")
+    data.add_argument("--corpus-windows", type=int, default=0, help="stdlib windows the target scores (no generation)")
+    data.add_argument("--gen-tokens", type=int, default=128, help="tokens the target writes per prompt")
+    data.add_argument("--samples-per-prompt", type=int, default=1, help="1 greedy + sampled continuations per training prompt")
+    data.add_argument("--sample-temperature", type=float, default=0.8)
+    data.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position")
+    data.add_argument("--gen-batch", type=int, default=16, help="sequences the target decodes together")
+    d.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    d.add_argument("--json", action="store_true", help="print distill.json")
+    d.set_defaults(func=_cmd_draft_distill)
+
+
+def _cmd_draft_distill(args: argparse.Namespace) -> int:
+    from saguaro_ray.models.distill import DistillSpec, distill_draft
+    from saguaro_ray.models.distill_data import DataSpec
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be positive, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    spec = DistillSpec(
+        layers=args.layers,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        train_embeddings=args.train_embeddings,
+        seed=args.seed,
+        data=DataSpec(
+            chat_prompts=args.chat_prompts,
+            code_prompts=args.code_prompts,
+            corpus_windows=args.corpus_windows,
+            gen_tokens=args.gen_tokens,
+            samples_per_prompt=args.samples_per_prompt,
+            sample_temperature=args.sample_temperature,
+            top_k=args.top_k,
+            batch_size=args.gen_batch,
+        ),
+    )
+    result = distill_draft(args.target, args.out, spec)
+    s = result.summary
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        h = s["heldout"]
+        print(
+            f"draft {result.path}{' (reused)' if result.reused else ''}: {s['layers']} layer(s), "
+            f"{s['steps']} steps, {s['tokens_seen']:,} tokens; held-out greedy agreement with the target "
+            f"{h['greedy_agreement']:.3f} on {h['positions']:,} target tokens (top-k KL {h['topk_kl']:.3f})"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro-ray", description="Exact speculative decoding on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -378,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_zoo(sub)
     _add_models(sub)
+    _add_draft(sub)
     _add_serve(sub)
     return parser
 

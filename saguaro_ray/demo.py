@@ -57,7 +57,7 @@ def family_models(family: str) -> dict[str, str]:
 def demo_prompts(models: dict[str, str], count: int) -> list[str]:
     """``count`` of :data:`DEMO_REQUESTS` through the target's chat template
     (a zoo family: its held-out source, which it was trained to continue)."""
-    from saguaro_ray.bench_prompts import load_prompts
+    from saguaro_ray.prompt_sets import load_prompts
     from saguaro_ray.serve.chat import render_chat
     from saguaro_ray.tokenizer import load_tokenizer
     from saguaro_ray.models.resolve import resolve_model_path

@@ -45,7 +45,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
 
 
 def test_text_prompts_come_from_heldout_docstrings(zoo_tiny):
-    from saguaro_ray.bench_prompts import load_prompts
+    from saguaro_ray.prompt_sets import load_prompts
     from saguaro_ray.zoo import heldout_texts
 
     prompts = load_prompts("text", 3)
@@ -162,7 +162,7 @@ def test_peers_run_beside_our_modes_at_batch_one(zoo_tiny):
 
 
 def test_humaneval_and_chat_prompt_sets(zoo_tiny):
-    from saguaro_ray.bench_prompts import CHAT_REQUESTS, humaneval_problems, load_prompts
+    from saguaro_ray.prompt_sets import CHAT_REQUESTS, humaneval_problems, load_prompts
     from saguaro_ray.tokenizer import load_tokenizer
 
     problems = humaneval_problems()

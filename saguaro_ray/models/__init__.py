@@ -1,5 +1,6 @@
 """Models from outside the project: GGUF import, named real models (``real:``),
-quantised self-drafts (``self:``), and the one resolver of model specs.
+quantised self-drafts (``self:``), drafts distilled from a target, and the one
+resolver of model specs.
 
 Public API::
 
@@ -8,6 +9,7 @@ Public API::
     import_gguf(gguf_file, out, dtype="float32") -> Path
     real_model_path(name)     -> Path                   (converted once, cached)
     list_real_models()        -> list[dict]
+    distill_draft(target, out, DistillSpec(...)) -> DistillResult   (saguaro_ray.models.distill)
 """
 
 from saguaro_ray.models.gguf_import import import_gguf, read_gguf_info

@@ -36,7 +36,7 @@ from saguaro_ray.zoo import corpus
 from saguaro_ray.zoo.model import TrainLlama
 from saguaro_ray.zoo.presets import ROLES, Preset, get_preset
 from saguaro_ray.zoo.tokenizer import EOS_TOKEN, hf_tokenizer, train_tokenizer
-from saguaro_ray.zoo.train import distill, evaluate, token_stream, train_lm
+from saguaro_ray.zoo.train import distill, evaluate, round_weights, token_stream, train_lm
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +161,6 @@ def _new_model(p: Preset, role: str, seed: int) -> TrainLlama:
     return TrainLlama(p.shape(role), p.vocab_size, max_len=p.max_position_embeddings)
 
 
-def _round_to_saved_dtype(model: TrainLlama) -> None:
-    """Round weights to the checkpoint dtype in place, so what we evaluate is what we save."""
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.to(_SAVE_DTYPE).float())
-
-
 def _build_into(tmp: Path, p: Preset, say: _Reporter, progress: bool) -> dict[str, Any]:
     t_start = time.perf_counter()
     threads = _build_threads(p)
@@ -202,7 +195,7 @@ def _build_into(tmp: Path, p: Preset, say: _Reporter, progress: bool) -> dict[st
             desc="zoo target",
             monitor_batch=monitor if progress else None,
         )
-        _round_to_saved_dtype(target)
+        round_weights(target, _SAVE_DTYPE)
         seconds = {"target": time.perf_counter() - t0}
 
         # Qualifier and draft: distilled from the target together.
@@ -227,7 +220,7 @@ def _build_into(tmp: Path, p: Preset, say: _Reporter, progress: bool) -> dict[st
             monitor_batch=heldout[-4 * w :].view(4, w) if progress else None,
         )
         for m in students.values():
-            _round_to_saved_dtype(m)
+            round_weights(m, _SAVE_DTYPE)
         seconds["qualifier"] = seconds["draft"] = time.perf_counter() - t0
 
         # Held-out evaluation.

@@ -85,9 +85,11 @@ class WindowSampler:
         return self.stream[idx]
 
 
-def _optimizer(model: TrainLlama, spec: TrainSpec) -> torch.optim.Optimizer:
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+def optimizer_for(model: TrainLlama, spec: TrainSpec) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: weight decay on matrices only."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=spec.lr,
@@ -105,7 +107,7 @@ def _lr_at(step: int, spec: TrainSpec) -> float:
     return spec.lr * (spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * cos)
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     # Into a log file (not a terminal) refresh rarely, so logs stay small.
@@ -121,11 +123,18 @@ def _progress(total: int, desc: str, enabled: bool):
     )
 
 
-def _autocast():
+def round_weights(model: TrainLlama, dtype: torch.dtype) -> None:
+    """Round weights to the checkpoint dtype in place, so what is evaluated is what is saved."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(dtype).float())
+
+
+def bf16_autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def _step(model: TrainLlama, opt: torch.optim.Optimizer, loss: torch.Tensor, spec: TrainSpec, step: int) -> None:
+def optimizer_step(model: TrainLlama, opt: torch.optim.Optimizer, loss: torch.Tensor, spec: TrainSpec, step: int) -> None:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
     for group in opt.param_groups:
@@ -152,16 +161,16 @@ def train_lm(
     """
     torch.manual_seed(spec.seed)
     sampler = WindowSampler(stream, spec.seq_len, spec.batch_size, spec.seed)
-    opt = _optimizer(model, spec)
+    opt = optimizer_for(model, spec)
     model.train()
     ema = None
-    with _progress(spec.steps, desc, progress) as bar:
+    with progress_bar(spec.steps, desc, progress) as bar:
         for step in range(spec.steps):
             batch = sampler.next()
-            with _autocast():
+            with bf16_autocast():
                 logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            _step(model, opt, loss, spec, step)
+            optimizer_step(model, opt, loss, spec, step)
             value = float(loss.detach())
             ema = value if ema is None else 0.98 * ema + 0.02 * value
             if log is not None:
@@ -201,27 +210,27 @@ def distill(
     """
     torch.manual_seed(spec.seed)
     sampler = WindowSampler(stream, spec.seq_len, spec.batch_size, spec.seed)
-    opts = {name: _optimizer(m, spec) for name, m in students.items()}
+    opts = {name: optimizer_for(m, spec) for name, m in students.items()}
     teacher.eval()
     for m in students.values():
         m.train()
     ema: dict[str, float] = {}
-    with _progress(spec.steps, desc, progress) as bar:
+    with progress_bar(spec.steps, desc, progress) as bar:
         for step in range(spec.steps):
             batch = sampler.next()
             inputs, labels = batch[:, :-1], batch[:, 1:].flatten()
-            with torch.no_grad(), _autocast():
+            with torch.no_grad(), bf16_autocast():
                 t_logits = teacher(inputs)
             t_logp = F.log_softmax(t_logits.float().flatten(0, 1), dim=-1)
             t_p = t_logp.exp()
             for name, m in students.items():
-                with _autocast():
+                with bf16_autocast():
                     s_logits = m(inputs)
                 s_logp = F.log_softmax(s_logits.float().flatten(0, 1), dim=-1)
                 kl = (t_p * (t_logp - s_logp)).sum(-1).mean()
                 ce = F.nll_loss(s_logp, labels)
                 loss = kl_weight * kl + (1.0 - kl_weight) * ce
-                _step(m, opts[name], loss, spec, step)
+                optimizer_step(m, opts[name], loss, spec, step)
                 v = float(kl.detach())
                 ema[name] = v if name not in ema else 0.98 * ema[name] + 0.02 * v
             bar.update(1)
@@ -242,7 +251,7 @@ def distill(
 @torch.no_grad()
 def _monitor(models: dict[str, TrainLlama], windows: torch.Tensor, reference: str) -> dict[str, dict[str, float]]:
     """Cheap progress metrics on a few held-out windows (bfloat16, like training)."""
-    with _autocast():
+    with bf16_autocast():
         return evaluate(models, windows.flatten(), windows.shape[1] - 1, windows.shape[0], reference)
 
 

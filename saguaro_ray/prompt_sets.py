@@ -1,6 +1,6 @@
-"""The benchmark's prompt sets: the zoo's held-out code and prose, real code
-prompts from HumanEval, chat requests through the target's chat template, or
-a JSONL file.
+"""Prompt sets for the benchmark, the demo and draft distillation: the zoo's
+held-out code and prose, real code prompts from HumanEval, chat requests
+through the target's chat template, or a JSONL file.
 
 Every set returns plain strings that the engines encode without adding
 special tokens, so a chat prompt's template tokens (``<|im_start|>`` …) are
