@@ -488,15 +488,12 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
 
 def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
     """Every setting over one runtime's engines (and the peers), interleaved (A B C A B C …)."""
-    from saguaro_ray.models.resolve import resolve_model_path
-
     runners: list[Any] = []
     runs: list[RunResult] = []
     try:
         for mode, nd in engines:
             if mode in PEER_MODES:
-                draft = str(resolve_model_path(args.draft)) if args.draft else None
-                runners.append(PeerRunner(mode, str(resolve_model_path(args.target)), draft, args.dtype, args.threads))
+                runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
             else:
                 runners.append(_Runner(mode, runtime, nd, args))
         for r in runners:  # warm-up: first-call allocations and lazy imports

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.models.resolve import resolve_models
 
 PEER_MODES = ("hf-ar", "hf-assisted")
 
@@ -62,12 +63,19 @@ class PeerRunner:
             raise ConfigError(f"unknown peer {mode!r}; choose from {', '.join(PEER_MODES)}")
         if mode == "hf-assisted" and not draft:
             raise ConfigError("hf-assisted needs a draft (--draft) that transformers can load")
+        models = resolve_models({"target": target} | ({"draft": draft} if mode == "hf-assisted" else {}))
+        if mode == "hf-assisted" and models["draft"].quantize is not None:
+            raise ConfigError(
+                f"hf-assisted needs a draft checkpoint transformers can load; {draft} is this engine's own "
+                "quantised copy of the target (use a draft directory, e.g. one from saguaro-ray draft distill)"
+            )
+        target = models["target"].path
         self.mode, self.runtime, self.num_drafts = mode, "hf", 1
         self.threads = threads
         torch_dtype = parse_dtype(dtype)
         self.tokenizer = load_tokenizer(target)
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).eval()
-        self.assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch_dtype).eval() if mode == "hf-assisted" else None
+        self.assistant = AutoModelForCausalLM.from_pretrained(models["draft"].path, dtype=torch_dtype).eval() if mode == "hf-assisted" else None
 
     def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> Any:
         """Generate every prompt one at a time; a :class:`~saguaro_ray.bench.RunResult`."""

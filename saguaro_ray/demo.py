@@ -21,7 +21,7 @@ from typing import Any
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 
 # The demo's model sets: target, draft, qualifier (PyramidSD: draft → qualifier → target).
-REAL_MODELS = {"target": "real:smollm2-135m-instruct", "draft": "self:int8", "qualifier": "self:int8"}
+REAL_MODELS = {"target": "real:smollm2-135m-instruct", "draft": "self:int4", "qualifier": "self:int8"}
 
 # What the demo asks the instruct model: two code requests, two prose ones.
 DEMO_REQUESTS = (

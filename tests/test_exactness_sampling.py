@@ -69,7 +69,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 # ------------------------------------------------------------------ exact law
 
 
-def exact_law(path: Path, m: int = M, temperature: float = TEMPERATURE, top_k: int = TOP_K) -> dict[tuple[int, ...], float]:
+def exact_law(
+    path: Path, m: int = M, temperature: float = TEMPERATURE, top_k: int = TOP_K, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], float]:
     """P(first m generated tokens = x) for every x with positive probability,
     by enumeration: one forward per prefix in the support."""
     hf = load_hf_model(path)
@@ -78,7 +80,7 @@ def exact_law(path: Path, m: int = M, temperature: float = TEMPERATURE, top_k: i
         nxt: dict[tuple[int, ...], float] = {}
         for prefix, pr in law.items():
             with torch.no_grad():
-                logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:].float()
+                logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
             p = process_logits(logits, [temperature], [top_k])[0].double()
             p = p / p.sum()  # fp32 softmax rows sum to 1 only within ~1e-7
             for tok in torch.nonzero(p).flatten().tolist():
