@@ -19,7 +19,6 @@ from torch import nn
 from helpers import torch_threads
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine, LocalEngineConfig
-from saguaro_ray.engine import local as local_engine
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.kernels.linear import LINEAR_KERNELS, packing_available
 from saguaro_ray.kernels.quantized import (
@@ -181,16 +180,9 @@ def test_quantized_self_draft_keeps_greedy_tokens(name: str, mode: str, zoo_tiny
     ar = LocalEngine(LocalEngineConfig(target=target, num_threads=1))
     expected = [r.token_ids for r in ar.generate(prompts, params)]
     ar.close()
-    built: list[ModelRunner] = []
-
-    def runner(*args, **kwargs) -> ModelRunner:  # the first runner built is the target, the next the draft
-        built.append(ModelRunner(*args, **kwargs, quantize=name if built else None))
-        return built[-1]
-
-    monkeypatch.setattr(local_engine, "ModelRunner", runner)
-    eng = LocalEngine(LocalEngineConfig(target=target, draft=target, spec=SpeculationConfig(mode=mode, k=3), num_threads=1))
+    eng = LocalEngine(LocalEngineConfig(target=target, draft=f"self:{name}", spec=SpeculationConfig(mode=mode, k=3), num_threads=1))
     try:
-        assert [b.quantize for b in built] == [None, name]
+        assert [w.logic.runner.quantize for w in eng.workers.values()] == [None, name]
         got = eng.generate(prompts, params)
         assert [r.token_ids for r in got] == expected
         assert sum(sum(rec.accepted) for rec in eng.timeline) > 0  # the quantised draft's tokens were taken
