@@ -239,9 +239,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--budget", type=int, default=None, help="SSD fan-out ceiling (default: 2 for the real family, 8 for a zoo family)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--in-process", action="store_true", help="run the workers in this process instead of Ray actors")
+    p.add_argument("--address", default="local", help="Ray cluster address (default: an embedded local instance; auto: a running cluster)")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -249,7 +250,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from saguaro_ray.demo import family_models, format_rows, run_demo
 
     models = family_models(args.family)
-    rows, prompt, answer = run_demo(args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process)
+    rows, prompt, answer = run_demo(args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address)
     where = "in process" if args.in_process else "Ray actors"
     print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
           f"{args.prompts} prompts x {args.max_tokens} tokens, temperature 0, {where}")
