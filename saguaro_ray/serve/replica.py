@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.config import (
     EngineEntry,
@@ -373,7 +374,30 @@ class ReplicaCore:
     async def metrics_snapshot(self, request: Request) -> Any:
         self._authorize(request)
         await self._refresh_engine_metrics()
-        return self.metrics.snapshot()
+        snapshot = self.metrics.snapshot()
+        snapshot["resources"] = await asyncio.to_thread(self._resources)  # worker calls block: off the event loop
+        return snapshot
+
+    def _resources(self) -> dict[str, Any]:
+        """What a leak would grow, read now: this replica's Python threads and,
+        per engine, its samples queued or running and each worker's free KV
+        blocks and Python threads (only for the engines this replica launched:
+        an attached engine's workers belong to whoever launched it). A load
+        test compares it before and after (``saguaro_ray.jobs.load_test``)."""
+        engines: dict[str, Any] = {}
+        for name, e in self.engines.items():
+            m = e.handle.metrics()
+            workers = {
+                role: {
+                    "free_kv_blocks": i["free_kv_blocks"],
+                    "kv_blocks": i["kv_tokens"] // i["block_size"],
+                    "python_threads": i["python_threads"],
+                    "thread_kinds": i["thread_kinds"],
+                }
+                for role, i in e.handle.worker_info().items()
+            }
+            engines[name] = {"active": m["active"], "queued": m["queued"], "workers": workers}
+        return {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), "ongoing_requests": self.admission.active, "engines": engines}
 
     # ------------------------------------------------------------ helpers
     async def _validate_prompts(self, engine: _Engine, prompts: list[Any], params: SamplingParams, param: str) -> list[int]:
