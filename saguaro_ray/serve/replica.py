@@ -568,7 +568,7 @@ class ReplicaCore:
             if body.include_usage():
                 yield chunk([], usage=usage(prompt_tokens, completion_tokens), saguaro=summary)
             yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:  # the client went away
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (while we waited, or while we sent)
             status = 499
             raise
         except Exception as exc:
