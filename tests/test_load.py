@@ -73,11 +73,11 @@ def test_hung_up_streams_are_aborted_and_resources_return(report):
 # ------------------------------------------------------------------ the checks, without a server
 
 
-def _resources(threads: int, free: int, active: int = 0) -> dict:
-    worker = {"free_kv_blocks": free, "kv_blocks": 8, "python_threads": threads, "thread_kinds": {}}
+def _resources(threads: int, free: int, active: int = 0, pool: int = 2) -> dict:
+    worker = {"free_kv_blocks": free, "kv_blocks": 8, "python_threads": threads, "thread_kinds": {"MainThread": 1, "waiter": threads - 1}}
     return {
-        "python_threads": 5,
-        "thread_kinds": {},
+        "python_threads": 3 + pool,
+        "thread_kinds": {"MainThread": 1, "loop": 2, "ThreadPoolExecutor-0": pool},
         "ongoing_requests": 0,
         "engines": {"ssd": {"active": active, "queued": 0, "workers": {"draft0": worker}}},
     }
@@ -87,7 +87,12 @@ def test_resource_problems_name_what_did_not_return():
     base = _resources(4, 8)
     assert resource_problems(_resources(4, 8), base) == []
     assert resource_problems(_resources(3, 8), base) == []  # fewer threads is fine
-    assert resource_problems(_resources(6, 8), base) == ["engine ssd draft0: threads 4 -> 6"]
+    assert resource_problems(_resources(6, 8), base) == ["engine ssd draft0: threads 4 -> 6 ({'waiter': '3 -> 5'})"]
+    assert resource_problems(_resources(4, 8, pool=5), base) == []  # a pool's workers start on demand, up to its bound
+    leak = _resources(4, 8)
+    leak["python_threads"] += 1
+    leak["thread_kinds"]["ThreadPoolExecutor-1"] = 1  # a new pool is not a pool growing
+    assert resource_problems(leak, base) == ["replica threads 5 -> 6 ({'ThreadPoolExecutor-1': '0 -> 1'})"]
     assert resource_problems(_resources(4, 7, active=1), base) == [
         "engine ssd: 1 samples active, 0 queued",
         "engine ssd draft0: 7 of 8 KV blocks free",

@@ -106,22 +106,37 @@ async def _snapshot(client: httpx.AsyncClient, base: str, headers: dict[str, str
     return resp.json()
 
 
+def _more_threads(now: dict[str, Any], baseline: dict[str, Any]) -> str | None:
+    """How a process's threads grew past ``baseline`` (None: they did not).
+    A thread pool starts its workers on demand up to its bound, so more
+    workers of a pool the baseline already had are not a leak; a new pool,
+    or any other thread, is."""
+    pooled = sum(
+        max(0, n - baseline["thread_kinds"][kind])
+        for kind, n in now["thread_kinds"].items()
+        if kind.startswith("ThreadPoolExecutor-") and kind in baseline["thread_kinds"]
+    )
+    if now["python_threads"] - pooled <= baseline["python_threads"]:
+        return None
+    grown = {k: f"{baseline['thread_kinds'].get(k, 0)} -> {n}" for k, n in now["thread_kinds"].items() if n > baseline["thread_kinds"].get(k, 0)}
+    return f"threads {baseline['python_threads']} -> {now['python_threads']} ({grown})"
+
+
 def resource_problems(now: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
     """What differs from an idle server with ``baseline``'s threads (empty: back to baseline)."""
     problems = []
     if now["ongoing_requests"]:
         problems.append(f"replica holds {now['ongoing_requests']} requests")
-    if now["python_threads"] > baseline["python_threads"]:
-        problems.append(f"replica threads {baseline['python_threads']} -> {now['python_threads']}")
+    if (grown := _more_threads(now, baseline)) is not None:
+        problems.append(f"replica {grown}")
     for name, eng in now["engines"].items():
         if eng["active"] or eng["queued"]:
             problems.append(f"engine {name}: {eng['active']} samples active, {eng['queued']} queued")
         for role, w in eng["workers"].items():
             if w["free_kv_blocks"] != w["kv_blocks"]:
                 problems.append(f"engine {name} {role}: {w['free_kv_blocks']} of {w['kv_blocks']} KV blocks free")
-            before = baseline["engines"][name]["workers"][role]["python_threads"]
-            if w["python_threads"] > before:
-                problems.append(f"engine {name} {role}: threads {before} -> {w['python_threads']}")
+            if (grown := _more_threads(w, baseline["engines"][name]["workers"][role])) is not None:
+                problems.append(f"engine {name} {role}: {grown}")
     return problems
 
 
@@ -136,6 +151,17 @@ async def _settle(client: httpx.AsyncClient, base: str, headers: dict[str, str],
         if not problems or time.monotonic() - t0 > SETTLE_S:
             return snap, problems, time.monotonic() - t0
         await asyncio.sleep(1.0)
+
+
+def _server_errors(end: dict[str, Any], start: dict[str, Any]) -> dict[str, int]:
+    """The replica's 5xx answers during the load, by route, engine and status."""
+    out = {}
+    for key, count in end["counters"].items():
+        if key.startswith("requests{") and ",status=5" in key:
+            grown = int(count - start["counters"].get(key, 0))
+            if grown:
+                out[key] = grown
+    return out
 
 
 def _statuses(snapshot: dict[str, Any]) -> Counter[str]:
@@ -299,6 +325,7 @@ def _report(
         },
         "disconnects": {"hung_up": len(hung_up), "server_499": statuses.get("499", 0)},
         "server_statuses": dict(statuses),
+        "server_errors": _server_errors(end, start),
         "poison_status": {name: dict(Counter(o.status for o in by_kind["poison"] if o.name == name)) for name in sorted({o.name for o in by_kind["poison"]})},
         "resources": {"baseline": start["resources"], "after": end["resources"], "settle_s": round(settle_s, 3), "problems": problems},
         "failures": failures,

@@ -574,6 +574,8 @@ class ReplicaCore:
         except Exception as exc:
             err = _deadline_passed() if isinstance(exc, asyncio.TimeoutError) else api_error_from(exc)
             status = err.status
+            if status >= 500:  # the engine side failed: the operator needs to know (a 500's traceback too)
+                log.error("stream failed: %s", err.message, exc_info=exc if status == 500 else None)
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
