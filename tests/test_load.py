@@ -88,6 +88,9 @@ def test_resource_problems_name_what_did_not_return():
     assert resource_problems(_resources(4, 8), base) == []
     assert resource_problems(_resources(3, 8), base) == []  # fewer threads is fine
     assert resource_problems(_resources(6, 8), base) == ["engine ssd draft0: threads 4 -> 6 ({'waiter': '3 -> 5'})"]
+    silent = _resources(4, 8)
+    silent["engines"]["ssd"]["workers"] = None  # a snapshot whose workers did not answer in time
+    assert resource_problems(silent, base) == ["engine ssd did not answer"]
     assert resource_problems(_resources(4, 8, pool=5), base) == []  # a pool's workers start on demand, up to its bound
     leak = _resources(4, 8)
     leak["python_threads"] += 1

@@ -130,6 +130,9 @@ def resource_problems(now: dict[str, Any], baseline: dict[str, Any]) -> list[str
     if (grown := _more_threads(now, baseline)) is not None:
         problems.append(f"replica {grown}")
     for name, eng in now["engines"].items():
+        if eng["active"] is None or eng["workers"] is None:
+            problems.append(f"engine {name} did not answer")
+            continue
         if eng["active"] or eng["queued"]:
             problems.append(f"engine {name}: {eng['active']} samples active, {eng['queued']} queued")
         for role, w in eng["workers"].items():

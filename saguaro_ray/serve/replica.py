@@ -49,6 +49,8 @@ from saguaro_ray.serve.protocol import (
 
 log = logging.getLogger(__name__)
 
+ENGINE_PROBE_S = 10.0  # how long a metrics snapshot waits for one engine's coordinator or workers
+
 
 @dataclass
 class _Engine:
@@ -184,13 +186,17 @@ class ReplicaCore:
             await self._refresh_engine_metrics()
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
-    async def _refresh_engine_metrics(self) -> None:
+    async def _refresh_engine_metrics(self) -> dict[str, dict[str, Any]]:
+        """Every engine's coordinator metrics into the gauges; returns those that answered."""
+        fresh = {}
         for name, e in self.engines.items():
             try:
-                m = await asyncio.wait_for(e.handle.coordinator.metrics.remote(), 10.0)
+                m = await asyncio.wait_for(e.handle.coordinator.metrics.remote(), ENGINE_PROBE_S)
                 self.metrics.engine_metrics(name, m)
+                fresh[name] = m
             except Exception:
                 log.debug("engine %s metrics unavailable", name, exc_info=True)
+        return fresh
 
     # ------------------------------------------------------------ requests
     def _authorize(self, request: Request) -> None:
@@ -373,30 +379,37 @@ class ReplicaCore:
 
     async def metrics_snapshot(self, request: Request) -> Any:
         self._authorize(request)
-        await self._refresh_engine_metrics()
+        fresh = await self._refresh_engine_metrics()
         snapshot = self.metrics.snapshot()
-        snapshot["resources"] = await asyncio.to_thread(self._resources)  # worker calls block: off the event loop
+        snapshot["resources"] = await self._resources(fresh)
         return snapshot
 
-    def _resources(self) -> dict[str, Any]:
+    async def _resources(self, fresh: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """What a leak would grow, read now: this replica's Python threads and,
-        per engine, its samples queued or running and each worker's free KV
-        blocks and Python threads (only for the engines this replica launched:
-        an attached engine's workers belong to whoever launched it). A load
-        test compares it before and after (``saguaro_ray.jobs.load_test``)."""
+        per engine, its samples queued or running (``fresh``: the coordinators'
+        metrics) and each worker's free KV blocks and Python threads (only for
+        the engines this replica launched: an attached engine's workers belong
+        to whoever launched it). An engine or its workers that do not answer
+        within ``ENGINE_PROBE_S`` are None: the snapshot itself never hangs.
+        A load test compares it before and after (``saguaro_ray.jobs.load_test``)."""
         engines: dict[str, Any] = {}
         for name, e in self.engines.items():
-            m = e.handle.metrics()
-            workers = {
+            m = fresh.get(name)
+            try:  # the workers' info calls block: off the event loop
+                infos = await asyncio.wait_for(asyncio.to_thread(e.handle.worker_info), ENGINE_PROBE_S)
+            except Exception:
+                log.debug("engine %s workers unavailable", name, exc_info=True)
+                infos = None
+            workers = None if infos is None else {
                 role: {
                     "free_kv_blocks": i["free_kv_blocks"],
                     "kv_blocks": i["kv_tokens"] // i["block_size"],
                     "python_threads": i["python_threads"],
                     "thread_kinds": i["thread_kinds"],
                 }
-                for role, i in e.handle.worker_info().items()
+                for role, i in infos.items()
             }
-            engines[name] = {"active": m["active"], "queued": m["queued"], "workers": workers}
+            engines[name] = {"active": None if m is None else m["active"], "queued": None if m is None else m["queued"], "workers": workers}
         return {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), "ongoing_requests": self.admission.active, "engines": engines}
 
     # ------------------------------------------------------------ helpers
