@@ -19,7 +19,7 @@ import pytest
 from engine_helpers import greedy, local_engine, poisoned, wait_until
 from test_runtime import bounded
 
-from saguaro_ray import Engine, EngineConfig, SpeculationConfig
+from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 from saguaro_ray.engine.stops import first_stop
 from saguaro_ray.errors import SaguaroError
 
@@ -170,3 +170,43 @@ def test_abort_of_an_unknown_request_is_harmless(engine, reference):
     engine.abort("no-such-request")
     want = reference.generate([PROMPTS[1]], greedy(20))[0].token_ids
     assert bounded(engine.generate, [PROMPTS[1]], greedy(20))[0].token_ids == want
+
+
+def test_a_call_ray_cancelled_with_its_caller_ends_cancelled_not_failed():
+    """Ray Serve cancels a request's task when its HTTP client hangs up, and
+    Ray cancels the engine calls that task made with it: the handle's
+    ``astream``/``agenerate`` then ended with Ray's TaskCancelledError, which
+    the replica answered as a 500 for a client that had left (the load test:
+    5 of 155 hang-ups). They end cancelled, and the request is aborted."""
+    import ray
+
+    from saguaro_ray.runtime.engine import EngineHandle
+
+    cancelled = ray.exceptions.RayTaskError("stream", "", ray.exceptions.TaskCancelledError()).as_instanceof_cause()
+
+    async def fails() -> None:
+        raise cancelled
+
+    class Stream:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return fails()
+
+    aborted = []
+    method = lambda result: type("M", (), {"remote": staticmethod(lambda *a: result(a))})()  # noqa: E731
+    coordinator = type("C", (), {})()
+    coordinator.stream = method(lambda a: Stream())
+    coordinator.generate = method(lambda a: fails())
+    coordinator.abort = method(lambda a: aborted.append(a[0]))
+    handle = EngineHandle(coordinator)
+
+    async def consume() -> None:
+        async for _ in handle.astream([5, 6], SamplingParams(max_tokens=4)):
+            pass
+
+    for call in (consume, lambda: handle.agenerate([[5, 6]], SamplingParams(max_tokens=4))):
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(call())
+    assert len(aborted) == 2

@@ -140,3 +140,26 @@ def test_soak_mixed_modes_and_temperatures_leave_workers_as_they_were(ray_instan
     finally:
         for h in engines.values():
             h.shutdown()
+
+
+def test_ssd_streams_closed_mid_generation_leave_no_pending_transfers(ray_instance, models):
+    """A stream aborted at a round boundary held the speculation its last
+    lookup served for the next round: the draft's q rows for it were sent and
+    never taken (found by the load test: 81 hung-up streams left the SSD
+    draft 2 more waiter threads and pending sends)."""
+    handle = _launch(models, "ssd")
+    try:
+        warm = handle.stream([5, 9, 14], SamplingParams(temperature=0.8, max_tokens=8, seed=1))
+        assert sum(len(c["token_ids"]) for c in warm) <= 8
+        before = _settled(handle, _quiet)
+        for i in range(12):
+            stream = handle.stream([5 + i, 9, 14], SamplingParams(temperature=0.8, max_tokens=400, seed=i, ignore_eos=True))
+            for _, _chunk in zip(range(3), stream):
+                pass
+            stream.close()  # aborts the request at the next round boundary
+        after = _settled(handle, lambda s: _quiet(s) and all(s[r]["threads"] <= before[r]["threads"] for r in s))
+        assert {r: (w["pending"], w["threads"], w["free_kv_blocks"]) for r, w in after.items()} == {
+            r: (0, w["threads"], w["all_kv_blocks"]) for r, w in before.items()
+        }
+    finally:
+        handle.shutdown()

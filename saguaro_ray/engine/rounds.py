@@ -447,7 +447,15 @@ class RoundLoop:
         return self._retire(running)
 
     def release(self, seqs: list[SequenceState]) -> None:
-        """Free unfinished sequences everywhere (cancellation or failure)."""
+        """Free unfinished sequences everywhere (cancellation or failure). An
+        SSD sequence ended at a round boundary still holds the speculation its
+        last lookup served for a round that will not run: the target takes
+        its q rows (and the other drafts its KV delta) so the draft lets them go."""
+        self._discard([self.target], [s.proposal.q for s in seqs if s.proposal is not None])
+        for s in seqs:
+            if s.seq_id in self._extensions:
+                owner, ext = self._extensions[s.seq_id]
+                self._discard([d for d in self.drafts.up() if d is not owner], [ext.kv])
         self._release(seqs)
         for s in seqs:
             self._finish_stats(s)

@@ -41,6 +41,7 @@ from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
 from saguaro_ray.runtime.restart_budget import RestartBudget
 from saguaro_ray.runtime.routing import RoutedLogic
+from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.runtime.target_group import TargetGroupHandle, connect_worker, restart_worker, worker_info
 from saguaro_ray.workers.checkpoint import Checkpoint
 from saguaro_ray.workers.draft import DraftLogic
@@ -145,7 +146,8 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
             "threads": torch.get_num_threads(),
-            "python_threads": threading.active_count(),  # a leak of waiter threads shows here
+            "python_threads": len(own_threads()),  # a leak of waiter threads shows here
+            "thread_kinds": thread_kinds(),  # ... and which kind leaks
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
             "free_kv_blocks": self.logic.runner.kv.free_blocks,

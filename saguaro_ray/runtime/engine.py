@@ -102,6 +102,9 @@ class EngineHandle:
         request_id = uuid.uuid4().hex
         try:
             return await self.coordinator.generate.remote(list(prompts), params, n, request_id)
+        except ray.exceptions.TaskCancelledError:  # before RayTaskError: Ray's report of it is both
+            self.abort(request_id)
+            raise _cancelled() from None
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
             raise _user_error(exc) from None
         except asyncio.CancelledError:
@@ -117,6 +120,8 @@ class EngineHandle:
             async for ref in gen:
                 try:
                     chunk = await ref
+                except ray.exceptions.TaskCancelledError:
+                    raise _cancelled() from None
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
                     raise _user_error(exc) from None
                 finished = chunk["finish_reason"] is not None
@@ -173,6 +178,14 @@ def _close_workers(workers: dict[str, Any]) -> None:
     refs = [(w.actors[0] if isinstance(w, TargetGroup) else w).shutdown.remote() for w in workers.values()]
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
+
+
+def _cancelled() -> asyncio.CancelledError:
+    """What a call Ray cancelled raises in the caller: Ray cancels the calls a
+    task made along with it (Ray Serve cancels a request's task when its HTTP
+    client goes away), so the engine call ends as its caller did — cancelled,
+    not failed (it was answered as a 500 for a client that had left)."""
+    return asyncio.CancelledError("the engine call was cancelled with the task that made it")
 
 
 def _user_error(exc: ray.exceptions.RayError) -> BaseException:

@@ -9,7 +9,7 @@ already running engine — and serves
 * ``POST /v1/chat/completions``  (the tokenizer's chat template, else a plain fallback)
 * ``GET  /v1/models``
 * ``GET  /health``               (no API key needed; 503 when an engine is down)
-* ``GET  /v1/saguaro/metrics``   (this replica's metric snapshot, JSON)
+* ``GET  /v1/saguaro/metrics``   (this replica's metric snapshot and its threads, KV and queues now, JSON)
 
 ``stream: true`` answers Server-Sent Events (``data: {...}`` chunks, then
 ``data: [DONE]``). Extensions: ``speculation`` (object) picks the engine,

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.config import (
     EngineEntry,
@@ -47,6 +48,8 @@ from saguaro_ray.serve.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+ENGINE_PROBE_S = 10.0  # how long a metrics snapshot waits for one engine's coordinator or workers
 
 
 @dataclass
@@ -183,13 +186,17 @@ class ReplicaCore:
             await self._refresh_engine_metrics()
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
-    async def _refresh_engine_metrics(self) -> None:
+    async def _refresh_engine_metrics(self) -> dict[str, dict[str, Any]]:
+        """Every engine's coordinator metrics into the gauges; returns those that answered."""
+        fresh = {}
         for name, e in self.engines.items():
             try:
-                m = await asyncio.wait_for(e.handle.coordinator.metrics.remote(), 10.0)
+                m = await asyncio.wait_for(e.handle.coordinator.metrics.remote(), ENGINE_PROBE_S)
                 self.metrics.engine_metrics(name, m)
+                fresh[name] = m
             except Exception:
                 log.debug("engine %s metrics unavailable", name, exc_info=True)
+        return fresh
 
     # ------------------------------------------------------------ requests
     def _authorize(self, request: Request) -> None:
@@ -372,8 +379,38 @@ class ReplicaCore:
 
     async def metrics_snapshot(self, request: Request) -> Any:
         self._authorize(request)
-        await self._refresh_engine_metrics()
-        return self.metrics.snapshot()
+        fresh = await self._refresh_engine_metrics()
+        snapshot = self.metrics.snapshot()
+        snapshot["resources"] = await self._resources(fresh)
+        return snapshot
+
+    async def _resources(self, fresh: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """What a leak would grow, read now: this replica's Python threads and,
+        per engine, its samples queued or running (``fresh``: the coordinators'
+        metrics) and each worker's free KV blocks and Python threads (only for
+        the engines this replica launched: an attached engine's workers belong
+        to whoever launched it). An engine or its workers that do not answer
+        within ``ENGINE_PROBE_S`` are None: the snapshot itself never hangs.
+        A load test compares it before and after (``saguaro_ray.jobs.load_test``)."""
+        engines: dict[str, Any] = {}
+        for name, e in self.engines.items():
+            m = fresh.get(name)
+            try:  # the workers' info calls block: off the event loop
+                infos = await asyncio.wait_for(asyncio.to_thread(e.handle.worker_info), ENGINE_PROBE_S)
+            except Exception:
+                log.debug("engine %s workers unavailable", name, exc_info=True)
+                infos = None
+            workers = None if infos is None else {
+                role: {
+                    "free_kv_blocks": i["free_kv_blocks"],
+                    "kv_blocks": i["kv_tokens"] // i["block_size"],
+                    "python_threads": i["python_threads"],
+                    "thread_kinds": i["thread_kinds"],
+                }
+                for role, i in infos.items()
+            }
+            engines[name] = {"active": None if m is None else m["active"], "queued": None if m is None else m["queued"], "workers": workers}
+        return {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), "ongoing_requests": self.admission.active, "engines": engines}
 
     # ------------------------------------------------------------ helpers
     async def _validate_prompts(self, engine: _Engine, prompts: list[Any], params: SamplingParams, param: str) -> list[int]:
@@ -544,12 +581,14 @@ class ReplicaCore:
             if body.include_usage():
                 yield chunk([], usage=usage(prompt_tokens, completion_tokens), saguaro=summary)
             yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:  # the client went away
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (while we waited, or while we sent)
             status = 499
             raise
         except Exception as exc:
             err = _deadline_passed() if isinstance(exc, asyncio.TimeoutError) else api_error_from(exc)
             status = err.status
+            if status >= 500:  # the engine side failed: the operator needs to know (a 500's traceback too)
+                log.error("stream failed: %s", err.message, exc_info=exc if status == 500 else None)
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -1,0 +1,444 @@
+"""``python -m saguaro_ray.jobs.load_test --config deploy/serve/zoo-cpu.yaml --clients 64 --seconds 120``
+
+A load test of the OpenAI server (issue 20's target): N concurrent streaming
+clients for a while, a fraction of them hanging up mid-stream and a fraction
+sending poison (see :mod:`saguaro_ray.jobs.load_clients`). It passes (exit
+status 0) when
+
+* no well-behaved client saw an error (HTTP, stream or transport; a 429 is one);
+* every T = 0 output — each sample of it — equals its single-request
+  reference (the same request, non-streamed and alone, made before the load),
+  and the references agree across engines (every mode gives the target's output);
+* every poison request got a 4xx (not 429) OpenAI-shaped error;
+* no disconnecting client saw an error before it hung up;
+* afterwards (within a bounded wait for releases that run asynchronously)
+  every engine is idle — no sample queued or running, so the hung-up
+  requests were aborted — every worker's KV pool is full again, no worker
+  and not the replica holds more Python threads than at the baseline taken
+  after a warm-up, and the replica holds no request.
+
+It reports requests and errors by class per kind of client, the exact-output
+count, the server's 499s (requests it saw the client leave), and p50/p99 of
+time to first token, of the gap between content chunks (inter-token latency
+as a streaming client sees it; a speculative round delivers several tokens in
+one chunk) and of time per output token. ``--config`` starts the Serve
+application from a Serve YAML on a free loopback port in a Ray instance of its
+own, with an API key (so a bad bearer token is poison too); ``--url`` drives a
+server already running (``--api-key`` if it checks keys). The resources come
+from the replica's ``/v1/saguaro/metrics`` (its ``resources`` section): the
+engines the replica launched itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import secrets
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from saguaro_ray.errors import SaguaroError
+from saguaro_ray.jobs.load_clients import (
+    Outcome,
+    Spec,
+    client_loop,
+    disconnect_spec,
+    good_specs,
+    poison_request,
+    poisons,
+    stream_request,
+)
+
+log = logging.getLogger("saguaro_ray.jobs.load_test")
+
+REQUEST_TIMEOUT_S = 300.0  # one request, or the gap between two of its chunks
+SETTLE_S = 60.0  # how long releases (aborts, KV frees) may take once the load stops
+POISON_PAUSE_S = 0.2  # a poison client's pause between requests: a client's pace, not a flood
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # the server's default (ServeAppConfig.max_body_bytes)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    clients: int = 64
+    seconds: float = 120.0
+    disconnect: float = 0.1
+    poison: float = 0.05
+    seed: int = 0
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def split(self) -> tuple[int, int, int]:
+        """(good, disconnecting, poison) clients; a fraction above 0 gets at least one."""
+
+        def share(fraction: float) -> int:
+            return max(1, round(self.clients * fraction)) if fraction > 0 else 0
+
+        disconnect, poison = share(self.disconnect), share(self.poison)
+        if disconnect + poison >= self.clients:
+            raise ValueError(f"{self.clients} clients leave none well-behaved with these fractions")
+        return self.clients - disconnect - poison, disconnect, poison
+
+
+# ------------------------------------------------------------------ server state
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _snapshot(client: httpx.AsyncClient, base: str, headers: dict[str, str]) -> dict[str, Any]:
+    resp = await client.get(base + "/v1/saguaro/metrics", headers=headers)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def _more_threads(now: dict[str, Any], baseline: dict[str, Any]) -> str | None:
+    """How a process's threads grew past ``baseline`` (None: they did not).
+    A thread pool starts its workers on demand up to its bound, so more
+    workers of a pool the baseline already had are not a leak; a new pool,
+    or any other thread, is."""
+    pooled = sum(
+        max(0, n - baseline["thread_kinds"][kind])
+        for kind, n in now["thread_kinds"].items()
+        if kind.startswith("ThreadPoolExecutor-") and kind in baseline["thread_kinds"]
+    )
+    if now["python_threads"] - pooled <= baseline["python_threads"]:
+        return None
+    grown = {k: f"{baseline['thread_kinds'].get(k, 0)} -> {n}" for k, n in now["thread_kinds"].items() if n > baseline["thread_kinds"].get(k, 0)}
+    return f"threads {baseline['python_threads']} -> {now['python_threads']} ({grown})"
+
+
+def resource_problems(now: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
+    """What differs from an idle server with ``baseline``'s threads (empty: back to baseline)."""
+    problems = []
+    if now["ongoing_requests"]:
+        problems.append(f"replica holds {now['ongoing_requests']} requests")
+    if (grown := _more_threads(now, baseline)) is not None:
+        problems.append(f"replica {grown}")
+    for name, eng in now["engines"].items():
+        if eng["active"] is None or eng["workers"] is None:
+            problems.append(f"engine {name} did not answer")
+            continue
+        if eng["active"] or eng["queued"]:
+            problems.append(f"engine {name}: {eng['active']} samples active, {eng['queued']} queued")
+        for role, w in eng["workers"].items():
+            if w["free_kv_blocks"] != w["kv_blocks"]:
+                problems.append(f"engine {name} {role}: {w['free_kv_blocks']} of {w['kv_blocks']} KV blocks free")
+            if (grown := _more_threads(w, baseline["engines"][name]["workers"][role])) is not None:
+                problems.append(f"engine {name} {role}: {grown}")
+    return problems
+
+
+async def _settle(client: httpx.AsyncClient, base: str, headers: dict[str, str], baseline: dict[str, Any] | None) -> tuple[dict[str, Any], list[str], float]:
+    """Poll the snapshot until the server is back to ``baseline`` (its own
+    threads when None) or ``SETTLE_S`` passes; returns it, what is still
+    off, and how long it took."""
+    t0 = time.monotonic()
+    while True:
+        snap = await _snapshot(client, base, headers)
+        problems = resource_problems(snap["resources"], baseline or snap["resources"])
+        if not problems or time.monotonic() - t0 > SETTLE_S:
+            return snap, problems, time.monotonic() - t0
+        await asyncio.sleep(1.0)
+
+
+def _server_errors(end: dict[str, Any], start: dict[str, Any]) -> dict[str, int]:
+    """The replica's 5xx answers during the load, by route, engine and status."""
+    out = {}
+    for key, count in end["counters"].items():
+        if key.startswith("requests{") and ",status=5" in key:
+            grown = int(count - start["counters"].get(key, 0))
+            if grown:
+                out[key] = grown
+    return out
+
+
+def _statuses(snapshot: dict[str, Any]) -> Counter[str]:
+    """The replica's answers so far by HTTP status (499: it saw the client leave)."""
+    out: Counter[str] = Counter()
+    for key, count in snapshot["counters"].items():
+        if key.startswith("requests{"):
+            out[key.rsplit("status=", 1)[1].rstrip("}")] += int(count)
+    return out
+
+
+# ------------------------------------------------------------------ references
+
+
+async def _reference(client: httpx.AsyncClient, base: str, model: str, spec: Spec, headers: dict[str, str]) -> dict[int, tuple[str, str]]:
+    """``spec`` alone and non-streamed: each sample's (text, finish reason)."""
+    resp = await client.post(base + spec.path, json=spec.body(model, False), headers=headers)
+    if resp.status_code != 200:
+        raise ValueError(f"reference request {spec} failed: HTTP {resp.status_code} {resp.text[:300]}")
+    out = {}
+    for c in resp.json()["choices"]:
+        out[c["index"]] = (c["message"]["content"] if spec.route == "chat" else c["text"], c["finish_reason"])
+    return out
+
+
+def _disagreements(refs: dict[Spec, dict[int, tuple[str, str]]]) -> list[str]:
+    """T = 0 references that differ between engines (each mode must give the target's output)."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for spec, ref in refs.items():
+        key = (spec.route, spec.text, spec.max_tokens, spec.stop, spec.ignore_eos, spec.n)
+        groups.setdefault(key, {})[spec.engine] = ref
+    return [f"{key}: {by_engine}" for key, by_engine in groups.items() if len({json.dumps(r, sort_keys=True) for r in by_engine.values()}) > 1]
+
+
+def _mismatch(out: Outcome, ref: dict[int, tuple[str, str]]) -> str | None:
+    got = {i: (out.texts.get(i, ""), out.finish.get(i)) for i in ref}
+    return None if got == ref else f"{out.spec}: streamed {got} != reference {ref}"
+
+
+# ------------------------------------------------------------------ the load
+
+
+def _quantiles(values: list[float]) -> dict[str, Any]:
+    s = sorted(values)
+    pick = lambda q: round(s[min(len(s) - 1, int(q * len(s)))], 6) if s else None
+    return {"count": len(s), "p50": pick(0.5), "p99": pick(0.99), "max": round(s[-1], 6) if s else None}
+
+
+async def run_load(base: str, opts: LoadOptions) -> dict[str, Any]:
+    """Warm up, take the baseline, run the load, settle; returns the report."""
+    good_n, disconnect_n, poison_n = opts.split()
+    headers = _headers(opts.api_key)
+    limits = httpx.Limits(max_connections=2 * opts.clients + 8, max_keepalive_connections=opts.clients + 4)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        resp = await client.get(base + "/v1/models", headers=headers)
+        resp.raise_for_status()
+        served = resp.json()["data"][0]
+        model, engines = served["id"], [e["name"] for e in served["saguaro"]["engines"]]
+        specs = good_specs(engines)
+        refs = {s: await _reference(client, base, model, s, headers) for s in specs if s.temperature == 0}
+        disagree = _disagreements(refs)
+        # warm-up: every request once, concurrently, and two hang-ups; then the baseline
+        rng = random.Random(opts.seed)
+        warm = [stream_request(client, base, model, s, headers, "good") for s in specs]
+        warm += [stream_request(client, base, model, disconnect_spec(rng, engines), headers, "disconnect", 2) for _ in range(2)]
+        await asyncio.gather(*warm)
+        start_snap, _, _ = await _settle(client, base, headers, None)
+        baseline = start_snap["resources"]
+
+        outcomes: list[Outcome] = []
+        stop_at = time.monotonic() + opts.seconds
+        poison_list = poisons(model, engines, opts.api_key, opts.max_body_bytes)
+
+        def good(c: int) -> Any:
+            crng = random.Random(opts.seed * 1000 + c)
+
+            async def send(i: int) -> Outcome:
+                spec = crng.choice(specs)
+                out = await stream_request(client, base, model, spec, headers, "good")
+                if out.error is None and spec in refs:
+                    why = _mismatch(out, refs[spec])
+                    if why is not None:
+                        out.error, out.detail = "T=0 mismatch", why
+                return out
+
+            return client_loop(stop_at, send, outcomes.append)
+
+        def hang_up(c: int) -> Any:
+            crng = random.Random(opts.seed * 1000 + 500 + c)
+
+            async def send(i: int) -> Outcome:
+                return await stream_request(client, base, model, disconnect_spec(crng, engines), headers, "disconnect", crng.randint(1, 4))
+
+            return client_loop(stop_at, send, outcomes.append)
+
+        def poison(c: int) -> Any:
+            async def send(i: int) -> Outcome:
+                out = await poison_request(client, base, poison_list[(c + i) % len(poison_list)], headers)
+                await asyncio.sleep(POISON_PAUSE_S)
+                return out
+
+            return client_loop(stop_at, send, outcomes.append)
+
+        t_load = time.monotonic()
+        loops = [good(c) for c in range(good_n)] + [hang_up(c) for c in range(disconnect_n)] + [poison(c) for c in range(poison_n)]
+        await asyncio.gather(*loops)
+        load_s = time.monotonic() - t_load
+        end_snap, problems, settle_s = await _settle(client, base, headers, baseline)
+    return _report(opts, (good_n, disconnect_n, poison_n), outcomes, refs, disagree, start_snap, end_snap, problems, load_s, settle_s)
+
+
+def _report(
+    opts: LoadOptions,
+    split: tuple[int, int, int],
+    outcomes: list[Outcome],
+    refs: dict[Spec, Any],
+    disagree: list[str],
+    start: dict[str, Any],
+    end: dict[str, Any],
+    problems: list[str],
+    load_s: float,
+    settle_s: float,
+) -> dict[str, Any]:
+    by_kind = {k: [o for o in outcomes if o.kind == k] for k in ("good", "disconnect", "poison")}
+    good = by_kind["good"]
+    checked = [o for o in good if o.spec in refs and o.error in (None, "T=0 mismatch")]
+    mismatches = [o.detail for o in good if o.error == "T=0 mismatch"]
+    streams = [o for o in good if o.error is None]
+    # one sample's tokens after its first, over the time they took
+    tpot = [sum(o.gaps_s) / (o.completion_tokens - 1) for o in streams if o.spec.n == 1 and (o.completion_tokens or 0) > 1 and o.gaps_s]
+    hung_up = [o for o in by_kind["disconnect"] if o.error is None and o.spec and len(o.finish) < o.spec.n]
+    statuses = _statuses(end)
+    statuses.subtract(_statuses(start))
+    errors = {k: dict(Counter(o.error for o in v if o.error is not None)) for k, v in by_kind.items()}
+    failures = []
+    if errors["good"]:
+        failures.append(f"well-behaved clients got errors: {errors['good']}")
+    if disagree:
+        failures.append(f"{len(disagree)} T = 0 references differ between engines")
+    if errors["poison"]:
+        failures.append(f"poison not refused with a 4xx OpenAI error: {errors['poison']}")
+    if errors["disconnect"]:
+        failures.append(f"disconnecting clients got errors before hanging up: {errors['disconnect']}")
+    if problems:
+        failures.append("resources not back to baseline: " + "; ".join(problems))
+    return {
+        "options": asdict(opts) | {"api_key": None},
+        "clients": dict(zip(("good", "disconnect", "poison"), split)),
+        "load_s": round(load_s, 3),
+        "requests": {k: len(v) for k, v in by_kind.items()},
+        "errors": errors,
+        "error_examples": [f"{o.kind} {o.name}: {o.error}: {o.detail}" for o in outcomes if o.error][:20],
+        "exact": {"t0_checked": len(checked), "t0_exact": len(checked) - len(mismatches), "mismatches": mismatches[:10]},
+        "references": {"count": len(refs), "engines_disagree": disagree[:10]},
+        "completion_tokens": sum(o.completion_tokens or 0 for o in streams),
+        "latency_s": {
+            "ttft": _quantiles([o.ttft_s for o in streams if o.ttft_s is not None]),
+            "itl": _quantiles([g for o in streams for g in o.gaps_s]),
+            "tpot": _quantiles(tpot),
+        },
+        "disconnects": {"hung_up": len(hung_up), "server_499": statuses.get("499", 0)},
+        "server_statuses": dict(statuses),
+        "server_errors": _server_errors(end, start),
+        "poison_status": {name: dict(Counter(o.status for o in by_kind["poison"] if o.name == name)) for name in sorted({o.name for o in by_kind["poison"]})},
+        "resources": {"baseline": start["resources"], "after": end["resources"], "settle_s": round(settle_s, 3), "problems": problems},
+        "failures": failures,
+        "ok": not failures,
+    }
+
+
+# ------------------------------------------------------------------ the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_from_config(path: str | Path, api_key: str) -> Iterator[tuple[str, int]]:
+    """Run the Serve config at ``path`` on a free loopback port, in a Ray
+    instance of its own, with ``api_key`` as the only key of our application;
+    yields (base URL, its max_body_bytes) and shuts Serve and Ray down after."""
+    import ray
+    import yaml
+    from ray import serve
+
+    from saguaro_ray.serve.config import parse_config
+    from saguaro_ray.serve.runner import OUR_BUILDERS, load_serve_config, run_config
+
+    load_serve_config(path)  # one-line errors for a bad file
+    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    ours = [a for a in raw["applications"] if a.get("import_path") in OUR_BUILDERS]
+    if len(ours) != 1:
+        raise ValueError(f"{path}: expected one application of saguaro_ray.serve:build_app, found {len(ours)}")
+    port = _free_port()
+    raw["http_options"] = {**(raw.get("http_options") or {}), "host": "127.0.0.1", "port": port}
+    args = ours[0].setdefault("args", {})
+    args.pop("api_keys_env", None)
+    args["api_keys"] = [api_key]
+    limit = parse_config(args).max_body_bytes
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    # our own instance (as run_config would start it), with the replicas' logs kept out of the report
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory(prefix="saguaro-load-") as tmp:
+        config = Path(tmp) / "serve.yaml"
+        config.write_text(yaml.safe_dump(raw), encoding="utf-8")
+        run_config(config, address="local", block=False)
+    try:
+        yield f"http://127.0.0.1:{port}{(ours[0].get('route_prefix') or '/').rstrip('/')}", limit
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.load_test", description="load test of the OpenAI server")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", help="a Serve YAML to start (its own Ray instance, a free loopback port)")
+    where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", help="the key a --url server checks (with --config: generated)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=120.0)
+    p.add_argument("--disconnect", type=float, default=0.1, help="fraction of clients that hang up mid-stream")
+    p.add_argument("--poison", type=float, default=0.05, help="fraction of clients that send poison bodies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the report here")
+    return p
+
+
+def _summary(report: dict[str, Any]) -> str:
+    lat = report["latency_s"]
+    ms = lambda q: "-" if q is None else f"{q * 1000:.1f} ms"
+    lines = [
+        f"clients {report['clients']}, load {report['load_s']:.0f} s, requests {report['requests']}",
+        f"errors: {report['errors']}",
+        f"T = 0 exact: {report['exact']['t0_exact']} of {report['exact']['t0_checked']} (references: {report['references']['count']})",
+        f"disconnects: {report['disconnects']['hung_up']} hung up, server saw {report['disconnects']['server_499']} leave",
+        f"TTFT p50 {ms(lat['ttft']['p50'])} p99 {ms(lat['ttft']['p99'])}; ITL p50 {ms(lat['itl']['p50'])} p99 {ms(lat['itl']['p99'])}",
+        f"per token p50 {ms(lat['tpot']['p50'])} p99 {ms(lat['tpot']['p99'])} ({report['completion_tokens']} tokens)",
+        f"resources back in {report['resources']['settle_s']:.1f} s" if not report["resources"]["problems"] else f"resources: {report['resources']['problems']}",
+    ]
+    lines += [f"FAIL: {f}" for f in report["failures"]] or ["OK"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    opts = LoadOptions(args.clients, args.seconds, args.disconnect, args.poison, args.seed, args.api_key)
+    try:
+        opts.split()  # refuse impossible fractions before starting anything
+        if args.config:
+            key = args.api_key or "sk-load-" + secrets.token_hex(8)
+            with serve_from_config(args.config, key) as (base, limit):
+                report = asyncio.run(run_load(base, LoadOptions(**(asdict(opts) | {"api_key": key, "max_body_bytes": limit}))))
+        else:
+            report = asyncio.run(run_load(args.url.rstrip("/"), opts))
+    except (SaguaroError, httpx.HTTPError, ValueError) as exc:  # a bad config, no server, a refused reference
+        print(f"load_test: {exc}", file=sys.stderr)
+        return 2
+    print(_summary(report), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
