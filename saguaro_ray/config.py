@@ -72,7 +72,7 @@ class SamplingParams:
         ):
             raise ConfigError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids, got {self.stop_token_ids!r}")
         d = self.deadline_s
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= MAX_DEADLINE_S):
+        if d is not None and (not _is_number(d) or not math.isfinite(d) or not 0 < d <= MAX_DEADLINE_S):
             raise ConfigError(f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}] or None, got {d!r}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))

@@ -303,8 +303,8 @@ class ReplicaCore:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_prompt_bytes([m["content"] for m in messages], engine.prompt_bytes, "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if requested is not None:
-            self._params(body, requested, stops)  # refuse bad values before any work
+        # refuse bad values before any work (without max_tokens, they wait for the prompt's length)
+        params = None if requested is None else self._params(body, requested, stops)
         release = self.admission.enter()
         streaming = False
         try:
@@ -314,9 +314,9 @@ class ReplicaCore:
                 raise
             except Exception as exc:  # a template that rejects these messages (e.g. role order)
                 raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-            if requested is None:
-                requested = max(1, min(self.cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
-            params = self._params(body, requested, stops)
+            if params is None:
+                fill = max(1, min(self.cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
+                params = self._params(body, fill, stops)
             prompt_lens = await self._validate_prompts(engine, [ids], params, "messages")
             if body.stream:
                 response = await self._stream_response("chat", body, engine, [ids], prompt_lens, params, t0, deadline, release)
