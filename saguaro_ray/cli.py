@@ -309,7 +309,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from saguaro_ray.bench import BenchArgs, format_table, plot, run_bench
+    from saguaro_ray.bench.plot import plot
+    from saguaro_ray.bench.report import format_table
+    from saguaro_ray.bench.run import BenchArgs, run_bench
 
     if "pyramid" in args.modes and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")

@@ -94,7 +94,7 @@ def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
 
 
 def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1):
-    from saguaro_ray.bench import RunResult, round_breakdown
+    from saguaro_ray.bench.report import RunResult, round_breakdown
 
     return RunResult(mode, runtime, 1, batch, 0.0, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds)
 
@@ -106,7 +106,7 @@ def _rounds(n, wall, verify, batch=1):
 def test_ideal_ceiling_and_control_floor_follow_their_definitions():
     # AR: 4 ms rounds of which 3 ms verify; SSD: 2 accepted per round, 6 ms rounds
     # of which 4 ms verify; a bare round trip of 100 us
-    from saguaro_ray.bench import summarise
+    from saguaro_ray.bench.report import summarise
 
     ar = _run("ar", "ray", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
     ssd = _run("ssd", "ray", _rounds(10, 0.006, 0.004), 20, 10, 400.0)
@@ -133,7 +133,7 @@ def test_ideal_ceiling_and_control_floor_follow_their_definitions():
 
 
 def test_ipc_round_trip_is_measured_between_two_processes():
-    from saguaro_ray.bench import ipc_round_trip_s
+    from saguaro_ray.bench.machine import ipc_round_trip_s
 
     rtt = ipc_round_trip_s(n=50)
     assert 0 < rtt < 1.0
@@ -142,7 +142,7 @@ def test_ipc_round_trip_is_measured_between_two_processes():
 def test_peers_run_beside_our_modes_at_batch_one(zoo_tiny):
     """hf-ar and hf-assisted run interleaved with our engines on the same
     prompts, only at batch 1, and are compared with our AR/SD of that run."""
-    from saguaro_ray.bench import BenchArgs, run_bench
+    from saguaro_ray.bench.run import BenchArgs, run_bench
 
     args = BenchArgs(
         target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=None, modes=["ar", "sd", "hf-ar", "hf-assisted"],

@@ -1,0 +1,148 @@
+"""What the bench machine costs: its identity, and the runner's basic step costs.
+
+Measured once per report, apart from the runs, so a report says on what
+machine and at what per-step prices its throughputs were obtained (the
+costs that decide whether speculation can pay there at all).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Any
+
+
+def _echo(endpoint: str) -> None:
+    """A bare pyzmq echo server (a child process of :func:`ipc_round_trip_s`)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        ident, msg = sock.recv_multipart()
+        sock.send_multipart([ident, msg])
+        if msg == b"stop":
+            return
+
+
+def ipc_round_trip_s(n: int = 2000) -> float:
+    """Median round trip of a bare pyzmq DEALER → ROUTER echo between two
+    processes on this machine (ipc, 200-byte frames, no codec, no threads of
+    ours): the floor under any control hop — what the kernel and ZeroMQ cost
+    to wake a process and back — against which ``control_floor_fraction`` is taken
+    (half of it per one-way hop)."""
+    import multiprocessing
+    import tempfile
+
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="saguaro-rtt-") as tmp:
+        endpoint = f"ipc://{tmp}/echo"
+        proc = multiprocessing.get_context("spawn").Process(target=_echo, args=(endpoint,), daemon=True)
+        proc.start()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        try:
+            sock.connect(endpoint)
+            frame, xs = b"x" * 200, []
+            for i in range(n + 200):
+                t0 = time.perf_counter()
+                sock.send(frame)
+                sock.recv()
+                if i >= 200:  # warm-up
+                    xs.append(time.perf_counter() - t0)
+            sock.send(b"stop")
+            sock.recv()
+        finally:
+            sock.close(0)
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return statistics.median(xs)
+
+
+
+def step_costs(
+    models: dict[str, str],
+    threads: int = 1,
+    context: int = 128,
+    repeats: int = 30,
+    branches: int = 8,
+    device: str = "cpu",
+    dtype: str | None = None,
+    attention_backend: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds of the runner's basic steps per model, on ``threads``
+    torch threads: a 1-token decode, an 8-token verify, and one tree-decode
+    step of ``branches`` branches — the costs that decide whether speculation
+    pays (on CPU a draft step must cost ≲ 1/10 of a target verify)."""
+    import torch
+
+    from saguaro_ray.models.resolve import resolve_models
+    from saguaro_ray.workers.runner import ModelRunner
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for role, ref in resolve_models(models).items():
+            runner = ModelRunner(ref.path, device=device, dtype=dtype, attention_backend=attention_backend, quantize=ref.quantize)
+            runner.add_sequence(0)
+            prompt = [(7 * i) % runner.vocab_size for i in range(context)]
+            runner.forward([0], [prompt])
+
+            def timed(fn: Any) -> float:
+                samples = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+                    samples.append(time.perf_counter() - t0)
+                return 1000 * statistics.median(samples)
+
+            def decode(n: int) -> None:
+                runner.forward([0], [prompt[:n]], num_logits=[n])
+                runner.truncate(0, context)
+
+            def tree() -> None:
+                t = runner.tree_start([0] * branches, [context - (i % 4) for i in range(branches)], depth=4)
+                runner.tree_forward(t, [[1]] * branches)
+
+            out[role] = {"decode_1": timed(lambda: decode(1)), "verify_8": timed(lambda: decode(8)), f"tree_step_{branches}": timed(tree)}
+    finally:
+        torch.set_num_threads(old)
+    return out
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """Platform, CPU count, library versions and the commit: what a reader
+    needs to compare two reports (``threads``: torch threads per worker)."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    try:
+        import ray
+
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = None
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray_version,
+        "threads_per_worker": threads,
+        "cuda": torch.cuda.is_available(),
+        "git_commit": commit,
+    }
+
