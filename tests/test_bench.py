@@ -174,3 +174,20 @@ def test_humaneval_and_chat_prompt_sets(zoo_tiny):
     expected = tok.apply_chat_template([{"role": "user", "content": CHAT_REQUESTS[0]}], tokenize=False, add_generation_prompt=True)
     assert chat[0] == expected and expected != CHAT_REQUESTS[0]  # through the template, assistant turn opened
     assert len(set(chat)) == 3
+
+
+def test_plot_without_matplotlib_fails_before_the_bench_runs(zoo_tiny, monkeypatch, capsys, tmp_path):
+    """matplotlib is an optional extra: ``--plot`` without it is a one-line
+    error naming the extra, given before any engine runs (no run is lost)."""
+    import saguaro_ray.bench.run
+    from saguaro_ray.cli import main
+
+    ran = []
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra sees
+    monkeypatch.setattr(saguaro_ray.bench.run, "run_bench", lambda args: ran.append(args))
+    code = main(["bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"), "--runtimes", "inprocess",
+                 "--plot", str(tmp_path / "bench.png")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not ran
+    assert len(err.splitlines()) == 1 and "pip install 'saguaro-ray[plot]'" in err
+    assert not (tmp_path / "bench.png").exists()

@@ -9,9 +9,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from saguaro_ray.errors import ConfigError
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`ConfigError` naming the extra when matplotlib is missing:
+    called before a bench runs, so a missing extra costs no run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("plotting the bench report needs matplotlib: pip install 'saguaro-ray[plot]'") from None
+
 
 def plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     """Gantt of target and draft work over a few rounds per mode, and tokens/s bars."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
