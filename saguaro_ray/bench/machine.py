@@ -15,57 +15,6 @@ import time
 from typing import Any
 
 
-def _echo(endpoint: str) -> None:
-    """A bare pyzmq echo server (a child process of :func:`ipc_round_trip_s`)."""
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    while True:
-        ident, msg = sock.recv_multipart()
-        sock.send_multipart([ident, msg])
-        if msg == b"stop":
-            return
-
-
-def ipc_round_trip_s(n: int = 2000) -> float:
-    """Median round trip of a bare pyzmq DEALER → ROUTER echo between two
-    processes on this machine (ipc, 200-byte frames, no codec, no threads of
-    ours): the floor under any control hop — what the kernel and ZeroMQ cost
-    to wake a process and back — against which ``control_floor_fraction`` is taken
-    (half of it per one-way hop)."""
-    import multiprocessing
-    import tempfile
-
-    import zmq
-
-    with tempfile.TemporaryDirectory(prefix="saguaro-rtt-") as tmp:
-        endpoint = f"ipc://{tmp}/echo"
-        proc = multiprocessing.get_context("spawn").Process(target=_echo, args=(endpoint,), daemon=True)
-        proc.start()
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 30_000)
-        try:
-            sock.connect(endpoint)
-            frame, xs = b"x" * 200, []
-            for i in range(n + 200):
-                t0 = time.perf_counter()
-                sock.send(frame)
-                sock.recv()
-                if i >= 200:  # warm-up
-                    xs.append(time.perf_counter() - t0)
-            sock.send(b"stop")
-            sock.recv()
-        finally:
-            sock.close(0)
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-    return statistics.median(xs)
-
-
-
 def step_costs(
     models: dict[str, str],
     threads: int = 1,

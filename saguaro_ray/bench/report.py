@@ -1,13 +1,16 @@
 """The bench's report: one entry per setting, summarised from the runs' round timelines.
 
-The conventions (Spec-Bench style): medians and min–max over repeats, speedups
-taken against ``ar`` and ``sd`` *from the same run*. Per setting it reports
-decode tokens/s, mean accepted length, the SSD cache hit rate, and a per-round
-breakdown from the engine's timeline — verify time, draft busy time, drafting
-exposed on the critical path, control plane (everything in a round that is
-neither verification, exposed drafting nor the cache lookup), and SSD's ideal
-(mean accepted + 1 tokens per verify time per sequence) with efficiency =
-achieved / ideal.
+Every figure comes from what the engines recorded (their per-round timelines)
+and the runs' token counts; the control plane costs what the timeline shows
+it cost (``control_plane_fraction``, ``control_us_*``, and ``hops_ms`` per
+hop), with no model of its hops. Conventions (Spec-Bench style): medians and
+min–max over repeats, speedups taken against ``ar`` and ``sd`` *from the same
+run*. Per setting it reports decode tokens/s, mean accepted length, the SSD
+cache hit rate, and a per-round breakdown from the engine's timeline — verify
+time, draft busy time, drafting exposed on the critical path, control plane
+(everything in a round that is neither verification, exposed drafting nor the
+cache lookup), and SSD's ideal (mean accepted + 1 tokens per verify time per
+sequence) with efficiency = achieved / ideal.
 """
 
 from __future__ import annotations
@@ -59,9 +62,8 @@ def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
-def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[str, Any]]:
-    """One result entry per (mode, runtime, drafts, batch, temperature);
-    ``rtt_s``: the machine's bare inter-process round trip (for the floor)."""
+def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
+    """One result entry per (mode, runtime, drafts, batch, temperature)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
         groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature), []).append(r)
@@ -82,7 +84,6 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
             batch = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill")) / n_rounds
             ideal = batch * ((mean_acc or 0.0) + 1) / (bd["verify"] / n_rounds)
         efficiency = med / ideal if mode == "ssd" and ideal else None
-        hops = _control_hops(mode, rs) if runtime == "ray" else None  # in process: no sockets
         entries.append(
             {
                 "mode": mode,
@@ -98,8 +99,6 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
                 "efficiency": efficiency,
                 "ideal_tokens_per_s": ideal,
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
-                "control_hops": hops,
-                "control_floor_fraction": (hops * rtt_s / 2 / (bd["wall"] / n_rounds)) if rtt_s and hops and bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
                 "build_ahead_fraction": _ahead_fraction(rs) if mode == "ssd" else None,
@@ -121,21 +120,6 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
                 ar_ideal = ref[0]["ideal_tokens_per_s"] if ref else None
                 e["ideal_speedup_vs_ar"] = e["ideal_tokens_per_s"] / ar_ideal if ar_ideal and e["ideal_tokens_per_s"] else None
     return entries
-
-
-# One-way control hops on a decode round's critical path: AR coordinator →
-# target → coordinator; SD the same for the propose, then for the verify;
-# SSD coordinator → target (verify) → draft (lookup) → coordinator when the
-# target places the lookup, one hop more when the coordinator sends it;
-# PyramidSD at least draft, qualify and verify, there and back.
-_HOPS = {"ar": 2, "sd": 4, "ssd": 4, "pyramid": 6}
-
-
-def _control_hops(mode: str, rs: Iterable[RunResult]) -> float | None:
-    """Mean one-way control hops per decode round on the critical path."""
-    per_round = [3 if rd.get("forwarded") else _HOPS[mode] for r in rs for rd in r.rounds if not rd.get("prefill")]
-    return sum(per_round) / len(per_round) if per_round and mode in _HOPS else None
-
 
 
 def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
@@ -213,10 +197,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{role}: decode {c['decode_1']:.2f} ms, 8-token verify {c['verify_8']:.2f} ms, tree step {c[[k for k in c if k.startswith('tree')][0]]:.2f} ms"
         for role, c in costs.items()
     ]
-    rtt = report.get("machine", {}).get("ipc_round_trip_us")
-    if rtt is not None:
-        pre.append(f"bare pyzmq round trip between two processes: {rtt:.0f} us")
-    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}{'floor':>7}"
+    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}"
     lines = pre + [head]
 
     def f(v: float | None, width: int, fmt: str, suffix: str = "") -> str:
@@ -227,7 +208,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{e['mode']:<12}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{e['temperature']:>5.1f}"
             f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], 7, '.2f', 'x')}{f(e['speedup_vs_sd'], 7, '.2f', 'x')}"
             f"{f(e['mean_accepted'], 8, '.2f')}{f(e['cache_hit_rate'], 6, '.0%')}{f(e['efficiency'], 6, '.2f')}"
-            f"{f(e['ideal_speedup_vs_ar'], 9, '.2f', 'x')}{f(e['control_plane_fraction'], 7, '.1%')}{f(e['control_floor_fraction'], 7, '.1%')}"
+            f"{f(e['ideal_speedup_vs_ar'], 9, '.2f', 'x')}{f(e['control_plane_fraction'], 7, '.1%')}"
         )
     return "\n".join(lines)
 

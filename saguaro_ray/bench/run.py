@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from saguaro_ray.algorithms.fanout import parse_fanout
-from saguaro_ray.bench.machine import ipc_round_trip_s, machine_info, step_costs
+from saguaro_ray.bench.machine import machine_info, step_costs
 from saguaro_ray.bench.peers import PEER_MODES, PeerRunner
 from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
 from saguaro_ray.config import SamplingParams, SpeculationConfig
@@ -169,12 +169,11 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
             group = [(m, nd) for rt, m, nd in plan if rt == runtime] + [(m, 1) for m in peers if i == 0]
             runs += _run_group(args, group, runtime, prompts, bar)
     models = {"target": args.target, "draft": args.draft} | ({"qualifier": args.qualifier} if args.qualifier else {})
-    rtt_s = ipc_round_trip_s()
     return {
-        "machine": machine_info(args.threads) | {"ipc_round_trip_us": 1e6 * rtt_s},
+        "machine": machine_info(args.threads),
         "step_costs_ms": step_costs({k: v for k, v in models.items() if v}, threads=args.threads, dtype=args.dtype),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
-        "results": summarise(runs, rtt_s),
+        "results": summarise(runs),
         "timeline_sample": timeline_sample(runs),
     }
 
