@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
@@ -56,6 +56,18 @@ def _build_ahead(args: BenchArgs) -> dict[str, bool]:
     return {} if args.build_ahead is None else {"build_ahead": args.build_ahead}
 
 
+def _engine_calls(runtime: str, engine: Any) -> tuple[Callable[[], list[dict[str, Any]]], Callable[[], None]]:
+    """``(timeline, close)`` of an engine of either runtime: the one place the
+    bench adapts to their interfaces. The in-process engine's timeline is a
+    property of round records, the Ray handle's a call returning their JSON
+    dicts; one closes with ``close``, the other with ``shutdown``. Both
+    ``generate`` alike (a list of ``GenerationResult``); the bench streams
+    from neither."""
+    if runtime == "inprocess":
+        return (lambda: [r.to_json() for r in engine.timeline]), engine.close
+    return engine.timeline, engine.shutdown
+
+
 class _Runner:
     """One engine (mode × runtime × drafts), reused across settings."""
 
@@ -80,8 +92,6 @@ class _Runner:
                     **_build_ahead(args),
                 )
             )
-            self._timeline = lambda: [r.to_json() for r in self.engine.timeline]
-            self.close = self.engine.close
         else:
             from saguaro_ray.runtime.engine import Engine
             from saguaro_ray.runtime.engine_config import EngineConfig
@@ -100,8 +110,7 @@ class _Runner:
                     dtype=args.dtype,
                 )
             )
-            self._timeline = lambda: self.engine.timeline()
-            self.close = self.engine.shutdown
+        self._timeline, self.close = _engine_calls(runtime, self.engine)
 
     def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
         """Generate every prompt, ``batch_size`` at a time (default: all at once)."""
