@@ -309,7 +309,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from saguaro_ray.bench import BenchArgs, format_table, plot, run_bench
+    from saguaro_ray.bench.plot import plot, require_matplotlib
+    from saguaro_ray.bench.report import format_table
+    from saguaro_ray.bench.run import BenchArgs, run_bench
 
     if "pyramid" in args.modes and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
@@ -320,6 +322,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--target-tp needs the ray runtime; drop inprocess from --runtimes")
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
         raise ConfigError("--repeats and --batch-sizes must be positive")
+    if args.plot:
+        require_matplotlib()
     report = run_bench(
         BenchArgs(
             target=args.target,

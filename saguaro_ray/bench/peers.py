@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from saguaro_ray.bench.report import RunResult, round_breakdown
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.models.resolve import resolve_models
 
@@ -77,10 +78,8 @@ class PeerRunner:
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).eval()
         self.assistant = AutoModelForCausalLM.from_pretrained(models["draft"].path, dtype=torch_dtype).eval() if mode == "hf-assisted" else None
 
-    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> Any:
-        """Generate every prompt one at a time; a :class:`~saguaro_ray.bench.RunResult`."""
-        from saguaro_ray.bench import RunResult, round_breakdown
-
+    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
+        """Generate every prompt one at a time (``batch_size`` is ignored: see the module's docstring)."""
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         tokens = decode_tokens = rounds = 0
