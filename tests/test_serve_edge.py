@@ -160,7 +160,7 @@ def _echo_app(limit: int, seen: list[int]) -> FastAPI:
         seen.append(len(body))
         return {"bytes": len(body)}
 
-    app.add_middleware(BodyLimit, limit=lambda: limit)
+    app.add_middleware(BodyLimit, limit=limit)
     return app
 
 
@@ -187,7 +187,8 @@ def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
     import asyncio
     import threading
 
-    from saguaro_ray.serve.replica import ReplicaCore, _Engine
+    from saguaro_ray.serve.openai_routes import validate_prompts
+    from saguaro_ray.serve.replica import ServedEngine
     from saguaro_ray.tokenizer import load_tokenizer
 
     real = load_tokenizer(zoo_tiny / "target")
@@ -199,10 +200,10 @@ def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
             assert loop_ran.wait(60), "the event loop was blocked while the tokenizer worked"
             return real.encode(text, **kwargs)
 
-    engine = _Engine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
+    engine = ServedEngine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
 
     async def main() -> list[int]:
-        task = asyncio.ensure_future(ReplicaCore()._validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
+        task = asyncio.ensure_future(validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
         await asyncio.to_thread(working.wait, 60)
         loop_ran.set()  # runs on the loop
         return await task
@@ -220,18 +221,17 @@ def test_a_stream_closed_while_its_events_wait_counts_as_the_client_leaving():
     from types import SimpleNamespace
 
     from saguaro_ray.serve.metrics import ServeMetrics
-    from saguaro_ray.serve.replica import ReplicaCore
+    from saguaro_ray.serve.streaming import sse_events
 
-    core = ReplicaCore()
-    core.metrics = ServeMetrics("edge-test")
+    metrics = ServeMetrics("edge-test")
     engine = SimpleNamespace(entry=SimpleNamespace(name="ar"), mode="ar", k=None)
     body = CompletionRequest(model="m", prompt="x", stream=True)
     first = (0, {"token_ids": [7], "text": "a", "finish_reason": None})
 
     async def main() -> None:
-        events = core._sse_events("completions", body, engine, asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
+        events = sse_events(metrics, "completions", body, engine, asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
         assert (await events.__anext__()).startswith("data: ")
         await events.aclose()  # what the response does with it once its send failed
 
     asyncio.run(main())
-    assert core.metrics.snapshot()["counters"] == {"requests{route=completions,engine=ar,status=499}": 1.0, "requests_total": 1.0}
+    assert metrics.snapshot()["counters"] == {"requests{route=completions,engine=ar,status=499}": 1.0, "requests_total": 1.0}
