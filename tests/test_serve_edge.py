@@ -235,3 +235,36 @@ def test_a_stream_closed_while_its_events_wait_counts_as_the_client_leaving():
 
     asyncio.run(main())
     assert metrics.snapshot()["counters"] == {"requests{route=completions,engine=ar,status=499}": 1.0, "requests_total": 1.0}
+
+
+def test_each_replica_app_answers_with_its_own_replica():
+    """The HTTP app is built per replica: its error handlers count in that
+    replica's metrics and its body limit and keys are that replica's (they
+    were read through a class-level "current replica": the last one started)."""
+    from saguaro_ray.serve.app import build_api
+    from saguaro_ray.serve.auth import APIKeys
+    from saguaro_ray.serve.config import parse_config
+    from saguaro_ray.serve.metrics import ServeMetrics
+    from saguaro_ray.serve.replica import ReplicaCore
+
+    def replica(name: str, keys: list[str], max_body_bytes: int) -> ReplicaCore:
+        core = ReplicaCore()  # not started: no engines, the routes' checks run before any
+        core.cfg = parse_config({"target": "unused", "model_name": name, "api_keys": keys, "max_body_bytes": max_body_bytes})
+        core.keys = APIKeys(core.cfg)
+        core.metrics = ServeMetrics(name)
+        core.admission = Admission(core.cfg.max_ongoing_requests)
+        core.engines = {}
+        return core
+
+    locked, open_ = replica("locked", ["sk-a"], 100), replica("open", [], 10**6)
+    locked_client, open_client = TestClient(build_api(locked)), TestClient(build_api(open_))
+    assert locked_client.get("/v1/models").status_code == 401
+    assert open_client.get("/v1/models").json()["data"][0]["id"] == "open"
+    assert locked_client.post("/v1/completions", content=b"x" * 200).status_code == 413  # over 100 bytes
+    assert open_client.post("/v1/completions", content=b"x" * 200).status_code == 400  # parsed: not JSON
+    assert locked.metrics.snapshot()["counters"] == {"requests{route=other,engine=-,status=401}": 1.0, "requests_total": 1.0}
+    assert open_.metrics.snapshot()["counters"] == {
+        "requests{route=models,engine=-,status=200}": 1.0,
+        "requests{route=completions,engine=-,status=400}": 1.0,
+        "requests_total": 2.0,
+    }

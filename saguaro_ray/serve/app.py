@@ -1,7 +1,8 @@
 """The OpenAI-compatible Ray Serve application.
 
 ``build_app(config)`` returns a Serve application: one deployment
-(:class:`SaguaroDeployment`, ``serve.ingress`` of a FastAPI app) whose replica
+(:class:`SaguaroDeployment`, ``serve.ingress`` of a FastAPI app each replica
+builds over its own state, :func:`build_api`) whose replica
 launches one engine per configured speculation mode — or attaches to a named,
 already running engine — and serves
 

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 
@@ -39,10 +39,8 @@ from saguaro_ray.serve.protocol import (
     saguaro_summary,
     usage,
 )
+from saguaro_ray.serve.replica import ReplicaCore, ServedEngine
 from saguaro_ray.serve.streaming import stream_response
-
-if TYPE_CHECKING:
-    from saguaro_ray.serve.replica import ReplicaCore, ServedEngine
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,14 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from fastapi.responses import StreamingResponse
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.serve.metrics import ServeMetrics
 from saguaro_ray.serve.protocol import _Common, api_error_from, choice_stats, deadline_passed, new_id, now, prompt_field, usage
-
-if TYPE_CHECKING:
-    from saguaro_ray.serve.replica import ServedEngine
+from saguaro_ray.serve.replica import ServedEngine
 
 log = logging.getLogger(__name__)
 
