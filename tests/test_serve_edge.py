@@ -160,7 +160,7 @@ def _echo_app(limit: int, seen: list[int]) -> FastAPI:
         seen.append(len(body))
         return {"bytes": len(body)}
 
-    app.add_middleware(BodyLimit, limit=lambda: limit)
+    app.add_middleware(BodyLimit, limit=limit)
     return app
 
 
@@ -187,7 +187,8 @@ def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
     import asyncio
     import threading
 
-    from saguaro_ray.serve.replica import ReplicaCore, _Engine
+    from saguaro_ray.serve.openai_routes import validate_prompts
+    from saguaro_ray.serve.replica import ServedEngine
     from saguaro_ray.tokenizer import load_tokenizer
 
     real = load_tokenizer(zoo_tiny / "target")
@@ -199,10 +200,10 @@ def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
             assert loop_ran.wait(60), "the event loop was blocked while the tokenizer worked"
             return real.encode(text, **kwargs)
 
-    engine = _Engine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
+    engine = ServedEngine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
 
     async def main() -> list[int]:
-        task = asyncio.ensure_future(ReplicaCore()._validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
+        task = asyncio.ensure_future(validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
         await asyncio.to_thread(working.wait, 60)
         loop_ran.set()  # runs on the loop
         return await task
@@ -220,18 +221,50 @@ def test_a_stream_closed_while_its_events_wait_counts_as_the_client_leaving():
     from types import SimpleNamespace
 
     from saguaro_ray.serve.metrics import ServeMetrics
-    from saguaro_ray.serve.replica import ReplicaCore
+    from saguaro_ray.serve.streaming import sse_events
 
-    core = ReplicaCore()
-    core.metrics = ServeMetrics("edge-test")
+    metrics = ServeMetrics("edge-test")
     engine = SimpleNamespace(entry=SimpleNamespace(name="ar"), mode="ar", k=None)
     body = CompletionRequest(model="m", prompt="x", stream=True)
     first = (0, {"token_ids": [7], "text": "a", "finish_reason": None})
 
     async def main() -> None:
-        events = core._sse_events("completions", body, engine, asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
+        events = sse_events(metrics, "completions", body, engine, asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
         assert (await events.__anext__()).startswith("data: ")
         await events.aclose()  # what the response does with it once its send failed
 
     asyncio.run(main())
-    assert core.metrics.snapshot()["counters"] == {"requests{route=completions,engine=ar,status=499}": 1.0, "requests_total": 1.0}
+    assert metrics.snapshot()["counters"] == {"requests{route=completions,engine=ar,status=499}": 1.0, "requests_total": 1.0}
+
+
+def test_each_replica_app_answers_with_its_own_replica():
+    """The HTTP app is built per replica: its error handlers count in that
+    replica's metrics and its body limit and keys are that replica's (they
+    were read through a class-level "current replica": the last one started)."""
+    from saguaro_ray.serve.app import build_api
+    from saguaro_ray.serve.auth import APIKeys
+    from saguaro_ray.serve.config import parse_config
+    from saguaro_ray.serve.metrics import ServeMetrics
+    from saguaro_ray.serve.replica import ReplicaCore
+
+    def replica(name: str, keys: list[str], max_body_bytes: int) -> ReplicaCore:
+        core = ReplicaCore()  # not started: no engines, the routes' checks run before any
+        core.cfg = parse_config({"target": "unused", "model_name": name, "api_keys": keys, "max_body_bytes": max_body_bytes})
+        core.keys = APIKeys(core.cfg)
+        core.metrics = ServeMetrics(name)
+        core.admission = Admission(core.cfg.max_ongoing_requests)
+        core.engines = {}
+        return core
+
+    locked, open_ = replica("locked", ["sk-a"], 100), replica("open", [], 10**6)
+    locked_client, open_client = TestClient(build_api(locked)), TestClient(build_api(open_))
+    assert locked_client.get("/v1/models").status_code == 401
+    assert open_client.get("/v1/models").json()["data"][0]["id"] == "open"
+    assert locked_client.post("/v1/completions", content=b"x" * 200).status_code == 413  # over 100 bytes
+    assert open_client.post("/v1/completions", content=b"x" * 200).status_code == 400  # parsed: not JSON
+    assert locked.metrics.snapshot()["counters"] == {"requests{route=other,engine=-,status=401}": 1.0, "requests_total": 1.0}
+    assert open_.metrics.snapshot()["counters"] == {
+        "requests{route=models,engine=-,status=200}": 1.0,
+        "requests{route=completions,engine=-,status=400}": 1.0,
+        "requests_total": 2.0,
+    }

@@ -1,7 +1,8 @@
 """The OpenAI-compatible Ray Serve application.
 
 ``build_app(config)`` returns a Serve application: one deployment
-(:class:`SaguaroDeployment`, ``serve.ingress`` of a FastAPI app) whose replica
+(:class:`SaguaroDeployment`, ``serve.ingress`` of a FastAPI app each replica
+builds over its own state, :func:`build_api`) whose replica
 launches one engine per configured speculation mode — or attaches to a named,
 already running engine — and serves
 
@@ -26,10 +27,8 @@ cannot serve (a worker gone for good, the coordinator dead — ``/health`` says
 ``request_timeout_s`` (or the request's ``timeout`` extension).
 """
 
-# No ``from __future__ import annotations`` here: FastAPI must see the route
-# parameters' real types (``Request``, the body models) through Serve's
-# class-based-view wrappers. And no logic in the decorated class: its methods
-# are pickled by value during this module's import (see replica.py).
+# No ``from __future__ import annotations`` here: FastAPI reads the route
+# parameters' real types (``Request``, the body models) from the signatures.
 
 from typing import Any
 
@@ -41,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from saguaro_ray.serve.config import ServeAppConfig, parse_config
 from saguaro_ray.serve.limits import BodyLimit
+from saguaro_ray.serve.openai_routes import OpenAIRoutes
 from saguaro_ray.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -48,22 +48,54 @@ from saguaro_ray.serve.protocol import (
 )
 from saguaro_ray.serve.replica import ReplicaCore
 
-api = FastAPI(title="saguaro-ray", description="OpenAI-compatible API over the saguaro-ray engine")
 
+def build_api(core: ReplicaCore) -> FastAPI:
+    """The HTTP app of one replica, built once ``core`` has started: its
+    routes, error handlers and body limit are bound to that replica's state
+    (no module-level app, so nothing is shared between replicas or looked up
+    through a global)."""
+    api = FastAPI(title="saguaro-ray", description="OpenAI-compatible API over the saguaro-ray engine")
+    routes = OpenAIRoutes(core)
+    api.add_middleware(BodyLimit, limit=core.cfg.max_body_bytes)
 
-def _error_response(err: APIError, route: str = "other") -> JSONResponse:
-    core = ReplicaCore.current
-    if core is not None:
-        core.metrics.request(route, "-", err.status)
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    def error_response(err: APIError, request: Request) -> JSONResponse:
+        core.metrics.request(_route_of(request), "-", err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+    @api.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request)
 
-def _body_limit() -> int | None:
-    core = ReplicaCore.current
-    return None if core is None else core.cfg.max_body_bytes
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_invalid_body(exc), request)
 
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=str(exc.status_code)), request)
 
-api.add_middleware(BodyLimit, limit=_body_limit)
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await routes.completions(body, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await routes.chat_completions(body, request)
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> Any:
+        return await routes.models(request)
+
+    @api.get("/health")
+    async def health() -> Any:
+        return await core.health()
+
+    @api.get("/v1/saguaro/metrics")
+    async def metrics_snapshot(request: Request) -> Any:
+        return await core.metrics_snapshot(request)
+
+    return api
 
 
 def _route_of(request: Request) -> str:
@@ -71,13 +103,8 @@ def _route_of(request: Request) -> str:
     return "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else "other"
 
 
-@api.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return _error_response(exc, _route_of(request))
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+def _invalid_body(exc: RequestValidationError) -> APIError:
+    """FastAPI's body validation failure as an OpenAI 400 naming the first bad field."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -90,22 +117,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         msg = f"{param}: {first['msg']}"
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more error(s))"
-    return _error_response(APIError(400, msg, param=param, code="invalid_request"), _route_of(request))
+    return APIError(400, msg, param=param, code="invalid_request")
 
 
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=str(exc.status_code)), _route_of(request))
-
-
-@serve.ingress(api)
+@serve.ingress()
 class SaguaroDeployment:
-    """One replica: routes delegate to a :class:`ReplicaCore`."""
+    """One replica: starts a :class:`ReplicaCore`, then Serve asks it for its
+    HTTP app (:func:`build_api`)."""
 
     async def __init__(self, config: dict) -> None:
         self.core = ReplicaCore()
         await self.core.start(config)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.core)
 
     async def check_health(self) -> None:
         await self.core.check_health()
@@ -114,26 +139,6 @@ class SaguaroDeployment:
         core = getattr(self, "core", None)
         if core is not None:
             core.close()
-
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        return await self.core.completions(body, request)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        return await self.core.chat_completions(body, request)
-
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> Any:
-        return await self.core.models(request)
-
-    @api.get("/health")
-    async def health(self) -> Any:
-        return await self.core.health()
-
-    @api.get("/v1/saguaro/metrics")
-    async def metrics_snapshot(self, request: Request) -> Any:
-        return await self.core.metrics_snapshot(request)
 
 
 def build_app(config: dict | ServeAppConfig) -> Any:

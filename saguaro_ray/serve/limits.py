@@ -86,20 +86,19 @@ class Admission:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit()`` bytes gets 413 with an
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 with an
     OpenAI body — by its Content-Length alone when it declares one, else as
-    soon as the bytes read exceed it — and is never parsed. (``limit`` is a
-    callable: the replica's configuration arrives after the app is built.)"""
+    soon as the bytes read exceed it — and is never parsed."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: Callable[[], int | None]) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int) -> None:
         self.app = app
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.limit() if scope["type"] == "http" else None
-        if limit is None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _refuse(send, limit)

@@ -108,6 +108,11 @@ def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="engine_unavailable")
 
 
+def deadline_passed() -> APIError:
+    """A request still running at its deadline (``request_timeout_s`` or its ``timeout``)."""
+    return APIError(504, "the request did not finish within its timeout", type="server_error", code="timeout")
+
+
 RETRY_AFTER_S = 1  # what a refused client is told to wait
 
 
@@ -253,6 +258,11 @@ class ChatCompletionRequest(_Common):
 
 
 # ------------------------------------------------------------------ responses
+
+
+def prompt_field(route: str) -> str:
+    """The request field an error about a route's prompt names."""
+    return "messages" if route == "chat" else "prompt"
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,234 @@
+"""The OpenAI routes of one replica: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+A request is checked in the order that keeps a bad or surplus one cheap: the
+API key, the model, the fields the engine cannot honour, ``n``, the stop
+strings, the engine its ``speculation`` selects, the sampling values (as
+:class:`~saguaro_ray.config.SamplingParams` checks them for the CLI and the
+Python API too), the prompt's bytes — all before it takes an admission slot;
+then, holding one, the prompt is tokenised and checked against the context
+off the event loop, and the engine runs it (or streams it, see
+:mod:`saguaro_ray.serve.streaming`). The request bodies and response helpers
+are :mod:`saguaro_ray.serve.protocol`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+
+from saguaro_ray.config import SamplingParams
+from saguaro_ray.errors import ConfigError, SaguaroError
+from saguaro_ray.serve.chat import chat_prompt_ids
+from saguaro_ray.serve.limits import check_prompt_bytes
+from saguaro_ray.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Common,
+    api_error_from,
+    choice_stats,
+    deadline_passed,
+    new_id,
+    now,
+    prompt_field,
+    saguaro_summary,
+    usage,
+)
+from saguaro_ray.serve.replica import ReplicaCore, ServedEngine
+from saguaro_ray.serve.streaming import stream_response
+
+log = logging.getLogger(__name__)
+
+# a request's prompts and sampling parameters, made once it holds an admission slot
+PromptsAndParams = Callable[[], Awaitable[tuple[list[Any], SamplingParams]]]
+
+
+class OpenAIRoutes:
+    """The OpenAI routes over one replica's engines, tokenizer, admission and metrics."""
+
+    def __init__(self, replica: ReplicaCore) -> None:
+        self.replica = replica
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
+        cfg = self.replica.cfg
+        prompts = body.prompts()
+        engine, stops = self._prepare(body, request, len(prompts))
+        deadline = time.monotonic() + body.timeout_s(cfg.request_timeout_s)
+        params = sampling_params(body, cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens, stops)
+        for p in prompts:
+            if isinstance(p, str):
+                check_prompt_bytes([p], engine.prompt_bytes, "prompt")
+
+        async def ready() -> tuple[list[Any], SamplingParams]:
+            return prompts, params
+
+        return await self._answer("completions", body, engine, ready, t0, deadline)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
+        cfg = self.replica.cfg
+        engine, stops = self._prepare(body, request)
+        deadline = time.monotonic() + body.timeout_s(cfg.request_timeout_s)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_prompt_bytes([m["content"] for m in messages], engine.prompt_bytes, "messages")
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # refuse bad values before any work (without max_tokens, they wait for the prompt's length)
+        params = None if requested is None else sampling_params(body, requested, stops)
+
+        async def ready() -> tuple[list[Any], SamplingParams]:
+            try:  # rendering and tokenising: off the event loop
+                ids = await asyncio.to_thread(chat_prompt_ids, self.replica.tokenizer, messages, cfg.chat_template)
+            except APIError:
+                raise
+            except Exception as exc:  # a template that rejects these messages (e.g. role order)
+                raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+            if params is not None:
+                return [ids], params
+            fill = max(1, min(cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
+            return [ids], sampling_params(body, fill, stops)
+
+        return await self._answer("chat", body, engine, ready, t0, deadline)
+
+    async def models(self, request: Request) -> Any:
+        replica = self.replica
+        replica.keys.check(request)
+        cfg = replica.cfg
+        engines = [
+            {"name": e.entry.name, "mode": e.mode, "k": e.k, "max_context": e.frontend.max_context, "attached": not e.owned}
+            for e in replica.engines.values()
+        ]
+        data = [
+            {
+                "id": mid,
+                "object": "model",
+                "created": now(),
+                "owned_by": "saguaro-ray",
+                "saguaro": {"target": cfg.target, "engines": engines, "default_engine": cfg.engines[0].name},
+            }
+            for mid in cfg.model_ids()
+        ]
+        replica.metrics.request("models", "-", 200)
+        return {"object": "list", "data": data}
+
+    # ------------------------------------------------------------ helpers
+    def _prepare(self, body: _Common, request: Request, prompts: int = 1) -> tuple[ServedEngine, list[str]]:
+        """Checks shared by both generation routes; returns the selected engine and the stop strings."""
+        replica = self.replica
+        cfg = replica.cfg
+        replica.keys.check(request)
+        if body.model not in cfg.model_ids():
+            raise APIError(
+                400,
+                f"model {body.model!r} is not served here; available: {', '.join(cfg.model_ids())}",
+                param="model",
+                code="model_not_found",
+            )
+        body.refuse_unsupported()
+        max_n = cfg.max_n
+        if not isinstance(body.n, int) or not 1 <= body.n <= max_n:
+            raise APIError(400, f"n must be an integer in [1, {max_n}], got {body.n!r}", param="n")
+        if prompts * body.n > max_n:
+            raise APIError(400, f"a request may ask for at most {max_n} samples (prompts x n), got {prompts} x {body.n}", param="prompt")
+        stops = body.stop_list(cfg.max_stop_sequences, cfg.max_stop_length)
+        try:
+            entry = cfg.match(body.speculation_dict())
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="speculation", code="invalid_value") from None
+        return replica.engines[entry.name], stops
+
+    async def _answer(self, route: str, body: _Common, engine: ServedEngine, ready: PromptsAndParams, t0: float, deadline: float) -> Any:
+        """Run a checked request under an admission slot: held from before its
+        prompt is tokenised until its response is complete (a stream's: until
+        the stream ends, see :mod:`saguaro_ray.serve.streaming`)."""
+        param = prompt_field(route)
+        release = self.replica.admission.enter()
+        streaming = False
+        try:
+            prompts, params = await ready()
+            prompt_lens = await validate_prompts(engine, prompts, params, param)
+            if body.stream:
+                response = await stream_response(self.replica.metrics, route, body, engine, prompts, prompt_lens, params, t0, deadline, release)
+                streaming = True
+                return response
+            results = await generate(engine, prompts, params, body.n, param, deadline)
+        finally:
+            if not streaming:
+                release()
+        return self._respond(route, body, engine, results, sum(prompt_lens), t0)
+
+    def _respond(self, route: str, body: _Common, engine: ServedEngine, results: list[Any], prompt_tokens: int, t0: float) -> dict[str, Any]:
+        """The response body of a finished request (recorded in the metrics)."""
+        chat = route == "chat"
+        choices, completion_tokens, stats = [], 0, []
+        for i, r in enumerate(results):
+            completion_tokens += len(r.token_ids)
+            stats.append(r.stats)
+            content = {"message": {"role": "assistant", "content": r.text}} if chat else {"text": r.text}
+            choices.append({"index": i, **content, "logprobs": None, "finish_reason": r.finish_reason, "saguaro": choice_stats(r.stats)})
+        metrics, name = self.replica.metrics, engine.entry.name
+        metrics.request(route, name, 200, time.perf_counter() - t0)
+        metrics.tokens(route, name, prompt_tokens, completion_tokens)
+        for r in results:
+            metrics.sample_stats(name, r.stats)
+        return {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": body.model,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+            "saguaro": saguaro_summary(name, engine.mode, engine.k, stats),
+        }
+
+
+def sampling_params(body: _Common, max_tokens: int, stops: list[str]) -> SamplingParams:
+    """The engine's sampling parameters of a request, checked as the engine
+    checks them (a 400 naming the field); the engine cuts at the stop strings
+    itself (and stops decoding there)."""
+    try:
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            max_tokens=max_tokens,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+            stop=tuple(stops),
+        )
+        params.check_samples(body.n)
+    except ConfigError as exc:
+        raise api_error_from(exc) from None
+    return params
+
+
+async def validate_prompts(engine: ServedEngine, prompts: list[Any], params: SamplingParams, param: str) -> list[int]:
+    """Validate like the engine does (empty prompts, token ids, context) and
+    return each prompt's token count — before any model work, and off the
+    event loop (tokenising a long prompt would stall every other request)."""
+    try:
+        seqs = await asyncio.to_thread(engine.frontend.make_sequences, prompts, params, 1)
+    except SaguaroError as exc:
+        raise api_error_from(exc, param) from None
+    return [len(s.prompt_ids) for s in seqs]
+
+
+async def generate(engine: ServedEngine, prompts: list[Any], params: SamplingParams, n: int, param: str, deadline: float) -> list[Any]:
+    """The engine's results; 504 once ``deadline`` passes — the engine call
+    is cancelled then (cancelling the awaiting task is the engine's abort hook)."""
+    try:
+        return await asyncio.wait_for(engine.handle.agenerate(prompts, params, n), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise deadline_passed() from None
+    except Exception as exc:
+        err = api_error_from(exc, param)
+        if err.status == 500:  # not a known engine state: keep the traceback for the operator
+            log.exception("generation failed")
+        elif err.status > 500:
+            log.error("generation failed: %s", err.message)
+        raise err from None
