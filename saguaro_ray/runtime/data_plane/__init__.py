@@ -24,7 +24,7 @@ The names below are re-exported so ``saguaro_ray.runtime.data_plane`` stays
 the one import path for users of the data plane.
 """
 
-from saguaro_ray.runtime.data_plane.errors import DataPlaneError, JoinTimeout, TransferLost
+from saguaro_ray.errors import DataPlaneError, JoinTimeout, TransferLost
 from saguaro_ray.runtime.data_plane.group import DataPlane
 from saguaro_ray.runtime.data_plane.kv_pack import pack_kv, recv_kv, send_kv, unpack_kv
 from saguaro_ray.runtime.data_plane.refs import KVDeltaRef, TensorRef

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from saguaro_ray.runtime.data_plane.dtypes import as_dtype
-from saguaro_ray.runtime.data_plane.errors import DataPlaneError, TransferLost
+from saguaro_ray.errors import DataPlaneError, TransferLost
 from saguaro_ray.runtime.data_plane.rendezvous import join_group
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class DataPlane:
             try:
                 work = self._pg.send([t], dst, tag)
             except Exception as e:  # noqa: BLE001 — the pair is closed: peer dead, group broken
-                raise TransferLost(self.rank, tag, f"cannot send to rank {dst}: {_first_line(e)}") from None
+                raise TransferLost.for_transfer(self.rank, tag, f"cannot send to rank {dst}: {_first_line(e)}") from None
             op = _Op(work, t, dst, tag, self._nccl)
             self._sent += 1
             self._bytes_sent += t.numel() * t.element_size()
@@ -354,7 +354,7 @@ class DataPlane:
             if self._nccl:
                 expected = self._next_from.get(src, 1)
                 if tag != expected:
-                    raise TransferLost(
+                    raise TransferLost.for_transfer(
                         src, tag, f"NCCL matches transfers in order and tag {expected} from rank {src} comes first; rebuild the group"
                     )
                 self._next_from[src] = expected + 1
@@ -362,7 +362,7 @@ class DataPlane:
             try:
                 work = self._pg.recv([buf], src, tag)
             except Exception as e:  # noqa: BLE001 — the pair is closed: peer dead, group broken
-                raise TransferLost(src, tag, f"the peer is gone or the group is broken ({_first_line(e)})") from None
+                raise TransferLost.for_transfer(src, tag, f"the peer is gone or the group is broken ({_first_line(e)})") from None
             op = _Op(work, buf, src, tag, self._nccl)
             self._recvs[key] = op
             if len(self._recvs) == PENDING_WARN:
@@ -395,11 +395,11 @@ class DataPlane:
             return self._collect(src, tag, shape, dt, deadline)
         while not op.wait(min(deadline, time.monotonic() + 0.25)):
             if self._closed:  # closing does not wake gloo waits: notice it here
-                raise TransferLost(src, tag, f"data plane generation {self.generation} was closed")
+                raise TransferLost.for_transfer(src, tag, f"data plane generation {self.generation} was closed")
             if time.monotonic() >= deadline:
-                raise TransferLost(src, tag, "timed out (the receive stays posted; a retry can still get it)")
+                raise TransferLost.for_transfer(src, tag, "timed out (the receive stays posted; a retry can still get it)")
         if op.error is not None:
-            raise TransferLost(src, tag, f"the peer is gone or the group is broken ({_first_line(op.error)})")
+            raise TransferLost.for_transfer(src, tag, f"the peer is gone or the group is broken ({_first_line(op.error)})")
         out = op.tensor if self._nccl or self.device.type == "cpu" else op.tensor.to(self.device)
         with self._lock:
             if self._recvs.get(key) is op:
@@ -424,7 +424,7 @@ class DataPlane:
         with self._lock:
             t = self._outbox.get((dst, tag))
         if t is None:
-            raise TransferLost(self.rank, tag, f"this member's own send to rank {dst} is no longer kept (see memo_size/memo_bytes)")
+            raise TransferLost.for_transfer(self.rank, tag, f"this member's own send to rank {dst} is no longer kept (see memo_size/memo_bytes)")
         return t
 
     # ------------------------------------------------------------ helpers

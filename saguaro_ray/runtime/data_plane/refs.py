@@ -21,7 +21,7 @@ import torch
 
 from saguaro_ray.runtime import wire
 from saguaro_ray.runtime.data_plane.dtypes import wire_dtype
-from saguaro_ray.runtime.data_plane.errors import DataPlaneError, TransferLost
+from saguaro_ray.errors import DataPlaneError, TransferLost
 from saguaro_ray.runtime.data_plane.group import DataPlane
 
 Segment = tuple[int, int, int, int, int, int]  # (src, dst, tag, transfer_rows, start, rows)
@@ -158,7 +158,7 @@ class Resolver:
     def _check(self, generation: int, src: int, dst: int, tag: int) -> None:
         p = self.plane
         if generation != p.generation:
-            raise TransferLost(src, tag, f"the reference is from data-plane generation {generation}, this member is in {p.generation}")
+            raise TransferLost.for_transfer(src, tag, f"the reference is from data-plane generation {generation}, this member is in {p.generation}")
         if p.rank not in (src, dst):
             raise DataPlaneError(f"transfer (tag {tag}) from rank {src} was sent to rank {dst}, not to this member (rank {p.rank})")
 
@@ -185,7 +185,7 @@ class Resolver:
                 p.prefetch(src, tag, shape, dtype)
                 t = p._collect(src, tag, shape, wire_dtype(dtype), self.deadline)
             if tuple(t.shape) != shape:
-                raise TransferLost(src, tag, f"holds {list(t.shape)}, the reference says {list(shape)}")
+                raise TransferLost.for_transfer(src, tag, f"holds {list(t.shape)}, the reference says {list(shape)}")
             self.got[key] = t
         return t
 
@@ -216,7 +216,7 @@ class Resolver:
             packed = torch.empty(ref.shape, dtype=wire_dtype(ref.dtype), device=self.plane.device)
         elif ref.src == self.plane.rank:
             if not ref.tags:
-                raise TransferLost(ref.src, -1, "this KV delta was sent to no one, so not even its sender kept it")
+                raise TransferLost.for_transfer(ref.src, -1, "this KV delta was sent to no one, so not even its sender kept it")
             dst, tag = ref.tags[0]
             packed = self.fetch(ref.src, dst, tag, ref.shape, ref.dtype, ref.generation)
         else:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from saguaro_ray.runtime.data_plane.errors import DataPlaneError, JoinTimeout
+from saguaro_ray.errors import DataPlaneError, JoinTimeout
 from saguaro_ray.runtime.data_plane.store import StoreClient
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from saguaro_ray.runtime.control import CommandClient, CommandServer, ControlError
-from saguaro_ray.runtime.data_plane.errors import JoinTimeout
+from saguaro_ray.errors import JoinTimeout
 
 
 class _Table:
