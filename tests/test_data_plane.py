@@ -506,3 +506,21 @@ def test_refs_survive_the_frame_codec() -> None:
     back = codec.decode(codec.encode({"q": r, "kv": k, "items": [VerifyItem(step=_step(), proposal=Proposal([1, 2, 3], q=r))]}))
     assert back["q"] == r and back["kv"] == k and back["items"][0].proposal.q == r
     assert hash(back["q"]) == hash(r)
+
+
+def test_one_transfer_lost_for_the_data_plane_and_the_round_loop() -> None:
+    """The data plane raises the very class the round loop retries on (there
+    were two, a subclass carrying the transfer and its base); it keeps the
+    transfer through pickling, and a worker's error that crossed the control
+    plane as type name and message alone rebuilds as the same class."""
+    import pickle
+
+    from saguaro_ray import errors
+    from saguaro_ray.engine import transport
+
+    assert TransferLost is transport.TransferLost is errors.TransferLost
+    lost = TransferLost.for_transfer(3, 7, "timed out")
+    again = pickle.loads(pickle.dumps(lost))
+    assert (type(again), again.src, again.tag, str(again)) == (TransferLost, 3, 7, str(lost))
+    remote = TransferLost(str(lost))  # what a CommandClient builds from an error reply
+    assert (remote.src, remote.tag, str(remote)) == (None, None, str(lost))

@@ -12,11 +12,14 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import ARCHES, save_tiny_checkpoint, torch_threads
-from tp_helpers import RUNNER_KWARGS, free_port, rank_main, scenario
-from saguaro_ray.errors import CheckpointError, ConfigError
+from tp_helpers import RUNNER_KWARGS, rank_main, scenario
+from saguaro_ray.errors import CheckpointError, ConfigError, JoinTimeout
+from saguaro_ray.runtime.data_plane import DataPlaneStore
+from saguaro_ray.runtime.wire import new_key
 from saguaro_ray.workers.checkpoint import load_decoder, open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext, check_tensor_parallel
@@ -41,8 +44,11 @@ def models(tmp_path_factory):
 
 
 def _assert_sharded_matches(models: list[str], world: int, out_dir) -> None:
-    """Run :func:`scenario` on ``world`` spawned ranks and compare with one rank."""
-    mp.spawn(rank_main, args=(world, free_port(), models, str(out_dir)), nprocs=world, join=True)
+    """Run :func:`scenario` on ``world`` spawned ranks, whose group forms
+    through the runtime's authenticated store, and compare with one rank."""
+    key = new_key()
+    with DataPlaneStore(key, host=None) as store:
+        mp.spawn(rank_main, args=(world, store.address, key, models, str(out_dir)), nprocs=world, join=True)
     for i, path in enumerate(models):
         reference = scenario(ModelRunner(path, **RUNNER_KWARGS))
         sharded = torch.load(out_dir / f"{i}.pt")
@@ -61,6 +67,20 @@ def test_four_ranks_replicating_two_kv_heads_match_one_rank(tmp_path):
     # vocabulary 130 splits 33/33/33/31
     model = save_tiny_checkpoint(tmp_path, "llama", seed=5, vocab_size=130)
     _assert_sharded_matches([str(model)], 4, tmp_path)
+
+
+def test_a_rank_without_the_engine_key_cannot_join_the_group(models):
+    """The ranks meet through the data plane's closed store (the TCPStore they
+    used let any peer that reached its port read and write the rendezvous):
+    a client without the key gets no answer, and nothing is joined."""
+    from saguaro_ray.runtime.tp_actors import join_group
+
+    tp = TPContext(ShardPlan.for_rank(open_checkpoint(models[0]).config, 0, 2), exit_on_failure=False)
+    with DataPlaneStore(new_key(), host=None) as store:
+        with pytest.raises(JoinTimeout, match="tensor-parallel rank 0 .* cannot reach the rendezvous store"):
+            join_group(tp, store.address, new_key(), torch.device("cpu"), timeout_s=0.5)
+        assert store.drop_reasons.get("bad mac", 0) > 0
+    assert tp.group is None and not dist.is_initialized()
 
 
 def test_a_rank_loads_only_its_slices(models):

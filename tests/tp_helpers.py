@@ -8,12 +8,12 @@ process and rank 0 of a sharded group — so both see identical inputs.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from saguaro_ray.runtime.data_plane import StoreClient
 from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext
@@ -21,12 +21,6 @@ from saguaro_ray.workers.tp_runner import TPRunnerProxy, follow
 
 
 RUNNER_KWARGS: dict[str, Any] = {"block_size": 4, "max_kv_tokens": 128}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scenario(runner: Any) -> list[torch.Tensor]:
@@ -47,21 +41,23 @@ def scenario(runner: Any) -> list[torch.Tensor]:
     return [t.float().cpu() for t in out]
 
 
-def rank_main(rank: int, world: int, port: int, models: list[str], out_dir: str) -> None:
+def rank_main(rank: int, world: int, address: str, key: bytes, models: list[str], out_dir: str) -> None:
     """One rank of a gloo group running :func:`scenario` on every model in turn
-    (one group serves them all); rank 0 saves each model's logits.
+    (one group serves them all); rank 0 saves each model's logits. The ranks
+    meet through the authenticated store at ``address``, as the runtime's do.
 
     The first model's context owns the group; the others borrow it for their
     model and hand it back, so :meth:`TPContext.close` frees the group (and
     joins gloo's threads) before the process exits."""
     torch.set_num_threads(1)
     group: TPContext | None = None
+    store = StoreClient(address, key, timeout_s=60.0)
     for i, path in enumerate(models):
         ckpt = open_checkpoint(path)
         tp = TPContext(ShardPlan.for_rank(ckpt.config, rank, world), exit_on_failure=False)
         runner = ModelRunner(ckpt, tp=tp, **RUNNER_KWARGS)
         if group is None:
-            tp.connect(f"tcp://127.0.0.1:{port}", runner.device)
+            tp.connect(store, runner.device)
             group = tp
         else:
             tp.group, tp.control = group.group, group.control
@@ -77,3 +73,4 @@ def rank_main(rank: int, world: int, port: int, models: list[str], out_dir: str)
                 tp.group = tp.control = None
     assert group is not None
     group.close()
+    store.close()

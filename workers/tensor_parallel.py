@@ -149,19 +149,23 @@ class TPContext:
     def world(self) -> int:
         return self.plan.world
 
-    def connect(self, init_method: str, device: torch.device) -> None:
-        """Join the group at ``init_method`` (``tcp://host:port``; rank 0 hosts the store)."""
+    def connect(self, store: dist.Store, device: torch.device) -> None:
+        """Join the group through ``store``, a ``torch.distributed.Store`` every
+        rank reaches. The runtime passes an authenticated one (see
+        ``saguaro_ray.runtime.tp_actors.join_group``): torch's own TCPStore
+        listens on every interface and lets any peer read or write the keys
+        the ranks meet through."""
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a default process group")
         cuda = device.type == "cuda"
         if cuda and device.index is not None:  # Ray actors see their one GPU as the current device
             torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=init_method, rank=self.rank, world_size=self.world, timeout=IDLE_TIMEOUT
+            "nccl" if cuda else "gloo", store=store, rank=self.rank, world_size=self.world, timeout=IDLE_TIMEOUT
         )
         self.group = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if cuda else self.group
-        log.info("tensor-parallel rank %d/%d joined %s", self.rank, self.world, init_method)
+        log.info("tensor-parallel rank %d/%d joined its group", self.rank, self.world)
 
     def close(self) -> None:
         """Leave the group and stop its backend's threads before returning.

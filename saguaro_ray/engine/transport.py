@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from saguaro_ray.errors import SaguaroError
+from saguaro_ray.errors import TransferLost as TransferLost  # re-exported: the round loop catches it from here
 from saguaro_ray.workers.messages import Timed
 
 
@@ -24,12 +25,6 @@ class WorkerLost(SaguaroError, RuntimeError):
 class WorkerGone(SaguaroError, RuntimeError):
     """A worker cannot be brought back (restarts exhausted); requests that need
     it fail with this error."""
-
-
-class TransferLost(SaguaroError, RuntimeError):
-    """A tensor a call refers to (q rows, a KV delta) never arrived over the
-    data plane — its sender died or the group was rebuilt. The caller re-sends
-    the call self-contained (without data-plane references)."""
 
 
 class WorkerHandle(Protocol):

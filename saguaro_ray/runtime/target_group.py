@@ -12,7 +12,7 @@ loses the group. :class:`TargetGroupHandle` watches every rank (not just
 rank 0) while calls are pending; on a loss it fails the pending calls with
 :class:`WorkerLost`, and :meth:`TargetGroupHandle.recover` has Ray restart
 every rank still running the old process, waits for all T fresh processes,
-re-forms the group on a new port, and only then reconnects to rank 0's new
+re-forms the group through a fresh store, and only then reconnects to rank 0's new
 endpoint; the round loop re-prefills running sequences as for a single
 target. Each loss costs the group one restart of its budget (Ray restarts
 the ranks without limit; past the budget the whole group is stopped).
@@ -49,10 +49,10 @@ class TargetGroup:
         return len(self.actors)
 
     def join(self, timeout_s: float = 300.0) -> None:
-        """Form the process group: rank 0 picks a fresh address, every rank joins it."""
-        init_method = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
-        ray.get([a.join.remote(init_method) for a in self.actors], timeout=timeout_s)
-        log.info("target group of %d ranks formed at %s", self.size, init_method)
+        """Form the process group: rank 0 hosts a fresh store, every rank joins through it."""
+        address = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
+        ray.get([a.join.remote(address, timeout_s) for a in self.actors], timeout=timeout_s)
+        log.info("target group of %d ranks formed through the store at %s", self.size, address)
 
     def infos(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         return [actor_info(a, timeout_s) for a in self.actors]

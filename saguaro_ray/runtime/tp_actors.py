@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from typing import Any
 
@@ -27,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.actors import WorkerActor, make_runner
+from saguaro_ray.runtime.data_plane import DataPlaneStore, StoreClient
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
 from saguaro_ray.runtime.target_group import TargetGroup
@@ -45,38 +45,70 @@ def rank_runner(model: str, config: EngineConfig, rank: int) -> tuple[ModelRunne
     return make_runner(ckpt, config, tp), tp
 
 
+def join_group(tp: TPContext, address: str, key: bytes, device: torch.device, timeout_s: float) -> None:
+    """Join ``tp``'s group through the rank-0 store at ``address``.
+
+    The store is the data plane's closed rendezvous (a
+    :class:`~saguaro_ray.runtime.data_plane.store.DataPlaneStore`): every
+    operation is a call authenticated with the engine's ``key``, where the
+    ``tcp://`` TCPStore it replaces listened on every interface and let any
+    peer list, read and write the ranks' addresses. A client without the key
+    fails here with :class:`~saguaro_ray.errors.JoinTimeout`."""
+    client = StoreClient.connect(address, key, timeout_s, f"tensor-parallel rank {tp.rank} at {address}")
+    try:
+        tp.connect(client, device)  # the process group keeps the client, its store, alive
+    except BaseException:
+        client.close()
+        raise
+
+
 class TargetLeaderActor(WorkerActor):
-    """Rank 0: the target worker the coordinator sees, driving the followers."""
+    """Rank 0: the target worker the coordinator sees, driving the followers,
+    and the host of their group's store."""
+
+    def __init__(self, role: str, model: ModelRef, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
+        self._key = key
+        self._store: DataPlaneStore | None = None
+        super().__init__(role, model, config, key, tcp_host)
 
     def _make_runner(self, model: ModelRef, config: EngineConfig) -> TPRunnerProxy:
         runner, self.tp = rank_runner(model.path, config, 0)  # a target: never quantised
         return TPRunnerProxy(runner, self.tp)
 
     def rendezvous(self) -> str:
-        """A fresh ``tcp://`` address on this node for the group's store."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        """The address of a fresh store for the group (a formation never sees
+        an earlier one's keys), bound where this worker's server is: the node
+        address, or an IPC socket when the engine runs on one node."""
+        if self._store is not None:
+            self._store.close()
+        host = ray.util.get_node_ip_address() if self.server.endpoint.startswith("tcp://") else None
+        self._store = DataPlaneStore(self._key, host)
+        return self._store.address
 
-    def join(self, init_method: str) -> None:
-        self.tp.connect(init_method, self.logic.runner.device)
+    def join(self, address: str, timeout_s: float) -> None:
+        join_group(self.tp, address, self._key, self.logic.runner.device, timeout_s)
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "tp_rank": 0, "tp_size": self.tp.world}
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._store is not None:
+            self._store.close()
 
 
 class TargetFollowerActor:
     """Rank r > 0: loads its slice, then replays rank 0's runner calls."""
 
-    def __init__(self, model: str, config: EngineConfig, rank: int) -> None:
+    def __init__(self, model: str, config: EngineConfig, rank: int, key: bytes) -> None:
         logging.basicConfig(level=logging.INFO)
         torch.set_num_threads(config.threads_per_worker)
         self.runner, self.tp = rank_runner(model, config, rank)
+        self._key = key
         self._thread: threading.Thread | None = None
 
-    def join(self, init_method: str) -> None:
-        self.tp.connect(init_method, self.runner.device)
+    def join(self, address: str, timeout_s: float) -> None:
+        join_group(self.tp, address, self._key, self.runner.device, timeout_s)
         self._thread = threading.Thread(target=self._follow, name=f"saguaro-tp-rank{self.tp.rank}", daemon=True)
         self._thread.start()
 
@@ -143,7 +175,7 @@ def launch_target_group(
         if rank == 0:
             actors.append(ray.remote(TargetLeaderActor).options(**opts).remote("target", model, config, key, tcp_host))
         else:
-            actors.append(ray.remote(TargetFollowerActor).options(**opts).remote(model.path, config, rank))
+            actors.append(ray.remote(TargetFollowerActor).options(**opts).remote(model.path, config, rank, key))
     group = TargetGroup(actors, pg)
     try:
         group.join(timeout_s=config.call_timeout_s + 300.0)
