@@ -50,3 +50,37 @@ class EngineOverloadedError(SaguaroError, RuntimeError):
 class DeadlineExceededError(SaguaroError, TimeoutError):
     """A request ran past its ``deadline_s`` (queueing included) and was
     aborted; its KV was freed on every worker."""
+
+
+# ---------------------------------------------------------------- the control plane
+
+
+class ControlError(SaguaroError, RuntimeError):
+    """The control plane could not deliver a call or a message."""
+
+
+class RemoteError(ControlError):
+    """A worker method raised; ``type_name`` is the remote exception's class name."""
+
+    def __init__(self, type_name: str, message: str, worker: str = "", remote_traceback: str = "") -> None:
+        self.type_name = type_name
+        self.message = message
+        self.worker = worker
+        self.remote_traceback = remote_traceback
+        where = f"worker {worker!r} raised " if worker else ""
+        super().__init__(f"{where}{type_name}: {message}")
+
+    def __reduce__(self) -> tuple:
+        return (RemoteError, (self.type_name, self.message, self.worker, self.remote_traceback))
+
+
+class WorkerTimeout(ControlError, TimeoutError):
+    """A worker did not answer a call within its timeout (the call may still run there)."""
+
+
+class ClientClosed(ControlError):
+    """The command client was closed before the call was answered."""
+
+
+class SubscriberTimeout(ControlError, TimeoutError):
+    """Fewer subscribers than required joined a broadcast in time."""

@@ -29,10 +29,10 @@ from saguaro_ray.runtime.control import (
     Subscriber,
     SubscriberTimeout,
     WorkerTimeout,
-    _ClockMap,
     bind_endpoint,
     release_endpoint,
 )
+from saguaro_ray.runtime.control.client import _ClockMap
 from saguaro_ray.runtime.replay import Sender
 from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
@@ -869,7 +869,7 @@ def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
     import subprocess
     import sys
 
-    from saguaro_ray.runtime import control
+    from saguaro_ray.runtime.control import endpoints as control
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
