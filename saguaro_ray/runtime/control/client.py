@@ -38,11 +38,11 @@ import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import zmq
 
-from saguaro_ray.errors import ClientClosed, ControlError, RemoteError, WorkerTimeout
+from saguaro_ray.errors import ClientClosed, ControlError, RemoteError, WorkerTimeout, local_error
 from saguaro_ray.runtime.control.endpoints import _connect
 from saguaro_ray.runtime.control.sockets import _HELLO_CALL, _PING, _STATS, DEFAULT_MAX_FRAME_BYTES, _Drops, _poll_ms, _sock
 from saguaro_ray.runtime.replay import ReplayGuard, Sender
@@ -108,11 +108,10 @@ class CommandClient:
     round-trip overhead). Future callbacks run on the client's I/O thread:
     keep them short.
 
-    ``known_errors`` maps remote exception type names to local classes to
-    raise instead of :class:`RemoteError` (built as ``cls(message)``, with the
-    ``RemoteError`` as ``__cause__``), e.g. ``{"NeedsPrefillError":
-    NeedsPrefillError}`` so a round loop can catch what it catches in-process.
-    Unlike ``InProcessWorker``, an unknown method is reported through the
+    A remote exception of one of the project's types (say
+    ``NeedsPrefillError``) is raised as that type, with the
+    :class:`RemoteError` as ``__cause__`` (:func:`saguaro_ray.errors.local_error`),
+    so a round loop catches what it catches in process. Unlike ``InProcessWorker``, an unknown method is reported through the
     future (``RemoteError`` of type ``"MethodNotAllowed"``), not at submit.
 
     Before any call the I/O thread shakes hands (``__hello__``): the reply
@@ -131,7 +130,6 @@ class CommandClient:
         poll_interval_s: float = 0.05,
         clock_sync: bool | None = None,
         max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
-        known_errors: Mapping[str, type[BaseException]] | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
@@ -145,7 +143,6 @@ class CommandClient:
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._clock = _ClockMap() if (clock_sync if clock_sync is not None else not endpoint.startswith("ipc://")) else None
         self._drops = _Drops(f"command client {name!r}")
-        self._known_errors = dict(known_errors or {})
         self._late = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _pending and _closed
@@ -449,17 +446,7 @@ class CommandClient:
             _fail(p.future, ControlError(f"worker {self.name!r} sent a malformed error reply to {p.method}()"))
             return
         tb = msg.get("traceback")
-        err: BaseException = RemoteError(type_name, message, self.name, tb if type(tb) is str else "")
-        local = self._known_errors.get(type_name)
-        if local is not None:
-            try:
-                mapped = local(message)
-            except Exception:
-                log.warning("command client %r: cannot build %s(%r); raising RemoteError", self.name, local.__name__, message)
-            else:
-                mapped.__cause__ = err
-                err = mapped
-        _fail(p.future, err)
+        _fail(p.future, local_error(RemoteError(type_name, message, self.name, tb if type(tb) is str else "")))
 
     def _expire(self) -> None:
         now = time.monotonic()
