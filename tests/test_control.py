@@ -32,7 +32,7 @@ from saguaro_ray.runtime.control import (
     bind_endpoint,
     release_endpoint,
 )
-from saguaro_ray.runtime.control.client import _ClockMap
+from saguaro_ray.runtime.control.clock import ClockMap
 from saguaro_ray.runtime.replay import Sender
 from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
@@ -334,7 +334,7 @@ def test_bind_endpoint_helpers():
 
 
 def test_clock_map_keeps_the_tightest_sample():
-    m = _ClockMap()
+    m = ClockMap()
     # worker clock = local + 100; a call that ran 1.0-1.5 locally, sent at 0.9, answered at 1.6
     m.sample(0.9, 1.6, 101.0, 101.5)
     assert abs(m.offset - 100.0) < 1e-9

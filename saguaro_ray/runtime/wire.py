@@ -46,6 +46,7 @@ import msgpack
 import torch
 
 from saguaro_ray.config import SamplingParams
+
 # the frame errors and their reasons live in saguaro_ray.errors; the codec re-exports them
 from saguaro_ray.errors import BAD_MAC, BAD_TENSOR, MALFORMED, MISADDRESSED, REASONS, REPLAYED, UNKNOWN_TYPE, BadFrame, EncodeError  # noqa: F401
 from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
@@ -69,6 +70,7 @@ __all__ = [
 MAC_SIZE = 32  # bytes of HMAC-SHA256
 MIN_KEY_BYTES = 16
 MAX_TENSOR_DIMS = 16
+
 
 def new_key() -> bytes:
     """A fresh 32-byte HMAC key (one per engine, handed to workers through Ray)."""

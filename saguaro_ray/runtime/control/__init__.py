@@ -15,7 +15,8 @@ ROUTER, answered to the coordinator, :mod:`.forwarding`) and the broadcast
 key are :mod:`.endpoints`.
 
 What they share (socket factory, poll bound, drop counter, built-in call
-names) is :mod:`.sockets`. The frame codec is
+names) is :mod:`.sockets`; :mod:`.clock` maps worker spans onto the
+client's clock. The frame codec is
 :mod:`saguaro_ray.runtime.wire`; the exceptions are in :mod:`saguaro_ray.errors`.
 """
 

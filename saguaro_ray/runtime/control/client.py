@@ -26,6 +26,11 @@ blocks of 100, three runs: the direct send's round trip median is
 127/134/142 µs against 153/154/197 µs relayed over ipc, 170/147/153 against
 190/168/189 µs over tcp (p90 190–229 against 268–316 µs), lower in 56–59 of
 60 blocks (docs/performance.md, "The control plane, measured").
+
+The module is a little over 400 lines because it is one thread's state: the
+handshake, both send paths, expiry and reply matching all read and write the
+same pending table under the same two locks, and splitting them would spread
+that invariant over files. Mapping spans onto this clock is :mod:`.clock`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any, Iterable
 import zmq
 
 from saguaro_ray.errors import ClientClosed, ControlError, RemoteError, WorkerTimeout, local_error
+from saguaro_ray.runtime.control.clock import ClockMap
 from saguaro_ray.runtime.control.endpoints import _connect
 from saguaro_ray.runtime.control.sockets import _HELLO_CALL, _PING, _STATS, DEFAULT_MAX_FRAME_BYTES, _Drops, _poll_ms, _sock
 from saguaro_ray.runtime.replay import ReplayGuard, Sender
@@ -50,34 +56,6 @@ from saguaro_ray.runtime.wire import MALFORMED, MISADDRESSED, BadFrame, FrameCod
 from saguaro_ray.workers.messages import Timed
 
 log = logging.getLogger(__name__)
-
-
-class _ClockMap:
-    """Maps a worker's ``perf_counter`` spans onto this process's clock.
-
-    Each reply is an NTP-style sample: sent at ``t0`` (here), ran over
-    ``[start, end]`` (there), received at ``t1`` (here); ``offset = ((start -
-    t0) + (end - t1)) / 2`` with error at most ``(t1 - t0 - (end - start)) / 2``.
-    The sample with the smallest error bound (aged by a generous drift rate)
-    wins, so calls that waited in the worker's queue never spoil it.
-    """
-
-    DRIFT = 1e-4  # s/s
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-        self.bound = float("inf")
-        self._at = 0.0
-
-    def sample(self, t0: float, t1: float, start: float, end: float) -> None:
-        bound = max(0.0, (t1 - t0) - (end - start)) / 2
-        if bound <= self.bound + self.DRIFT * (t1 - self._at):
-            self.offset = ((start - t0) + (end - t1)) / 2
-            self.bound = bound
-            self._at = t1
-
-    def map(self, timed: Timed) -> Timed:
-        return Timed(timed.value, timed.start - self.offset, timed.end - self.offset)
 
 
 @dataclass
@@ -104,7 +82,7 @@ class CommandClient:
     Spans are reported on *this* process's ``perf_counter`` clock: with
     ``clock_sync`` (default: on for ``tcp://``, off for ``ipc://`` where both
     ends share the monotonic clock) worker spans are shifted by an offset
-    estimated from the round trips (see ``_ClockMap``; error ≤ half the best
+    estimated from the round trips (see ``ClockMap``; error ≤ half the best
     round-trip overhead). Future callbacks run on the client's I/O thread:
     keep them short.
 
@@ -141,7 +119,7 @@ class CommandClient:
         self.server_id: bytes | None = None  # set by the I/O thread when the handshake is answered
         self._held: deque[tuple[int, bytes]] = deque()  # I/O thread only: calls waiting for the handshake
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._clock = _ClockMap() if (clock_sync if clock_sync is not None else not endpoint.startswith("ipc://")) else None
+        self._clock = ClockMap() if (clock_sync if clock_sync is not None else not endpoint.startswith("ipc://")) else None
         self._drops = _Drops(f"command client {name!r}")
         self._late = 0
         self._ids = itertools.count(1)
