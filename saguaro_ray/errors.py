@@ -182,14 +182,25 @@ def local_error(remote: RemoteError) -> BaseException:
     built from its message with ``remote`` as its ``__cause__`` (so a round
     loop catches over the wire what it catches in process), or ``remote``
     itself for any other type (a ``KeyError``, a ``MethodNotAllowed``, a
-    delivery error) or one that cannot be built from a message alone."""
+    delivery error).
+
+    A type whose constructor needs more than a message (a transfer's source
+    and tag) is raised as its nearest base that takes one, below
+    :class:`SaguaroError` — still what the caller catches — or, if none
+    does, as ``remote``."""
     cls = _by_name().get(remote.type_name)
     if cls is None:
         return remote
-    try:
-        err = cls(remote.message)
-    except Exception:
-        log.warning("cannot build %s(%r) from %s; raising RemoteError", cls.__name__, remote.message, remote.worker or "a worker")
-        return remote
-    err.__cause__ = remote
-    return err
+    for base in cls.__mro__:
+        if base is SaguaroError and cls is not SaguaroError:
+            break
+        if not issubclass(base, SaguaroError) or issubclass(base, _DELIVERY_ERRORS):
+            continue
+        try:
+            err = base(remote.message)
+        except Exception:
+            continue
+        err.__cause__ = remote
+        return err
+    log.warning("cannot build %s(%r) from %s's error; raising RemoteError", cls.__name__, remote.message, remote.worker or "a worker")
+    return remote

@@ -29,17 +29,28 @@ def test_foreign_and_delivery_errors_stay_remote_errors(type_name):
     assert local_error(remote) is remote
 
 
-def test_a_type_that_needs_more_than_a_message_stays_a_remote_error(monkeypatch):
+def test_a_type_that_needs_more_than_a_message_is_raised_as_its_nearest_base(monkeypatch):
+    """A data-plane transfer loss (built from source, tag and reason) still
+    reaches the round loop as the TransferLost it retries on; a type with no
+    such base stays a RemoteError."""
+
+    class LostInTransit(errors.TransferLost):
+        def __init__(self, src: int, tag: int) -> None:
+            super().__init__(f"from {src} tag {tag}")
+
     class NeedsTwo(SaguaroError):
         def __init__(self, a: str, b: str) -> None:
             super().__init__(a + b)
 
+    monkeypatch.setitem(vars(errors), "LostInTransit", LostInTransit)
     monkeypatch.setitem(vars(errors), "NeedsTwo", NeedsTwo)
     errors._by_name.cache_clear()
     try:
+        lost = RemoteError("LostInTransit", "from 1 tag 7", "draft0")
+        err = local_error(lost)
+        assert type(err) is errors.TransferLost and str(err) == "from 1 tag 7" and err.__cause__ is lost
         remote = RemoteError("NeedsTwo", "m", "target")
         assert local_error(remote) is remote
-        assert "NeedsTwo" in errors._by_name()
     finally:
         monkeypatch.undo()
         errors._by_name.cache_clear()
