@@ -19,13 +19,10 @@ and its connection together and sends them itself; the switch happens once
 none of those is pending, so calls still reach the server in submission order.
 
 Why two connections: relaying every call through the I/O thread costs a
-thread hop (a wake-up and a GIL hand-over) per call. Measured on the 2-core
-VM, loaded by other work (load average ~16), one client of each kind open on
-the same server in another process, 6000 echo calls each in interleaved
-blocks of 100, three runs: the direct send's round trip median is
-127/134/142 µs against 153/154/197 µs relayed over ipc, 170/147/153 against
-190/168/189 µs over tcp (p90 190–229 against 268–316 µs), lower in 56–59 of
-60 blocks (docs/performance.md, "The control plane, measured").
+thread hop (a wake-up and a GIL hand-over) per call — measured (issue 18,
+interleaved, ipc and tcp) at 20–55 µs of a 130–200 µs call round trip, the
+direct send faster in 56–59 of 60 blocks; the runs are in docs/performance.md
+("The control plane, measured").
 
 The module is a little over 400 lines because it is one thread's state: the
 handshake, both send paths, expiry and reply matching all read and write the
@@ -50,7 +47,7 @@ import zmq
 from saguaro_ray.errors import ClientClosed, ControlError, RemoteError, WorkerTimeout, local_error
 from saguaro_ray.runtime.control.clock import ClockMap
 from saguaro_ray.runtime.control.endpoints import _connect
-from saguaro_ray.runtime.control.sockets import _HELLO_CALL, _PING, _STATS, DEFAULT_MAX_FRAME_BYTES, _Drops, _poll_ms, _sock
+from saguaro_ray.runtime.control.sockets import _HELLO_CALL, _PING, _STATS, DEFAULT_MAX_FRAME_BYTES, SocketOwner, _Drops, _poll_ms, _sock
 from saguaro_ray.runtime.replay import ReplayGuard, Sender
 from saguaro_ray.runtime.wire import MALFORMED, MISADDRESSED, BadFrame, FrameCodec, Stamp, pack_payload, unpack_payload
 from saguaro_ray.workers.messages import Timed
@@ -68,7 +65,7 @@ class _Pending:
     relayed: bool = False  # sent through the I/O thread (before the direct path was known to work)
 
 
-class CommandClient:
+class CommandClient(SocketOwner):
     """Coordinator side: calls a :class:`CommandServer` (a worker handle).
 
     ``submit(method, *args)`` returns a ``Future[Timed]`` — the contract of
@@ -159,15 +156,6 @@ class CommandClient:
         self._relayed = 0  # relayed calls not yet answered (incremented under _send_lock)
         self._thread = threading.Thread(target=self._run, name=f"saguaro-client-{name}", daemon=True)
         self._thread.start()
-
-    # public -------------------------------------------------------------
-    @property
-    def dropped_frames(self) -> int:
-        return self._drops.total
-
-    @property
-    def drop_reasons(self) -> dict[str, int]:
-        return self._drops.reasons()
 
     @property
     def late_replies(self) -> int:
@@ -273,11 +261,6 @@ class CommandClient:
             self._outbox.close(0)
             self._tx.close(0)
 
-    def __enter__(self) -> "CommandClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # I/O thread ---------------------------------------------------------
     def _seal(self, payload: bytes) -> bytes:

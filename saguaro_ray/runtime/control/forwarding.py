@@ -6,7 +6,9 @@ call (:meth:`CommandClient.expect`) and hands the worker the peer's
 endpoint, its own client's routing id and the call id; the request names
 that routing id as ``reply_to``, so the peer answers the coordinator as if
 it had sent the call itself. The SSD target uses it to start the drafts'
-cache lookups the moment verification ends.
+cache lookups the moment verification ends. A forwarded call is addressed to
+the peer server's id, which the coordinator hands over with the rest of the
+call's address, and numbered by this forwarder.
 """
 
 from __future__ import annotations

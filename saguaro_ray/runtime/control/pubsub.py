@@ -30,12 +30,12 @@ import zmq
 
 from saguaro_ray.errors import ControlError, SubscriberTimeout
 from saguaro_ray.runtime.control.endpoints import _connect, _serve_on, release_endpoint
-from saguaro_ray.runtime.control.sockets import _DATA, _HELLO, _Drops, _sock
+from saguaro_ray.runtime.control.sockets import _DATA, _HELLO, SocketOwner, _Drops, _sock
 from saguaro_ray.runtime.replay import ReplayGuard, Sender
 from saguaro_ray.runtime.wire import MALFORMED, BadFrame, FrameCodec, unpack_payload
 
 
-class Broadcaster:
+class Broadcaster(SocketOwner):
     """Coordinator → many workers: an XPUB socket with an authenticated join.
 
     ``publish(obj, topic="")`` sends to every subscriber of ``topic`` (a
@@ -78,14 +78,6 @@ class Broadcaster:
             sock.close(0)
             raise
         self._sock = sock
-
-    @property
-    def dropped_frames(self) -> int:
-        return self._drops.total
-
-    @property
-    def drop_reasons(self) -> dict[str, int]:
-        return self._drops.reasons()
 
     def invitation(self) -> list[Any]:
         """What a :class:`Subscriber` needs to join: ``[endpoint, this
@@ -190,14 +182,9 @@ class Broadcaster:
             self._sock.close(0)
         release_endpoint(self.endpoint)
 
-    def __enter__(self) -> "Broadcaster":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
-class Subscriber:
+class Subscriber(SocketOwner):
     """Worker side of a :class:`Broadcaster`: ``recv(timeout_s)`` → object or ``None``.
 
     Built from the broadcaster's :meth:`~Broadcaster.invitation`; joins with
@@ -240,14 +227,6 @@ class Subscriber:
         sock.setsockopt(zmq.SUBSCRIBE, _HELLO + self._codec.encode({"hello": self.id, "topics": self.topics}))
         _connect(sock, key, endpoint)
         self._sock = sock
-
-    @property
-    def dropped_frames(self) -> int:
-        return self._drops.total
-
-    @property
-    def drop_reasons(self) -> dict[str, int]:
-        return self._drops.reasons()
 
     def recv(self, timeout_s: float = 1.0) -> Any:
         """The next authentic message, or ``None`` if none arrives within ``timeout_s``."""
@@ -300,11 +279,6 @@ class Subscriber:
             self._closed = True
             self._sock.close(0)
 
-    def __enter__(self) -> "Subscriber":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 _REJECTED = object()

@@ -35,6 +35,7 @@ from saguaro_ray.runtime.control.sockets import (
     _SUBSCRIBE,
     DEFAULT_MAX_FRAME_BYTES,
     METHOD_NOT_ALLOWED,
+    SocketOwner,
     _Drops,
     _poll_ms,
     _sock,
@@ -46,7 +47,7 @@ from saguaro_ray.workers.messages import Timed
 log = logging.getLogger(__name__)
 
 
-class CommandServer:
+class CommandServer(SocketOwner):
     """Worker side: serves ``allowed`` methods of ``target`` on a ROUTER socket.
 
     Requests are ``{"id", "method", "args"}``; each is executed on the server
@@ -136,15 +137,6 @@ class CommandServer:
         # the socket moves to the server thread here (Thread.start is a memory barrier)
         self._thread = threading.Thread(target=self._serve, name=f"saguaro-cmd-{name}", daemon=True)
         self._thread.start()
-
-    # counters -----------------------------------------------------------
-    @property
-    def dropped_frames(self) -> int:
-        return self._drops.total
-
-    @property
-    def drop_reasons(self) -> dict[str, int]:
-        return self._drops.reasons()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -253,12 +245,7 @@ class CommandServer:
         msg = sub.recv(0)
         if msg is None:
             return
-        if (
-            type(msg) is not dict
-            or type(msg.get("method")) is not str
-            or type(msg.get("args")) is not list
-            or type(msg.get("calls")) is not dict
-        ):
+        if not _shaped(msg, method=str, args=list, calls=dict):
             self._drops.drop(MALFORMED, "broadcast call is not {method: str, args: list, calls: dict}")
             return
         entry = msg["calls"].get(self.name)
@@ -285,12 +272,7 @@ class CommandServer:
         except BadFrame as e:
             self._drops.drop(e.reason, e.detail)
             return
-        if (
-            type(msg) is not dict
-            or type(msg.get("id")) is not int
-            or type(msg.get("method")) is not str
-            or type(msg.get("args")) is not list
-        ):
+        if not _shaped(msg, id=int, method=str, args=list):
             self._drops.drop(MALFORMED, "request is not {id: int, method: str, args: list}")
             return
         cid, method, args = msg["id"], msg["method"], msg["args"]
@@ -371,8 +353,8 @@ class CommandServer:
                 log.warning("command server %r: a call is still running after %.1fs; leaving it", self.name, timeout_s)
         release_endpoint(self.endpoint)
 
-    def __enter__(self) -> "CommandServer":
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def _shaped(msg: Any, **fields: type) -> bool:
+    """Whether a decoded request is a dict whose ``fields`` have exactly these
+    types (``type() is``: a bool is not an int, a tuple not a list)."""
+    return type(msg) is dict and all(type(msg.get(name)) is t for name, t in fields.items())

@@ -1,5 +1,6 @@
 """What every control-plane socket owner shares: the socket factory, the
-poll bound, the drop counter and the protocol's fixed names.
+poll bound, the drop counter (and :class:`SocketOwner`, which reports it)
+and the protocol's fixed names.
 
 The server, the client, the forwarder and the broadcast each own sockets
 they make the same way (no linger, a frame size cap), poll with a timeout so
@@ -14,6 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from typing import Any, TypeVar
 
 import zmq
 
@@ -53,6 +55,34 @@ class _Drops:
     def reasons(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+_Owner = TypeVar("_Owner", bound="SocketOwner")
+
+
+class SocketOwner:
+    """What every socket owner (server, client, broadcaster, subscriber) shows
+    alike: the frames it dropped, by reason, and ``with`` closing it."""
+
+    _drops: _Drops
+
+    @property
+    def dropped_frames(self) -> int:
+        return self._drops.total
+
+    @property
+    def drop_reasons(self) -> dict[str, int]:
+        return self._drops.reasons()
+
+    def close(self) -> None:
+        """Release the owner's sockets (each owner says how)."""
+        raise NotImplementedError
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _poll_ms(poll_ms: int, deadline: float) -> int:
