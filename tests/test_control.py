@@ -29,15 +29,15 @@ from saguaro_ray.runtime.control import (
     Subscriber,
     SubscriberTimeout,
     WorkerTimeout,
-    _ClockMap,
     bind_endpoint,
     release_endpoint,
 )
+from saguaro_ray.runtime.control.clock import ClockMap
 from saguaro_ray.runtime.replay import Sender
 from saguaro_ray.runtime.wire import EncodeError, FrameCodec, new_key
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
-ALLOWED = ["add", "history", "echo", "boom", "sleep", "pid", "verify", "unsendable"]
+ALLOWED = ["add", "history", "echo", "boom", "needs_prefill", "sleep", "pid", "verify", "unsendable"]
 
 
 class Recorder:
@@ -59,6 +59,9 @@ class Recorder:
 
     def boom(self, msg: str):
         raise KeyError(msg)
+
+    def needs_prefill(self, msg: str):
+        raise NeedsPrefillError(msg)
 
     def sleep(self, s: float):
         time.sleep(s)
@@ -189,12 +192,15 @@ def test_remote_exception_and_disallowed_methods(client):
     assert client.call("echo", 1) == (1,)  # still serving
 
 
-def test_known_errors_are_raised_as_local_types(worker):
+def test_project_errors_are_raised_as_local_types(worker):
+    """A worker's exception of a project type is raised as that type (the
+    errors module's one registry; it used to be a by-name map per client)."""
     key, endpoints, _ = worker
-    with CommandClient("tcp", endpoints["tcp"], key, timeout_s=20, known_errors={"KeyError": NeedsPrefillError}) as c:
+    with CommandClient("tcp", endpoints["tcp"], key, timeout_s=20) as c:
         with pytest.raises(NeedsPrefillError) as info:
-            c.submit("boom", "seq 4").result(10)
-        assert isinstance(info.value.__cause__, RemoteError) and info.value.__cause__.type_name == "KeyError"
+            c.submit("needs_prefill", "seq 4").result(10)
+        assert isinstance(info.value.__cause__, RemoteError) and info.value.__cause__.type_name == "NeedsPrefillError"
+        assert str(info.value) == "seq 4"
         with pytest.raises(TypeError):
             c.submit(3)  # type: ignore[arg-type]
 
@@ -328,7 +334,7 @@ def test_bind_endpoint_helpers():
 
 
 def test_clock_map_keeps_the_tightest_sample():
-    m = _ClockMap()
+    m = ClockMap()
     # worker clock = local + 100; a call that ran 1.0-1.5 locally, sent at 0.9, answered at 1.6
     m.sample(0.9, 1.6, 101.0, 101.5)
     assert abs(m.offset - 100.0) < 1e-9
@@ -818,7 +824,6 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
     from saguaro_ray.engine.frontend import Frontend, open_models
     from saguaro_ray.engine.rounds import RoundLoop
     from saguaro_ray.engine.scheduler import Scheduler
-    from saguaro_ray.runtime.ray_transport import KNOWN_ERRORS
     from saguaro_ray.workers.draft import DraftLogic
     from saguaro_ray.workers.runner import ModelRunner
     from saguaro_ray.workers.target import TargetLogic
@@ -841,8 +846,8 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
     }
     tap = Tap(servers["target"].endpoint, key, replay_verifies=3)
     clients = {
-        "target": CommandClient("target", tap.endpoint, key, timeout_s=60, known_errors=KNOWN_ERRORS),
-        "draft0": CommandClient("draft0", servers["draft0"].endpoint, key, timeout_s=60, known_errors=KNOWN_ERRORS),
+        "target": CommandClient("target", tap.endpoint, key, timeout_s=60),
+        "draft0": CommandClient("draft0", servers["draft0"].endpoint, key, timeout_s=60),
     }
     max_context = min(r.max_context for r in runners.values())
     loop = RoundLoop(SpeculationConfig(mode="sd", k=3), clients["target"], runners["target"].eos_token_ids, max_context, draft=[clients["draft0"]])
@@ -869,7 +874,7 @@ def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
     import subprocess
     import sys
 
-    from saguaro_ray.runtime import control
+    from saguaro_ray.runtime.control import endpoints as control
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

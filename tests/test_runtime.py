@@ -471,7 +471,7 @@ def test_forged_control_frames_are_dropped(engine, ar_tokens):
 
 def _ipc_dirs() -> set[str]:
     """The IPC dirs on this machine that name their owner's pid (others' are not ours to judge)."""
-    from saguaro_ray.runtime.control import _IPC_PREFIX, _ipc_dir_root, _owner_pid
+    from saguaro_ray.runtime.control.endpoints import _IPC_PREFIX, _ipc_dir_root, _owner_pid
 
     root = _ipc_dir_root()
     return {os.path.join(root, n) for n in os.listdir(root) if n.startswith(_IPC_PREFIX) and _owner_pid(n) is not None}

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import pytest
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
-from saguaro_ray.runtime.control import _IPC_PREFIX, _ipc_dir_root
+from saguaro_ray.runtime.control.endpoints import _IPC_PREFIX, _ipc_dir_root
 
 TEMPERATURES = (0.0, 0.5, 0.8, 1.0)
 SETTLE_S = 60.0  # releases and discards run after a request returns: how long they may take

@@ -18,6 +18,7 @@ from typing import Any, Union
 import torch
 
 from saguaro_ray.config import SamplingParams
+from saguaro_ray.errors import NeedsPrefillError  # noqa: F401  (its home is saguaro_ray.errors; workers import it from here)
 
 RECENT_TOKENS = 4  # committed tokens each step repeats so a worker one token behind can catch up
 
@@ -73,11 +74,6 @@ class QualifyItem:
     rule: str = "exact"
     tau: float = 0.0
     div: str = "tv"
-
-
-class NeedsPrefillError(RuntimeError):
-    """A worker was asked to continue a sequence it does not hold (e.g. after a
-    restart); the caller re-sends the whole history from position 0."""
 
 
 @dataclass

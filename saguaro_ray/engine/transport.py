@@ -12,19 +12,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from saguaro_ray.errors import SaguaroError
-from saguaro_ray.errors import TransferLost as TransferLost  # re-exported: the round loop catches it from here
+# the round loop catches these by type; they live in saguaro_ray.errors, imported
+# here so the transport contract names them where it always has
+from saguaro_ray.errors import TransferLost, WorkerGone, WorkerLost  # noqa: F401
 from saguaro_ray.workers.messages import Timed
-
-
-class WorkerLost(SaguaroError, RuntimeError):
-    """A worker's process died or was restarted mid-call: its KV state is gone.
-    The caller recovers the worker and re-sends full histories."""
-
-
-class WorkerGone(SaguaroError, RuntimeError):
-    """A worker cannot be brought back (restarts exhausted); requests that need
-    it fail with this error."""
 
 
 class WorkerHandle(Protocol):

@@ -26,16 +26,14 @@ from typing import Any, Callable
 import ray
 
 from saguaro_ray.engine.rounds import Forwarded
-from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerLost
+from saguaro_ray.engine.transport import WorkerGone, WorkerLost
 from saguaro_ray.runtime.control import CommandClient
 from saguaro_ray.runtime.restart_budget import RestartBudget
-from saguaro_ray.workers.messages import NeedsPrefillError, Timed
+from saguaro_ray.workers.messages import Timed
 
 log = logging.getLogger(__name__)
 
 RECOVER_TIMEOUT_S = 300.0  # how long a worker may take to come (back) up
-
-KNOWN_ERRORS = {"NeedsPrefillError": NeedsPrefillError, "TransferLost": TransferLost}
 
 
 def actor_info(actor: Any, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -109,7 +107,7 @@ class RayWorkerHandle:
         ray.kill(self.actor, no_restart=True)
 
     def _connect(self, endpoint: str) -> CommandClient:
-        return CommandClient(self.name, endpoint, self._key, timeout_s=self._timeout_s, known_errors=KNOWN_ERRORS)
+        return CommandClient(self.name, endpoint, self._key, timeout_s=self._timeout_s)
 
     @property
     def client(self) -> CommandClient:

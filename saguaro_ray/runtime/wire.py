@@ -46,7 +46,9 @@ import msgpack
 import torch
 
 from saguaro_ray.config import SamplingParams
-from saguaro_ray.errors import SaguaroError
+
+# the frame errors and their reasons live in saguaro_ray.errors; the codec re-exports them
+from saguaro_ray.errors import BAD_MAC, BAD_TENSOR, MALFORMED, MISADDRESSED, REASONS, REPLAYED, UNKNOWN_TYPE, BadFrame, EncodeError  # noqa: F401
 from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
 
 __all__ = [
@@ -68,38 +70,6 @@ __all__ = [
 MAC_SIZE = 32  # bytes of HMAC-SHA256
 MIN_KEY_BYTES = 16
 MAX_TENSOR_DIMS = 16
-
-BAD_MAC = "bad mac"
-MALFORMED = "malformed"
-UNKNOWN_TYPE = "unknown type"
-BAD_TENSOR = "bad tensor"
-REPLAYED = "replayed"  # a sequence number already accepted, or older than the receiver's window
-MISADDRESSED = "misaddressed"  # for another recipient, or from a sender the receiver does not accept
-REASONS = (BAD_MAC, MALFORMED, UNKNOWN_TYPE, BAD_TENSOR, REPLAYED, MISADDRESSED)
-
-
-class BadFrame(SaguaroError, ValueError):
-    """A received frame is unauthenticated or cannot be decoded; never act on it.
-
-    ``reason`` is one of ``"bad mac"``, ``"malformed"``, ``"unknown type"``,
-    ``"bad tensor"``, ``"replayed"``, ``"misaddressed"`` (what the drop
-    counters are keyed by); ``detail`` says more.
-    """
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        if reason not in REASONS:
-            raise ValueError(f"BadFrame reason must be one of {REASONS}, got {reason!r}")
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-
-    def __reduce__(self) -> tuple:
-        return (BadFrame, (self.reason, self.detail))
-
-
-class EncodeError(SaguaroError, TypeError):
-    """An object cannot be sent: its type is not wire-safe (register the
-    dataclass with :func:`saguaro_ray.runtime.wire.register`, or convert it)."""
 
 
 def new_key() -> bytes:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from saguaro_ray.errors import ConfigError
+from saguaro_ray.errors import ConfigError, ServeAlreadyElsewhere
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,6 @@ def _connect_or_start(address: str | None, detach: bool) -> bool:
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-class ServeAlreadyElsewhere(ConfigError):
-    """Serve runs on the cluster with other HTTP options than the config's."""
 
 
 def _check_http(running: Any, wanted: Any) -> None:
