@@ -137,17 +137,8 @@ def _plan_joint(batch: TreeBatch, window: int | None, device: torch.device) -> J
         row_group = torch.tensor(batch.branch_seq, device=device)
         row_slot = torch.tensor([members[s].index(r) for r, s in enumerate(batch.branch_seq)], device=device)
     return JointTreePlan(
-        groups=groups,
-        rows=rows,
-        identity=identity,
-        member=member,
-        row_group=row_group,
-        row_slot=row_slot,
-        kv_slots=slots,
-        kv_range=kv_range,
-        mask=mask.to(device),
-        n_new=n_new,
-        suffix_total=total,
+        groups=groups, rows=rows, identity=identity, member=member, row_group=row_group, row_slot=row_slot,
+        kv_slots=slots, kv_range=kv_range, mask=mask.to(device), n_new=n_new, suffix_total=total,
     )
 
 
@@ -207,14 +198,9 @@ def _plan_cascade(batch: TreeBatch, window: int | None, device: torch.device) ->
     if window is not None:
         suffix_allowed &= (qi - kj) < window
     return CascadeTreePlan(
-        row_group=torch.tensor(batch.branch_seq, device=device),
-        row_slot=torch.tensor(row_slot, device=device),
-        rows_max=rows_max,
-        kv_slots=slots,
-        prefix_allowed=prefix_allowed.to(device),
-        suffix_allowed=suffix_allowed.view(1, 1, n_new, total).to(device),
-        n_new=n_new,
-        suffix_total=total,
+        row_group=torch.tensor(batch.branch_seq, device=device), row_slot=torch.tensor(row_slot, device=device),
+        rows_max=rows_max, kv_slots=slots, prefix_allowed=prefix_allowed.to(device),
+        suffix_allowed=suffix_allowed.view(1, 1, n_new, total).to(device), n_new=n_new, suffix_total=total,
     )
 
 
