@@ -9,7 +9,6 @@ place.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import platform
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.torch_threads import torch_threads
 from saguaro_ray.zoo import corpus
 from saguaro_ray.zoo.hf_export import SAVE_DTYPE, check_hf_parity, make_tokenizer_config_portable, quiet_transformers, save_checkpoint
 from saguaro_ray.zoo.model import TrainLlama
@@ -29,16 +29,6 @@ from saguaro_ray.zoo.train import distill, evaluate, round_weights, token_stream
 
 # Bump when the build procedure changes in a way that changes the weights.
 BUILD_VERSION = 1
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _build_threads(preset: Preset) -> int:
@@ -65,7 +55,7 @@ def build_into(tmp: Path, p: Preset, say: Callable[[str], None], progress: bool)
     t_start = time.perf_counter()
     threads = _build_threads(p)
     # Seeds are set freely below; the caller's global RNG state is restored after.
-    with _torch_threads(threads), torch.random.fork_rng(devices=[]):
+    with torch_threads(threads), torch.random.fork_rng(devices=[]):
         # Corpus and tokenizer.
         t0 = time.perf_counter()
         train_files = corpus.corpus_files(
