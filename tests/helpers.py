@@ -16,12 +16,16 @@ the same weights, and the global torch RNG is left untouched.
 from __future__ import annotations
 
 import string
-from contextlib import contextmanager
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
+
+# Tests run on 2 shared cores; with the default thread count tiny matmuls can
+# stall for milliseconds each on contended cores, so test modules wrap
+# themselves in one thread (an autouse module fixture): torch_threads(1).
+from saguaro_ray.torch_threads import torch_threads  # noqa: F401  (used by the test modules)
 
 # Architecture presets: (transformers config class name, config kwargs).
 # The common base is: vocab 128, hidden 32, 2 layers, 4 query heads over 2 KV
@@ -66,22 +70,6 @@ _BASE: dict[str, Any] = {
 # tokenizer vocabulary: specials, then single printable characters
 _SPECIALS = ("<unk>", "<s>", "</s>")
 _CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-
-
-@contextmanager
-def torch_threads(n: int = 1) -> Iterator[None]:
-    """Run with ``n`` torch intra-op threads, restoring the previous count.
-
-    These tests run on 2 shared cores; with the default thread count tiny
-    matmuls can stall for milliseconds each on contended cores, so test
-    modules wrap themselves in one thread (an autouse module fixture).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def save_tiny_checkpoint(

@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from saguaro_ray.cli import main
-from saguaro_ray.models.distill import HELDOUT_FILE, SUMMARY_FILE, DistillSpec, distill_draft, topk_kl
+from saguaro_ray.models.distill import HELDOUT_FILE, SUMMARY_FILE, DistillSpec, distill_draft
 from saguaro_ray.models.distill_data import DataSpec, TeacherData
+from saguaro_ray.models.distill_train import topk_kl
 
 SPEC = DistillSpec(
     layers=1,

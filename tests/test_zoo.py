@@ -186,20 +186,20 @@ def _fake_builder(calls: list, delay: float = 0.0, fail: bool = False):
 
 def test_interrupted_build_never_looks_complete(tmp_path: Path, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(zoo_build, "_build_into", _fake_builder(calls, fail=True))
+    monkeypatch.setattr(zoo_build, "build_into", _fake_builder(calls, fail=True))
     with pytest.raises(KeyboardInterrupt):
         build_family("tiny", out=tmp_path / "fam", progress=False)
     assert not (tmp_path / "fam").exists()
     assert not list(tmp_path.glob(".fam.building-*"))
     # The next call builds for real (here: the fake) and completes.
-    monkeypatch.setattr(zoo_build, "_build_into", _fake_builder(calls))
+    monkeypatch.setattr(zoo_build, "build_into", _fake_builder(calls))
     summary = build_family("tiny", out=tmp_path / "fam", progress=False)
     assert summary["preset"] == "tiny" and (tmp_path / "fam" / "zoo.json").is_file()
 
 
 def test_concurrent_builds_build_once(tmp_path: Path, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(zoo_build, "_build_into", _fake_builder(calls, delay=0.5))
+    monkeypatch.setattr(zoo_build, "build_into", _fake_builder(calls, delay=0.5))
     results: list = []
     threads = [
         threading.Thread(target=lambda: results.append(build_family("tiny", out=tmp_path / "fam", progress=False)))
@@ -215,7 +215,7 @@ def test_concurrent_builds_build_once(tmp_path: Path, monkeypatch):
 
 def test_stale_build_is_replaced_and_foreign_dir_refused(tmp_path: Path, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(zoo_build, "_build_into", _fake_builder(calls))
+    monkeypatch.setattr(zoo_build, "build_into", _fake_builder(calls))
     fam = tmp_path / "fam"
     build_family("tiny", out=fam, progress=False)
     summary = json.loads((fam / "zoo.json").read_text())

@@ -125,6 +125,21 @@ class TeacherData:
         rows = torch.cat([zero, (self.lengths - 1).cumsum(0)[:-1]])
         return tok, rows
 
+    def heldout_only(self) -> "TeacherData":
+        """Only the held-out sequences (what ``distill-heldout.safetensors`` holds)."""
+        seqs = self.sequences(heldout=True)
+        tok_off, row_off = self.offsets()
+        tok = torch.cat([torch.arange(int(tok_off[s]), int(tok_off[s] + self.lengths[s])) for s in seqs])
+        rows = torch.cat([torch.arange(int(row_off[s]), int(row_off[s] + self.lengths[s] - 1)) for s in seqs])
+        return TeacherData(
+            tokens=self.tokens[tok],
+            lengths=self.lengths[seqs],
+            prompt_lens=self.prompt_lens[seqs],
+            heldout=self.heldout[seqs],
+            top_ids=self.top_ids[rows],
+            top_logp=self.top_logp[rows],
+        )
+
 
 def prompt_ids(target: Path, spec: DataSpec) -> list[tuple[list[int], bool]]:
     """(token ids, held out?) of every prompt, chat prompts first, then code prompts."""

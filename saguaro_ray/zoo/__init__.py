@@ -10,9 +10,10 @@ Public API::
     heldout_texts(max_files=None)    -> list[str]  (prompts never seen in training)
 """
 
-from saguaro_ray.zoo.build import BUILD_VERSION, build_family, format_summary, zoo_root
+from saguaro_ray.zoo.build import build_family, format_summary, zoo_root
 from saguaro_ray.zoo.corpus import heldout_texts
 from saguaro_ray.zoo.presets import PRESETS, ROLES
+from saguaro_ray.zoo.recipe import BUILD_VERSION
 
 __all__ = [
     "BUILD_VERSION",
