@@ -378,7 +378,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("draft", help="make a draft for a target")
     dsub = p.add_subparsers(dest="draft_cmd", required=True)
     d = dsub.add_parser("distill", help="distil a small draft from a target, on text the target writes")
-    d.add_argument("--target", required=True, help="target model directory, or zoo:<preset>/target")
+    d.add_argument("--target", required=True, help="the target: a directory, zoo:<preset>/target, real:<name> or hf:<org>/<name>")
     d.add_argument("--out", required=True, help="output checkpoint directory (reused when already distilled alike)")
     d.add_argument("--minutes", type=float, default=10.0, help="training time budget, turned into a step count (the target's text is sized by the flags below)")
     d.add_argument("--max-steps", type=int, default=None, help="cap on the training steps")

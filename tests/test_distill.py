@@ -192,6 +192,15 @@ def test_bad_settings_are_one_line_errors(target: Path, tmp_path: Path, capsys, 
     assert not (tmp_path / "d").exists()
 
 
+def test_a_named_target_is_resolved_before_it_is_opened(zoo_tiny: Path, tmp_path: Path, capsys):
+    """`--target zoo:tiny/target` names the same checkpoint as its directory (it
+    was refused as "a model name, not a directory"): the layer check, which
+    needs the opened target, is what answers."""
+    assert main(["draft", "distill", "--target", "zoo:tiny/target", "--out", str(tmp_path / "d"), "--layers", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--layers must be between 1 and the target's 2 layers" in err
+
+
 def test_missing_target_and_foreign_out_are_one_line_errors(target: Path, tmp_path: Path, capsys):
     assert main(["draft", "distill", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err

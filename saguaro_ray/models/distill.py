@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from saguaro_ray.errors import ConfigError, UnsupportedArchitectureError
 from saguaro_ray.models.distill_data import DataSpec, TeacherData, generate_teacher_data
 from saguaro_ray.models.distill_train import heldout_agreement, student, train
+from saguaro_ray.models.resolve import resolve_model_path
 from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
 from saguaro_ray.workers.model_config import parse_dtype
 from saguaro_ray.zoo.build import zoo_root
@@ -153,8 +154,12 @@ def _read_complete(dest: Path, key: str) -> dict[str, Any] | None:
 
 
 def distill_draft(target: str | os.PathLike, out: str | os.PathLike, spec: DistillSpec = DistillSpec(), progress: bool = True) -> DistillResult:
-    """Distil (or find already distilled) a draft of ``target`` into ``out``."""
-    ckpt, dest = _validate(target, out, spec)
+    """Distil (or find already distilled) a draft of ``target`` into ``out``.
+
+    ``target`` is anything the model resolver takes (a directory, ``zoo:``,
+    ``real:``, ``hf:``): the name is resolved here, before the checkpoint is
+    opened, so loading it never builds anything."""
+    ckpt, dest = _validate(resolve_model_path(target), out, spec)
     fingerprint = checkpoint_fingerprint(ckpt)
     key = _sha(DISTILL_VERSION, fingerprint, dataclasses.asdict(spec))
     summary = _read_complete(dest, key)
