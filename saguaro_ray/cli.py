@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from saguaro_ray.config import SpeculationConfig
+    from saguaro_ray.config import SamplingParams, SpeculationConfig
 
 from saguaro_ray.config import MODES
 from saguaro_ray.errors import ConfigError, SaguaroError
@@ -34,6 +34,29 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
     group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")  # SamplingParams fields, one flag each
+
+
+def sampling_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> "SamplingParams":
+    """The sampling flags as a validated :class:`SamplingParams`; ``overrides``
+    (e.g. a prompt file row's own fields) take precedence."""
+    from saguaro_ray.config import SamplingParams
+
+    return SamplingParams(**({f: getattr(args, f) for f in SAMPLING_FLAGS} | (overrides or {})))
+
+
+def run_command(prog: str, command: "Callable[[], int]") -> int:
+    """Run a command's body: a user error (any :class:`SaguaroError`) prints one
+    line on stderr and exits with status 2 — never a traceback; Ctrl-C exits 130."""
+    try:
+        return command()
+    except SaguaroError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
 
 
 def add_speculation_args(group: argparse._ActionsContainer) -> None:
@@ -64,18 +87,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts-file", help="JSONL file, one {\"prompt\": ...} object a line")
     add_sampling_args(p.add_argument_group("sampling"))
     p.add_argument("--json", action="store_true", help="one JSON object per sample per line")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
     add_speculation_args(p.add_argument_group("speculation"))
     rt = p.add_argument_group("runtime")
     rt.add_argument("--in-process", action="store_true", help="run every worker in this process instead of Ray actors")
-    rt.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread with --in-process)")
-    rt.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
-    rt.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
-    rt.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the workers")
+    add_engine_args(rt)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -87,14 +102,31 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     return [row["prompt"] for row in read_prompt_file(args.prompts_file)]
 
 
+def add_engine_args(group: argparse._ActionsContainer) -> None:
+    """The engine flags read by :func:`engine_options_from_args`, shared by ``generate`` and the generate job."""
+    group.add_argument("--device", default="cpu")
+    group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
+    group.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
+    group.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread in process)")
+    group.add_argument("--max-batch-size", type=int, default=64)
+    group.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 per Ray actor; in process, the CPUs split between the workers)")
+    group.add_argument("--address", default=None, help="Ray cluster address (default: join a running one — a job's own — else start locally)")
+    group.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
+    group.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
+
+
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options both engines (and the generate job) take from the same flags."""
+    """The :class:`EngineConfig` fields the :func:`add_engine_args` flags set."""
     return dict(
         num_drafts=args.num_drafts,
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         max_batch_size=args.max_batch_size,
+        threads_per_worker=args.threads,
+        address=args.address,
+        worker_cpus=args.worker_cpus,
+        target_tp=args.target_tp,
     )
 
 
@@ -123,40 +155,32 @@ def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from saguaro_ray.config import SamplingParams
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
 
     prompts = _read_prompts(args)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_from_args(args)
     if args.n <= 0:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
-    spec = speculation_from_args(args)
-    common = dict(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, **engine_options_from_args(args))
     if args.in_process and args.target_tp != 1:
         raise ConfigError("--target-tp needs the Ray runtime; drop --in-process")
+    config = EngineConfig(
+        target=args.target,
+        draft=args.draft,
+        qualifier=args.qualifier,
+        spec=speculation_from_args(args),
+        **engine_options_from_args(args),
+    )
     if args.in_process:
-        engine = LocalEngine(LocalEngineConfig(**common, num_threads=args.threads))
+        engine = LocalEngine(config)
         close = engine.close
     else:
-        from saguaro_ray.engine.frontend import preflight
+        from saguaro_ray.engine.frontend import Frontend
+        from saguaro_ray.model_set import ModelSet
         from saguaro_ray.runtime.engine import Engine
-        from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 
-        config = EngineConfig(
-            **common,
-            threads_per_worker=args.threads or 1,
-            worker_cpus=args.worker_cpus,
-            target_tp=args.target_tp,
-            address=args.address,
-        )
-        preflight({role_kind(r): config.model_for(r) for r in config.roles}, prompts, params, args.n)
+        # bad models or requests fail here in milliseconds, before Ray starts
+        Frontend.for_models(ModelSet.from_specs(config.models), config.spec.mode).make_sequences(prompts, params, args.n)
         engine = Engine.launch(config)
         close = engine.shutdown
     try:
@@ -397,6 +421,10 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_cmd_draft_distill)
 
 
+_DISTILL_FLAGS = ("layers", "minutes", "max_steps", "batch_size", "lr", "train_embeddings", "seed")
+_DATA_FLAGS = ("chat_prompts", "code_prompts", "corpus_windows", "gen_tokens", "samples_per_prompt", "sample_temperature", "top_k")
+
+
 def _cmd_draft_distill(args: argparse.Namespace) -> int:
     from saguaro_ray.models.distill import DistillSpec, distill_draft
     from saguaro_ray.models.distill_data import DataSpec
@@ -407,25 +435,9 @@ def _cmd_draft_distill(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    spec = DistillSpec(
-        layers=args.layers,
-        minutes=args.minutes,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        train_embeddings=args.train_embeddings,
-        seed=args.seed,
-        data=DataSpec(
-            chat_prompts=args.chat_prompts,
-            code_prompts=args.code_prompts,
-            corpus_windows=args.corpus_windows,
-            gen_tokens=args.gen_tokens,
-            samples_per_prompt=args.samples_per_prompt,
-            sample_temperature=args.sample_temperature,
-            top_k=args.top_k,
-            batch_size=args.gen_batch,
-        ),
-    )
+    # the flags are named as the specs' fields (but --gen-batch: the target's decoding batch)
+    data = DataSpec(batch_size=args.gen_batch, **{f: getattr(args, f) for f in _DATA_FLAGS})
+    spec = DistillSpec(data=data, **{f: getattr(args, f) for f in _DISTILL_FLAGS})
     result = distill_draft(args.target, args.out, spec)
     s = result.summary
     if args.json:
@@ -458,13 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except SaguaroError as exc:
-        print(f"saguaro-ray: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    return run_command("saguaro-ray", lambda: args.func(args))
 
 
 if __name__ == "__main__":
