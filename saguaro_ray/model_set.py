@@ -73,9 +73,9 @@ def needed_specs(
 @dataclass(frozen=True)
 class ModelSet:
     """Resolved, opened and cross-checked models, by role (``target``, and
-    ``draft``/``qualifier`` where a mode runs them). Not picklable on
-    purpose (it holds a tokenizer): a Ray actor gets :attr:`refs` and opens
-    its own — resolving a :class:`ModelRef` again does no work."""
+    ``draft``/``qualifier`` where a mode runs them). It never travels to a
+    Ray actor (it holds a tokenizer and opened checkpoints): an actor gets
+    :attr:`refs` and opens its own — resolving a :class:`ModelRef` again does no work."""
 
     refs: Mapping[str, ModelRef]
     checkpoints: Mapping[str, Checkpoint]
