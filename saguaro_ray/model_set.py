@@ -39,12 +39,7 @@ def worker_roles(spec: "SpeculationConfig", num_drafts: int) -> list[str]:
     """The distributed engine's worker roles in launch order: ``target``,
     ``draft0``..``draft{num_drafts-1}`` (SSD splits the outcome set between
     them), ``qualifier``."""
-    roles = ["target"]
-    if spec.needs_draft:
-        roles += [f"draft{i}" for i in range(num_drafts)]
-    if spec.mode == "pyramid":
-        roles.append("qualifier")
-    return roles
+    return [w for role in model_roles(spec) for w in ([f"draft{i}" for i in range(num_drafts)] if role == "draft" else [role])]
 
 
 def role_kind(role: str) -> str:
@@ -116,10 +111,7 @@ class ModelSet:
 
     def restrict(self, spec: "SpeculationConfig") -> "ModelSet":
         """The models of ``spec``'s mode alone (its context window is theirs)."""
-        roles = model_roles(spec)
-        missing = [r for r in roles if r not in self.refs]
-        if missing:
-            raise ConfigError(f"mode {spec.mode!r} needs a {missing[0]} model")
+        roles = needed_specs([spec], *(self.refs.get(r) for r in ("target", "draft", "qualifier")))
         return ModelSet({r: self.refs[r] for r in roles}, {r: self.checkpoints[r] for r in roles}, self.tokenizer)
 
     @property
