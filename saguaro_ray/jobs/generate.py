@@ -50,7 +50,7 @@ _WAIT_S = 600.0  # longest wait for one prompt's results before the job gives up
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from saguaro_ray.cli import MODEL_FORMS, SELF_FORMS, add_engine_args, add_sampling_args, add_speculation_args
+    from saguaro_ray.cli_flags import MODEL_FORMS, SELF_FORMS, add_engine_args, add_sampling_args, add_speculation_args
     from saguaro_ray.config import MODES
 
     p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.generate", description="batch generation from JSONL (resumable)")
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[dict[str, Any]]:
     """The job's input: prompts with optional ``id`` and per-prompt sampling fields."""
-    from saguaro_ray.cli import SAMPLING_FLAGS
+    from saguaro_ray.cli_flags import SAMPLING_FLAGS
 
     return read_prompt_file(path, ("id", *SAMPLING_FLAGS))
 
@@ -113,7 +113,7 @@ def completed(path: str, n: int) -> set[int]:
 
 def _engine(args: argparse.Namespace) -> tuple[Any, bool, Any]:
     """(handle, owned, the models) — launched, or attached by name."""
-    from saguaro_ray.cli import engine_options_from_args, speculation_from_args
+    from saguaro_ray.cli_flags import engine_options_from_args, speculation_from_args
     from saguaro_ray.errors import ConfigError
     from saguaro_ray.model_set import ModelSet
     from saguaro_ray.runtime.engine import Engine, connect
@@ -139,7 +139,7 @@ def _engine(args: argparse.Namespace) -> tuple[Any, bool, Any]:
 
 
 def _params(args: argparse.Namespace, row: dict[str, Any]) -> Any:
-    from saguaro_ray.cli import SAMPLING_FLAGS, sampling_from_args
+    from saguaro_ray.cli_flags import SAMPLING_FLAGS, sampling_from_args
 
     return sampling_from_args(args, {k: row[k] for k in SAMPLING_FLAGS if k in row})
 
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from saguaro_ray.cli import run_command
+    from saguaro_ray.cli_flags import run_command
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
