@@ -11,46 +11,21 @@ import argparse
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Callable, Sequence
 
-if TYPE_CHECKING:
-    from saguaro_ray.config import SpeculationConfig
-
+from saguaro_ray.cli_flags import (
+    MODEL_FORMS,
+    SELF_FORMS,
+    add_engine_args,
+    add_sampling_args,
+    add_speculation_args,
+    engine_options_from_args,
+    run_command,
+    sampling_from_args,
+    speculation_from_args,
+)
 from saguaro_ray.config import MODES
-from saguaro_ray.errors import ConfigError, SaguaroError
-from saguaro_ray.models.spec import QUANT_SCHEMES, SELF_PREFIX
-
-EXIT_USAGE = 2
-MODEL_FORMS = "a directory, zoo:<preset>/<role>, real:<name> (see `saguaro-ray models list`) or hf:<org>/<name>"
-SELF_FORMS = f"or {' / '.join(SELF_PREFIX + s for s in QUANT_SCHEMES)} (the target's own weights, quantised at load)"
-
-
-def add_sampling_args(group: argparse._ActionsContainer) -> None:
-    """The sampling flags, shared by ``generate`` and the generate job."""
-    group.add_argument("--max-tokens", type=int, default=64)
-    group.add_argument("--temperature", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
-    group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
-    group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-
-
-def add_speculation_args(group: argparse._ActionsContainer) -> None:
-    """The speculation flags read by :func:`speculation_from_args` (``--mode`` is the caller's)."""
-    group.add_argument("--k", type=int, default=4, help="draft tokens per round (sd, ssd)")
-    group.add_argument("--fan-out", default="auto", help="'auto' or K+1 comma-separated counts (ssd)")
-    group.add_argument("--budget", type=int, default=8, help="speculations cached per sequence (ssd, auto fan-out)")
-    group.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling down-weighting C in (0, 1]")
-    group.add_argument("--backup", default="neural", help="auto | neural | fast (ssd cache misses)")
-    group.add_argument("--stage1", default="exact", help="pyramid qualifier rule: exact | assisted | fuzzy")
-    group.add_argument("--stage2", default="exact", help="pyramid target rule: exact | fuzzy")
-    group.add_argument("--tau-q", type=float, default=0.0, help="fuzzy threshold of stage 1 (lossy when > 0)")
-    group.add_argument("--tau-t", type=float, default=0.0, help="fuzzy threshold of stage 2 (lossy when > 0)")
-    group.add_argument("--div", default="reverse_kl", help="fuzzy divergence: reverse_kl | kl | js | tv")
-    group.add_argument("--lq", type=int, default=4, help="pyramid: qualified tokens per target verification")
-    group.add_argument("--ld", type=int, default=2, help="pyramid: draft tokens per qualifier check")
-    group.add_argument("--allow-lossy", action="store_true", help="accept fuzzy stages with tau > 0 (not exact)")
+from saguaro_ray.errors import ConfigError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -64,18 +39,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts-file", help="JSONL file, one {\"prompt\": ...} object a line")
     add_sampling_args(p.add_argument_group("sampling"))
     p.add_argument("--json", action="store_true", help="one JSON object per sample per line")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
     add_speculation_args(p.add_argument_group("speculation"))
     rt = p.add_argument_group("runtime")
     rt.add_argument("--in-process", action="store_true", help="run every worker in this process instead of Ray actors")
-    rt.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread with --in-process)")
-    rt.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
-    rt.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
-    rt.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the workers")
+    add_engine_args(rt)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -87,76 +54,33 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     return [row["prompt"] for row in read_prompt_file(args.prompts_file)]
 
 
-def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options both engines (and the generate job) take from the same flags."""
-    return dict(
-        num_drafts=args.num_drafts,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        max_batch_size=args.max_batch_size,
-    )
-
-
-def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":
-    """The ``--mode``/speculation flags as a validated :class:`SpeculationConfig`."""
-    from saguaro_ray.algorithms.fanout import parse_fanout
-    from saguaro_ray.config import SpeculationConfig
-
-    fanout = parse_fanout(args.fan_out, args.k)
-    return SpeculationConfig(
-        mode=args.mode,
-        k=args.k,
-        fanout=fanout if fanout == "auto" else tuple(fanout),
-        budget=args.budget,
-        saguaro_c=args.saguaro_c,
-        backup=args.backup,
-        stage1=args.stage1,
-        stage2=args.stage2,
-        tau_q=args.tau_q,
-        tau_t=args.tau_t,
-        div=args.div,
-        lq=args.lq,
-        ld=args.ld,
-        allow_lossy=args.allow_lossy,
-    )
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from saguaro_ray.config import SamplingParams
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
 
     prompts = _read_prompts(args)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_from_args(args)
     if args.n <= 0:
         raise ConfigError(f"--n must be a positive integer, got {args.n}")
-    spec = speculation_from_args(args)
-    common = dict(target=args.target, draft=args.draft, qualifier=args.qualifier, spec=spec, **engine_options_from_args(args))
     if args.in_process and args.target_tp != 1:
         raise ConfigError("--target-tp needs the Ray runtime; drop --in-process")
+    config = EngineConfig(
+        target=args.target,
+        draft=args.draft,
+        qualifier=args.qualifier,
+        spec=speculation_from_args(args),
+        **engine_options_from_args(args),
+    )
     if args.in_process:
-        engine = LocalEngine(LocalEngineConfig(**common, num_threads=args.threads))
+        engine = LocalEngine(config)
         close = engine.close
     else:
-        from saguaro_ray.engine.frontend import preflight
+        from saguaro_ray.engine.frontend import Frontend
+        from saguaro_ray.model_set import ModelSet
         from saguaro_ray.runtime.engine import Engine
-        from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 
-        config = EngineConfig(
-            **common,
-            threads_per_worker=args.threads or 1,
-            worker_cpus=args.worker_cpus,
-            target_tp=args.target_tp,
-            address=args.address,
-        )
-        preflight({role_kind(r): config.model_for(r) for r in config.roles}, prompts, params, args.n)
+        # bad models or requests fail here in milliseconds, before Ray starts
+        Frontend.for_models(ModelSet.from_specs(config.models), config.spec.mode).make_sequences(prompts, params, args.n)
         engine = Engine.launch(config)
         close = engine.shutdown
     try:
@@ -401,6 +325,10 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_cmd_draft_distill)
 
 
+_DISTILL_FLAGS = ("layers", "minutes", "max_steps", "batch_size", "lr", "train_embeddings", "seed")
+_DATA_FLAGS = ("chat_prompts", "code_prompts", "corpus_windows", "gen_tokens", "samples_per_prompt", "sample_temperature", "top_k")
+
+
 def _cmd_draft_distill(args: argparse.Namespace) -> int:
     from saguaro_ray.models.distill import DistillSpec, distill_draft
     from saguaro_ray.models.distill_data import DataSpec
@@ -411,25 +339,9 @@ def _cmd_draft_distill(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    spec = DistillSpec(
-        layers=args.layers,
-        minutes=args.minutes,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        train_embeddings=args.train_embeddings,
-        seed=args.seed,
-        data=DataSpec(
-            chat_prompts=args.chat_prompts,
-            code_prompts=args.code_prompts,
-            corpus_windows=args.corpus_windows,
-            gen_tokens=args.gen_tokens,
-            samples_per_prompt=args.samples_per_prompt,
-            sample_temperature=args.sample_temperature,
-            top_k=args.top_k,
-            batch_size=args.gen_batch,
-        ),
-    )
+    # the flags are named as the specs' fields (but --gen-batch: the target's decoding batch)
+    data = DataSpec(batch_size=args.gen_batch, **{f: getattr(args, f) for f in _DATA_FLAGS})
+    spec = DistillSpec(data=data, **{f: getattr(args, f) for f in _DISTILL_FLAGS})
     result = distill_draft(args.target, args.out, spec)
     s = result.summary
     if args.json:
@@ -462,13 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except SaguaroError as exc:
-        print(f"saguaro-ray: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    return run_command("saguaro-ray", lambda: args.func(args))
 
 
 if __name__ == "__main__":

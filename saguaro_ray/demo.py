@@ -76,15 +76,17 @@ def demo_prompts(models: dict[str, str], count: int) -> list[str]:
 
 def _engine(spec: SpeculationConfig, models: dict[str, str], threads: int, in_process: bool, address: str) -> tuple[Any, Any]:
     """An engine for ``spec`` on ``models`` and its close function."""
-    if in_process:
-        from saguaro_ray.engine import LocalEngine, LocalEngineConfig
-
-        engine = LocalEngine(LocalEngineConfig(**models, spec=spec, num_threads=threads))
-        return engine, engine.close
-    from saguaro_ray.runtime.engine import Engine
     from saguaro_ray.runtime.engine_config import EngineConfig
 
-    handle = Engine.launch(EngineConfig(**models, spec=spec, threads_per_worker=threads, address=address))
+    config = EngineConfig(**models, spec=spec, threads_per_worker=threads, address=address)
+    if in_process:
+        from saguaro_ray.engine import LocalEngine
+
+        engine = LocalEngine(config)
+        return engine, engine.close
+    from saguaro_ray.runtime.engine import Engine
+
+    handle = Engine.launch(config)
     return handle, handle.shutdown
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 
 WAIT_S = 120.0  # a generous bound on waiting for the engine to go idle (never asserted as a duration)
 
@@ -23,12 +24,12 @@ SPECS = {
 
 def local_engine(zoo: Path, mode: str, **kw) -> LocalEngine:
     return LocalEngine(
-        LocalEngineConfig(
+        EngineConfig(
             target=str(zoo / "target"),
             draft=str(zoo / "draft") if mode != "ar" else None,
             qualifier=str(zoo / "qualifier") if mode == "pyramid" else None,
             spec=SPECS[mode],
-            num_threads=1,
+            threads_per_worker=1,
             **kw,
         )
     )

@@ -18,7 +18,8 @@ import torch
 from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.engine.rounds import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.workers.draft import DraftLogic
@@ -250,11 +251,11 @@ def test_the_draft_keeps_each_sequence_history_from_its_calls(ckpts):
 
 def _engine(ckpts, num_drafts: int = 1, build_ahead: bool = True, **spec) -> LocalEngine:
     return LocalEngine(
-        LocalEngineConfig(
+        EngineConfig(
             target=str(ckpts["target"]),
             draft=str(ckpts["draft"]),
             spec=SpeculationConfig(mode="ssd", **spec),
-            num_threads=1,
+            threads_per_worker=1,
             num_drafts=num_drafts,
             build_ahead=build_ahead,
         )
@@ -269,7 +270,7 @@ def test_the_only_draft_builds_ahead_round_after_round_and_stays_exact(ckpts, ba
     its lookup made; the output is AR's, token for token."""
     prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ar = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), spec=SpeculationConfig(mode="ar"), num_threads=1))
+    ar = LocalEngine(EngineConfig(target=str(ckpts["target"]), spec=SpeculationConfig(mode="ar"), threads_per_worker=1))
     ssd = _engine(ckpts, k=3, backup=backup)
     try:
         expected = [r.token_ids for r in ar.generate(prompts, params)]
@@ -304,7 +305,7 @@ def test_a_fan_out_of_zero_is_speculative_decoding_through_the_ssd_round(ckpts, 
     uniforms, the same verification draws), at T = 0 and at T > 0."""
     prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70]]
     params = SamplingParams(temperature=temperature, max_tokens=24, seed=5, ignore_eos=True)
-    sd = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), draft=str(ckpts["draft"]), spec=SpeculationConfig(mode="sd", k=3), num_threads=1))
+    sd = LocalEngine(EngineConfig(target=str(ckpts["target"]), draft=str(ckpts["draft"]), spec=SpeculationConfig(mode="sd", k=3), threads_per_worker=1))
     ssd = _engine(ckpts, k=3, fanout=(0, 0, 0, 0), backup="neural")
     try:
         expected = [r.token_ids for r in sd.generate(prompts, params)]
@@ -320,9 +321,9 @@ def test_a_fan_out_of_zero_is_speculative_decoding_through_the_ssd_round(ckpts, 
 
 
 def test_in_process_the_default_is_to_build_when_called(ckpts):
-    """``LocalEngineConfig.build_ahead`` is off by default (the GIL): the draft
+    """``EngineConfig.build_ahead`` is off by default in process (the GIL): the draft
     still makes the backups in its lookups, but builds only when called."""
-    eng = LocalEngine(LocalEngineConfig(target=str(ckpts["target"]), draft=str(ckpts["draft"]), spec=SpeculationConfig(mode="ssd", k=2), num_threads=1))
+    eng = LocalEngine(EngineConfig(target=str(ckpts["target"]), draft=str(ckpts["draft"]), spec=SpeculationConfig(mode="ssd", k=2), threads_per_worker=1))
     try:
         eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
         rounds = [r for r in eng.timeline if r.build is not None]

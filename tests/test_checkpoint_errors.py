@@ -4,6 +4,8 @@ whose message names what is wrong, before (or instead of) running anything."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import shutil
 from pathlib import Path
 
@@ -221,3 +223,16 @@ def test_helper_without_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="tokenizer"):
         open_checkpoint(path)
     assert open_checkpoint(path, require_tokenizer=False).config.model_type == "qwen3"
+
+
+def test_loading_a_checkpoint_never_reaches_the_zoo():
+    """Opening or loading a checkpoint only reads a directory: importing the
+    loader must not import the zoo (whose build trains models) nor the spec
+    resolver that builds it — a worker process never resolves a name."""
+    code = (
+        "import sys, saguaro_ray.workers.checkpoint\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('saguaro_ray.zoo', 'saguaro_ray.models.resolve')))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ""

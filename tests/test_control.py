@@ -820,8 +820,10 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
     from helpers import save_tiny_checkpoint
 
     from saguaro_ray.config import SpeculationConfig
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
-    from saguaro_ray.engine.frontend import Frontend, open_models
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
+    from saguaro_ray.engine.frontend import Frontend
+    from saguaro_ray.model_set import ModelSet
     from saguaro_ray.engine.rounds import RoundLoop
     from saguaro_ray.engine.scheduler import Scheduler
     from saguaro_ray.workers.draft import DraftLogic
@@ -832,13 +834,14 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
     draft = str(save_tiny_checkpoint(tmp_path, "qwen3", seed=7))  # unrelated weights: many rejections
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     prompts = [[3, 5, 7, 9], [1, 2], [10, 20, 30, 40]]
-    ar = LocalEngine(LocalEngineConfig(target=target, num_threads=1))
+    ar = LocalEngine(EngineConfig(target=target, threads_per_worker=1))
     try:
         expected = [r.token_ids for r in ar.generate(prompts, params)]
     finally:
         ar.close()
     key = new_key()
-    ckpts, tokenizer = open_models({"target": target, "draft": draft})
+    models = ModelSet.from_specs({"target": target, "draft": draft})
+    ckpts, tokenizer = models.checkpoints, models.tokenizer
     runners = {role: ModelRunner(ck) for role, ck in ckpts.items()}
     servers = {
         "target": CommandServer(TargetLogic(runners["target"]), ["verify", "prefill", "release"], key, host="127.0.0.1", name="target"),

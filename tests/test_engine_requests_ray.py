@@ -78,11 +78,11 @@ def test_unencodable_value_fails_its_request_only(engine, reference):
 
     def run() -> tuple[list[int], list[int], BaseException | None]:
         stream = engine.stream(PROMPTS[0], greedy(60))
-        got_a = list(next(stream)["token_ids"])
+        got_a = list(next(stream).token_ids)
         with ThreadPoolExecutor(2) as pool:
             poison = pool.submit(engine.generate, [PROMPTS[1]], poisoned(greedy(60), seed=2**64))
             b = pool.submit(engine.generate, [PROMPTS[2]], greedy(60))
-            got_a += [t for chunk in stream for t in chunk["token_ids"]]
+            got_a += [t for chunk in stream for t in chunk.token_ids]
             return got_a, b.result()[0].token_ids, poison.exception()
 
     got_a, got_b, err = bounded(run)
@@ -142,7 +142,7 @@ def test_many_abandoned_streams_cost_nothing(engine, reference):
         at_drop = len(engine.timeline())
         for s in streams:
             s.close()
-        fresh = [t for chunk in engine.stream(PROMPTS[0], greedy(40)) for t in chunk["token_ids"]]
+        fresh = [t for chunk in engine.stream(PROMPTS[0], greedy(40)) for t in chunk.token_ids]
         return at_drop, fresh
 
     at_drop, fresh = bounded(run)
@@ -162,7 +162,7 @@ def test_stops_end_decoding_over_ray(engine, reference):
     assert (got.token_ids, got.text, got.finish_reason) == (r.token_ids[: end + 1], texts[end][: first_stop(texts[end], [stop])], "stop")
     assert len(engine.timeline()) - start <= end + 2
     chunks = bounded(lambda: list(engine.stream(PROMPTS[2], greedy(LONG, stop=(stop,)))))
-    assert "".join(c["text"] for c in chunks) == got.text
+    assert "".join(c.text for c in chunks) == got.text
     wait_idle(engine)
 
 

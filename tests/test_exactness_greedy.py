@@ -21,7 +21,8 @@ import torch
 from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint, torch_threads
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 
 MAX_TOKENS = 24
 # ragged lengths 1 .. 40, distinct content
@@ -67,7 +68,7 @@ class Reference:
     """AR outputs of one target, computed one prompt at a time and memoised."""
 
     def __init__(self, target: Path) -> None:
-        self.engine = LocalEngine(LocalEngineConfig(target=str(target), num_threads=1))
+        self.engine = LocalEngine(EngineConfig(target=str(target), threads_per_worker=1))
         self._memo: dict[tuple, tuple[list[int], str]] = {}
 
     def __call__(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
@@ -90,12 +91,12 @@ def make_engine(
     models, mode: str, draft: str | None = None, qualifier: str | None = None, target: str = "target", num_drafts: int = 1, **spec
 ) -> LocalEngine:
     return LocalEngine(
-        LocalEngineConfig(
+        EngineConfig(
             target=str(models[target]),
             draft=None if draft is None else str(models[draft]),
             qualifier=None if qualifier is None else str(models[qualifier]),
             spec=SpeculationConfig(mode=mode, **spec),
-            num_threads=1,
+            threads_per_worker=1,
             num_drafts=num_drafts,
         )
     )
@@ -436,7 +437,8 @@ def test_mixed_greedy_and_sampled_batch_in_ssd(tmp_path):
     """One batch holding T = 0 and T > 0 samples: greedy ones still equal AR
     (their proposals are point masses, sampled ones carry q rows)."""
     from saguaro_ray.config import SamplingParams, SpeculationConfig
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
 
     target = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
     draft = perturbed_checkpoint(target, tmp_path / "draft", 0.1, seed=3)
@@ -444,8 +446,8 @@ def test_mixed_greedy_and_sampled_batch_in_ssd(tmp_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     # the sampled one ends sooner, so its speculation shrinks while the greedy ones keep K
     sampled = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=4)
-    ar = LocalEngine(LocalEngineConfig(target=str(target), num_threads=1))
-    ssd = LocalEngine(LocalEngineConfig(target=str(target), draft=str(draft), spec=SpeculationConfig(mode="ssd", k=3, budget=4), num_threads=1))
+    ar = LocalEngine(EngineConfig(target=str(target), threads_per_worker=1))
+    ssd = LocalEngine(EngineConfig(target=str(target), draft=str(draft), spec=SpeculationConfig(mode="ssd", k=3, budget=4), threads_per_worker=1))
     try:
         mixed = ssd.generate(prompts, [greedy, sampled, greedy])
         ref = ar.generate(prompts, greedy)

@@ -36,7 +36,8 @@ from scipy.stats import chi2
 
 from saguaro_ray.algorithms.sampling import process_logits
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 
 PROMPT = [5, 6, 7]
 M = 6  # generated tokens whose joint law is tested
@@ -140,12 +141,12 @@ def run(
 ):
     """``n`` samples of ``m`` tokens (``timeline``: receives the engine's rounds)."""
     eng = LocalEngine(
-        LocalEngineConfig(
+        EngineConfig(
             target=str(models["target"]),
             draft=str(models[draft]) if mode != "ar" else None,
             qualifier=str(models[qualifier]) if qualifier else None,
             spec=SpeculationConfig(mode=mode, **spec),
-            num_threads=1,
+            threads_per_worker=1,
             max_batch_size=n,
             max_kv_tokens=32 * n,
             num_drafts=num_drafts,

@@ -253,11 +253,12 @@ def test_the_round_loop_measures_each_rounds_fixed_cost(tmp_path):
     from helpers import save_tiny_checkpoint
 
     from saguaro_ray.config import SamplingParams, SpeculationConfig
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
     from saguaro_ray.engine.rounds import round_components
 
     target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
-    eng = LocalEngine(LocalEngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="ssd", k=3), num_threads=1))
+    eng = LocalEngine(EngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="ssd", k=3), threads_per_worker=1))
     try:
         eng.generate([[3, 5, 7]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
         stats = eng.loop.backup_stats

@@ -56,7 +56,7 @@ def _kill_mid_stream(handle, role, after_chunks=3):
     pid = handle.worker_info()[role]["pid"]
     tokens = []
     for i, chunk in enumerate(handle.stream(PROMPT, PARAMS)):
-        tokens += chunk["token_ids"]
+        tokens += chunk.token_ids
         if i == after_chunks:
             os.kill(pid, signal.SIGKILL)
     return tokens, pid

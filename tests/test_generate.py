@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from saguaro_ray.config import SamplingParams
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.errors import ConfigError, PromptTooLongError
 
@@ -17,7 +18,7 @@ PROMPTS = ["import os\n", "def main(", "class Foo:\n    def __init__(self", "# C
 
 @pytest.fixture(scope="module")
 def engine(zoo_tiny):
-    return LocalEngine(LocalEngineConfig(target=str(zoo_tiny / "target")))
+    return LocalEngine(EngineConfig(target=str(zoo_tiny / "target")))
 
 
 def test_greedy_matches_transformers_generate(engine, zoo_tiny):

@@ -129,7 +129,8 @@ def run_job(cluster: dict, workdir: Path, args: list[str]) -> str:
 
 def test_job_submit_generates_and_resumes(cluster, ckpt, tmp_path):
     from saguaro_ray.config import SamplingParams, SpeculationConfig
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
 
     workdir = tmp_path / "wd"
     workdir.mkdir()
@@ -145,7 +146,7 @@ def test_job_submit_generates_and_resumes(cluster, ckpt, tmp_path):
 
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(r["index"] for r in rows) == list(range(len(PROMPTS)))
-    engine = LocalEngine(LocalEngineConfig(target=ckpt, spec=SpeculationConfig(mode="ar")))
+    engine = LocalEngine(EngineConfig(target=ckpt, spec=SpeculationConfig(mode="ar")))
     try:
         ref = engine.generate(PROMPTS + MORE, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     finally:

@@ -416,7 +416,7 @@ def test_loading_never_resolves_names():
 
 
 def test_self_draft_specs(tmp_path: Path, q8_gguf):
-    from saguaro_ray.engine.frontend import open_models
+    from saguaro_ray.model_set import ModelSet
 
     gguf_path, _ = q8_gguf
     target = str(import_gguf(gguf_path, tmp_path / "t"))
@@ -424,7 +424,7 @@ def test_self_draft_specs(tmp_path: Path, q8_gguf):
     assert refs == {"target": ModelRef(target), "draft": ModelRef(target, "int8"), "qualifier": ModelRef(target, "int4")}
     assert pickle.loads(pickle.dumps(refs)) == refs  # they travel to Ray actors
     assert resolve_models(refs) == refs  # resolving twice changes nothing
-    ckpts, _ = open_models(refs)
+    ckpts = ModelSet.from_specs(refs).checkpoints
     assert ckpts["draft"] is ckpts["target"] is ckpts["qualifier"]  # one checkpoint read, one tokenizer
     with pytest.raises(ConfigError, match="expected one of self:int8, self:int4") as exc:
         resolve_models({"target": target, "draft": "self:int3"})
@@ -437,17 +437,15 @@ def test_self_draft_specs(tmp_path: Path, q8_gguf):
 
 def test_self_specs_in_configs(tmp_path: Path, q8_gguf):
     from saguaro_ray.config import SpeculationConfig
-    from saguaro_ray.engine import LocalEngineConfig
     from saguaro_ray.runtime.engine_config import EngineConfig
     from saguaro_ray.serve.config import parse_config
 
     sd = SpeculationConfig(mode="sd")
-    for make in (EngineConfig, LocalEngineConfig):
-        assert make(target="m", draft="self:int4", spec=sd).draft == "self:int4"
-        with pytest.raises(ConfigError, match="self:<scheme>"):
-            make(target="self:int8")
-        with pytest.raises(ConfigError, match="unknown self-draft"):
-            make(target="m", draft="self:fp4", spec=sd)
+    assert EngineConfig(target="m", draft="self:int4", spec=sd).draft == "self:int4"
+    with pytest.raises(ConfigError, match="self:<scheme>"):
+        EngineConfig(target="self:int8")
+    with pytest.raises(ConfigError, match="unknown self-draft"):
+        EngineConfig(target="m", draft="self:fp4", spec=sd)
     with pytest.raises(ConfigError, match="unknown self-draft"):
         parse_config({"target": "m", "draft": "self:fp4", "engines": [{"mode": "sd"}]})
     cfg = parse_config({"target": "m", "draft": "self:int8", "engines": [{"mode": "sd"}]})
@@ -461,7 +459,7 @@ def test_self_draft_reaches_the_runner(tmp_path: Path, q8_gguf):
     at load (the target stays as stored), in process and for a Ray worker's
     runner; and SD with it emits AR's tokens at T = 0."""
     from saguaro_ray.config import SamplingParams, SpeculationConfig
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
     from saguaro_ray.runtime.actors import make_runner
     from saguaro_ray.runtime.engine_config import EngineConfig
 
@@ -470,7 +468,7 @@ def test_self_draft_reaches_the_runner(tmp_path: Path, q8_gguf):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for mode, draft in (("ar", None), ("sd", "self:int8")):
-        engine = LocalEngine(LocalEngineConfig(target=target, draft=draft, spec=SpeculationConfig(mode=mode, k=3)))
+        engine = LocalEngine(EngineConfig(target=target, draft=draft, spec=SpeculationConfig(mode=mode, k=3)))
         try:
             if draft:
                 runners = {role: w.logic.runner for role, w in engine.workers.items()}

@@ -15,7 +15,7 @@ from helpers import save_tiny_checkpoint
 from ray.cluster_utils import Cluster
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
 
 OBJECT_STORE = 80 * 1024 * 1024  # small: three raylets share one small machine
 PROMPTS = [[3, 5, 7, 9], [1, 2], [4, 4, 4, 4, 4, 6], [10, 20, 30, 40]]
@@ -51,7 +51,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize("encrypt", [False, True])  # True: every TCP socket under CURVE
 def test_ssd_spread_over_nodes(cluster, ckpt, encrypt):
-    ref = LocalEngine(LocalEngineConfig(target=ckpt, num_threads=1))
+    ref = LocalEngine(EngineConfig(target=ckpt, threads_per_worker=1))
     try:
         expected = [r.token_ids for r in ref.generate(PROMPTS, GREEDY)]
     finally:

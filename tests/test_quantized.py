@@ -18,7 +18,8 @@ from torch import nn
 
 from helpers import torch_threads
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.kernels.linear import LINEAR_KERNELS, packing_available
 from saguaro_ray.kernels.quantized import (
@@ -177,10 +178,10 @@ def test_quantized_self_draft_keeps_greedy_tokens(name: str, mode: str, zoo_tiny
     target = str(zoo_tiny / "target")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [_toks(10, 7), _toks(11, 12), _toks(12, 4)]
-    ar = LocalEngine(LocalEngineConfig(target=target, num_threads=1))
+    ar = LocalEngine(EngineConfig(target=target, threads_per_worker=1))
     expected = [r.token_ids for r in ar.generate(prompts, params)]
     ar.close()
-    eng = LocalEngine(LocalEngineConfig(target=target, draft=f"self:{name}", spec=SpeculationConfig(mode=mode, k=3), num_threads=1))
+    eng = LocalEngine(EngineConfig(target=target, draft=f"self:{name}", spec=SpeculationConfig(mode=mode, k=3), threads_per_worker=1))
     try:
         assert [w.logic.runner.quantize for w in eng.workers.values()] == [None, name]
         got = eng.generate(prompts, params)

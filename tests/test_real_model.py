@@ -18,7 +18,8 @@ from test_exactness_sampling import assert_law, exact_law
 from test_models_import import REAL, needs_wheel
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.models import resolve_model_path
 from saguaro_ray.prompt_sets import humaneval_problems
 
@@ -46,7 +47,7 @@ def prompts() -> list[str]:
 
 def _generate(prompts: list[str], batch: int, mode: str = "ar", params: SamplingParams | None = None, n: int = 1, **engine) -> list:
     cfg = SPECS[mode] if mode != "ar" else dict(spec=SpeculationConfig(mode="ar"))
-    eng = LocalEngine(LocalEngineConfig(target=REAL, num_threads=1, max_batch_size=max(batch * n, 8), **cfg, **engine))
+    eng = LocalEngine(EngineConfig(target=REAL, threads_per_worker=1, max_batch_size=max(batch * n, 8), **cfg, **engine))
     params = params or SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     try:
         return [r for i in range(0, len(prompts), batch) for r in eng.generate(prompts[i : i + batch], params, n=n)]

@@ -28,7 +28,7 @@ import zmq
 from helpers import save_tiny_checkpoint
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig, connect
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
 from saguaro_ray.errors import (
     CheckpointError,
     ConfigError,
@@ -76,7 +76,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(ckpts):
     """The in-process ``ar`` engine on the target: the ground truth at T = 0."""
-    eng = LocalEngine(LocalEngineConfig(target=ckpts["target"], num_threads=1))
+    eng = LocalEngine(EngineConfig(target=ckpts["target"], threads_per_worker=1))
     yield eng
     eng.close()
 
@@ -189,7 +189,7 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         h.shutdown()
     sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=5)
     h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, num_drafts=2))
-    local = LocalEngine(LocalEngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, num_threads=1))
+    local = LocalEngine(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, threads_per_worker=1))
     try:
         got = bounded(h.generate, PROMPTS[:3], sampled)
         want = local.generate(PROMPTS[:3], sampled)
@@ -222,7 +222,7 @@ def test_ssd_over_ray_samples_match_in_process(ray_instance, ckpts):
     spec = SpeculationConfig(mode="ssd", k=3, fanout=(2, 2, 1, 1), backup="neural")
     for draft in ("target", "other"):
         same = dict(target=ckpts["target"], draft=ckpts[draft], spec=spec)
-        local = LocalEngine(LocalEngineConfig(**same, num_threads=1))
+        local = LocalEngine(EngineConfig(**same, threads_per_worker=1))
         try:
             want = tokens(local.generate(PROMPTS[:3], sampled))
         finally:
@@ -251,7 +251,7 @@ def test_pyramid_over_ray_matches_in_process(ray_instance, ckpts, ar_tokens):
     sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9)
     same = dict(target=ckpts["target"], draft=ckpts["target"], qualifier=ckpts["target"], spec=spec)
     h = Engine.launch(EngineConfig(**same))
-    local = LocalEngine(LocalEngineConfig(**same, num_threads=1))
+    local = LocalEngine(EngineConfig(**same, threads_per_worker=1))
     try:
         assert tokens(bounded(h.generate, PROMPTS[:3], sampled)) == tokens(local.generate(PROMPTS[:3], sampled))
         info = h.worker_info()
@@ -268,12 +268,12 @@ def test_stream_concatenates_to_generate(engine, ar_tokens):
     p = PROMPTS[0]
     chunks = bounded(lambda: list(engine.stream(p, GREEDY)))
     assert len(chunks) >= 2
-    assert all(set(c) >= {"token_ids", "text", "finish_reason"} for c in chunks)
-    assert [t for c in chunks for t in c["token_ids"]] == ar_tokens[tuple(p)]
-    assert chunks[-1]["finish_reason"] == "length"
-    assert all(c["finish_reason"] is None for c in chunks[:-1])
+    assert all(set(vars(c)) >= {"token_ids", "text", "finish_reason"} for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == ar_tokens[tuple(p)]
+    assert chunks[-1].finish_reason == "length"
+    assert all(c.finish_reason is None for c in chunks[:-1])
     [gen] = bounded(engine.generate, [p], GREEDY)
-    assert "".join(c["text"] for c in chunks) == gen.text
+    assert "".join(c.text for c in chunks) == gen.text
 
 
 def test_agenerate_and_astream(engine, ar_tokens):
@@ -291,8 +291,8 @@ def test_agenerate_and_astream(engine, ar_tokens):
 
     res, chunks = bounded(asyncio.run, main())
     assert tokens(res) == [ar_tokens[tuple(p1)], ar_tokens[tuple(p2)]]
-    assert [t for c in chunks for t in c["token_ids"]] == ar_tokens[tuple(p2)]
-    assert chunks[-1]["finish_reason"] == "length"
+    assert [t for c in chunks for t in c.token_ids] == ar_tokens[tuple(p2)]
+    assert chunks[-1].finish_reason == "length"
 
 
 # --------------------------------------------------- 3. continuous batching
@@ -505,7 +505,7 @@ def test_timeline_overlaps_build_with_verify(ray_instance, ckpts):
     the overlap would be decided by the OS scheduler, not by the engine."""
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     p = PROMPTS[3]
-    ref = LocalEngine(LocalEngineConfig(target=ckpts["big"], num_threads=1))
+    ref = LocalEngine(EngineConfig(target=ckpts["big"], threads_per_worker=1))
     try:
         expected = ref.generate([p], params)[0].token_ids
     finally:

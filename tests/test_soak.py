@@ -92,7 +92,7 @@ def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 def _run(handle: Any, prompt: list[int], params: SamplingParams, stream: bool) -> list[int]:
     if stream:
-        return [t for chunk in handle.stream(prompt, params) for t in chunk["token_ids"]]
+        return [t for chunk in handle.stream(prompt, params) for t in chunk.token_ids]
     return handle.generate([prompt], params)[0].token_ids
 
 
@@ -150,7 +150,7 @@ def test_ssd_streams_closed_mid_generation_leave_no_pending_transfers(ray_instan
     handle = _launch(models, "ssd")
     try:
         warm = handle.stream([5, 9, 14], SamplingParams(temperature=0.8, max_tokens=8, seed=1))
-        assert sum(len(c["token_ids"]) for c in warm) <= 8
+        assert sum(len(c.token_ids) for c in warm) <= 8
         before = _settled(handle, _quiet)
         for i in range(12):
             stream = handle.stream([5 + i, 9, 14], SamplingParams(temperature=0.8, max_tokens=400, seed=i, ignore_eos=True))

@@ -15,7 +15,8 @@ import pytest
 from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
-from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
 
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [3], [44, 45, 46, 47, 48, 49], [90, 12, 77, 31]]
 
@@ -49,12 +50,12 @@ def models(tmp_path_factory):
 
 def engine(models, mode: str, draft: str = "draft", target: str = "target", **spec) -> LocalEngine:
     return LocalEngine(
-        LocalEngineConfig(
+        EngineConfig(
             target=str(models[target]),
             draft=str(models[draft]) if mode != "ar" else None,
             qualifier=str(models["other"]) if mode == "pyramid" else None,
             spec=SpeculationConfig(mode=mode, **spec),
-            num_threads=1,
+            threads_per_worker=1,
         )
     )
 

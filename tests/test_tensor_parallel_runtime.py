@@ -59,7 +59,7 @@ def test_ssd_with_two_target_ranks_survives_losing_a_follower(reference, zoo_tin
         follower = info["ranks"][1]["pid"]
         tokens = []
         for i, chunk in enumerate(handle.stream(PROMPTS[0], GREEDY)):
-            tokens += chunk["token_ids"]
+            tokens += chunk.token_ids
             if i == 2:
                 os.kill(follower, signal.SIGKILL)
         assert tokens == reference[0]

@@ -27,57 +27,43 @@ from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.stops import StopChecker
-from saguaro_ray.errors import ConfigError, IncompatibleModelsError, PromptTooLongError
-from saguaro_ray.models.resolve import resolve_models
-from saguaro_ray.models.spec import ModelRef, Spec
-from saguaro_ray.tokenizer import IncrementalDecoder, check_same_vocabulary, load_tokenizer
-from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
+from saguaro_ray.errors import ConfigError, PromptTooLongError
+from saguaro_ray.model_set import ModelSet, ModelSpec
+from saguaro_ray.tokenizer import IncrementalDecoder
+from saguaro_ray.workers.checkpoint import Checkpoint
 
 
-def open_models(roles: Mapping[str, Spec | ModelRef]) -> tuple[dict[str, Checkpoint], Any]:
-    """Resolve every role's model spec, open (and validate) its checkpoint and
-    the target's tokenizer; refuse drafts/qualifiers whose vocabulary differs
-    from the target's. A self-draft (the target's own directory) shares the
-    target's checkpoint and, trivially, its tokenizer."""
-    refs = resolve_models(roles)
-    target = open_checkpoint(refs["target"].path)
-    ckpts = {role: target if ref.path == refs["target"].path else open_checkpoint(ref.path) for role, ref in refs.items()}
-    tokenizer = load_tokenizer(target.path)
-    for role, ck in ckpts.items():
-        if ck is target:
-            continue
-        if ck.config.vocab_size != target.config.vocab_size:
-            raise IncompatibleModelsError(
-                f"{role} {ck.path} has vocab_size {ck.config.vocab_size}, the target {target.path} has "
-                f"{target.config.vocab_size}; speculation needs one shared vocabulary"
-            )
-        check_same_vocabulary(tokenizer, load_tokenizer(ck.path), role)
-    return ckpts, tokenizer
+Prompt = str | Sequence[int]  # text, or token ids
+Prompts = Sequence[Prompt]
+PromptParams = SamplingParams | Sequence[SamplingParams]  # one for every prompt, or one each
 
 
-def preflight(
-    models: Mapping[str, Spec | ModelRef],
-    prompts: Sequence[str | Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams],
-    n: int,
-) -> None:
-    """Validate models and requests without starting anything (the CLI calls it
-    before a distributed launch, so bad input fails in milliseconds)."""
-    ckpts, tokenizer = open_models(models)
-    max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
-    Frontend(tokenizer, ckpts["target"].config.vocab_size, max_context, "", None).make_sequences(prompts, params, n)
+def open_models(roles: Mapping[str, ModelSpec]) -> tuple[dict[str, Checkpoint], Any]:
+    """``(checkpoints, tokenizer)`` of ``roles``: serve/replica.py's call until it
+    opens a :class:`ModelSet` itself (remove at the issue-18 merge, with that change)."""
+    models = ModelSet.from_specs(roles)
+    return dict(models.checkpoints), models.tokenizer
 
 
 @dataclass
 class StreamChunk:
     """Newly emitted tokens of one sample and their text (may be empty while a
     multi-byte character is incomplete); ``finish_reason`` and ``stats`` on the
-    last chunk."""
+    last chunk. What every engine's ``stream``/``astream`` yields — in
+    process, and through Ray (it pickles as it is)."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # the sample's stats, on the last chunk
+
+    # serve/replica.py reads the Ray engine's chunks as the dicts they were;
+    # remove both at the issue-18 merge, when it reads the attributes
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name, default)
 
 
 @dataclass
@@ -119,7 +105,12 @@ class Frontend:
         self._next_id = 0
         self._id_lock = threading.Lock()
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    @classmethod
+    def for_models(cls, models: ModelSet, mode: str, scheduler: Scheduler | None = None) -> "Frontend":
+        """The front of an engine running ``models`` (its vocabulary and context window)."""
+        return cls(models.tokenizer, models.vocab_size, models.max_context, mode, scheduler)
+
+    def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -131,12 +122,7 @@ class Frontend:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def make_sequences(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams],
-        n: int = 1,
-    ) -> list[SequenceState]:
+    def make_sequences(self, prompts: Prompts, params: PromptParams, n: int = 1) -> list[SequenceState]:
         """Validate every prompt and expand ``n`` samples each; sample i of a
         prompt uses seed ``seed + i``. Raises before any model work."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -167,25 +153,14 @@ class Frontend:
             return self._next_id
 
     # ------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        n: int = 1,
-    ) -> list[GenerationResult]:
+    def generate(self, prompts: Prompts, params: PromptParams = SamplingParams(), n: int = 1) -> list[GenerationResult]:
         """Generate ``n`` samples for every prompt; results in (prompt, sample) order."""
         seqs, futures, t0 = self._submit(prompts, params, n, None)
         for f in futures:
             f.result()  # re-raises a failed request's error
         return self._results(seqs, t0)
 
-    async def agenerate(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        n: int = 1,
-        request_id: str | None = None,
-    ) -> list[GenerationResult]:
+    async def agenerate(self, prompts: Prompts, params: PromptParams = SamplingParams(), n: int = 1, request_id: str | None = None) -> list[GenerationResult]:
         """:meth:`generate` for an event loop; cancelling the awaiting task
         aborts the request (``request_id``, default a fresh one)."""
         request_id = request_id or uuid.uuid4().hex
@@ -197,7 +172,7 @@ class Frontend:
             raise
         return self._results(seqs, t0)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
+    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
         """Yield one sample's new tokens and text as rounds complete; the last
         chunk carries the finish reason. Closing the generator early aborts it."""
         chunks: queue.Queue[tuple[list[int], str | None] | None] = queue.Queue()
@@ -211,7 +186,7 @@ class Frontend:
                 self.scheduler.abort(stream.request_id)
 
     async def astream(
-        self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams = SamplingParams(), request_id: str | None = None
     ) -> AsyncIterator[StreamChunk]:
         """:meth:`stream` for an event loop: no thread waits for the tokens, and
         a cancelled or closed consumer aborts the request."""
@@ -237,9 +212,7 @@ class Frontend:
         """Abort the request(s) named ``request_id`` (see :meth:`Scheduler.abort`)."""
         self.scheduler.abort(request_id)
 
-    def _submit(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams], n: int, request_id: str | None
-    ) -> tuple[list[SequenceState], "list[Future[list[SequenceState]]]", float]:
+    def _submit(self, prompts: Prompts, params: PromptParams, n: int, request_id: str | None) -> tuple[list[SequenceState], "list[Future[list[SequenceState]]]", float]:
         seqs = self.make_sequences(prompts, params, n)
         t0 = time.perf_counter()
         futures = self.scheduler.submit_many([[s for s in seqs if s.prompt_index == i] for i in range(len(prompts))], request_id=request_id)
@@ -251,7 +224,7 @@ class Frontend:
             s.stats["seconds"] = round(elapsed, 6)
         return [self._result(s) for s in seqs]
 
-    def _submit_stream(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None, put: Callable[[Any], None]) -> "_Stream":
+    def _submit_stream(self, prompt: Prompt, params: SamplingParams, request_id: str | None, put: Callable[[Any], None]) -> "_Stream":
         """Submit one streamed sample whose chunks ``put`` delivers (None ends them)."""
         [seq] = self.make_sequences([prompt], params, 1)
         stream = _Stream(seq, request_id or uuid.uuid4().hex, None if seq.stopper is not None else IncrementalDecoder(self.tokenizer))

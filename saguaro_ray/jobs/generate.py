@@ -46,12 +46,11 @@ from saguaro_ray.prompt_file import read_prompt_file
 
 log = logging.getLogger("saguaro_ray.jobs.generate")
 
-_PER_PROMPT = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 _WAIT_S = 600.0  # longest wait for one prompt's results before the job gives up
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from saguaro_ray.cli import MODEL_FORMS, SELF_FORMS, add_sampling_args, add_speculation_args
+    from saguaro_ray.cli_flags import MODEL_FORMS, SELF_FORMS, add_engine_args, add_sampling_args, add_speculation_args
     from saguaro_ray.config import MODES
 
     p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.generate", description="batch generation from JSONL (resumable)")
@@ -68,16 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--mode", default="ar", choices=MODES)
     add_speculation_args(spec)
     rt = p.add_argument_group("runtime")
-    rt.add_argument("--address", default=None, help="Ray address (default: the job's cluster, RAY_ADDRESS)")
-    rt.add_argument("--device", default="cpu")
-    rt.add_argument("--dtype", default=None)
-    rt.add_argument("--attention-backend", default=None)
-    rt.add_argument("--num-drafts", type=int, default=1)
-    rt.add_argument("--worker-cpus", type=float, default=0.5)
-    rt.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    rt.add_argument("--max-batch-size", type=int, default=64)
+    add_engine_args(rt)
     rt.add_argument("--placement-strategy", default="PACK", help="PACK | SPREAD | STRICT_PACK | STRICT_SPREAD")
-    rt.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
     rt.add_argument("--target-placement-strategy", default="STRICT_PACK", help="placement of the target ranks (STRICT_PACK: one node)")
     rt.add_argument("--in-flight", type=int, default=32, help="prompts submitted to the engine at once")
     return p
@@ -88,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[dict[str, Any]]:
     """The job's input: prompts with optional ``id`` and per-prompt sampling fields."""
-    return read_prompt_file(path, ("id", *_PER_PROMPT))
+    from saguaro_ray.cli_flags import SAMPLING_FLAGS
+
+    return read_prompt_file(path, ("id", *SAMPLING_FLAGS))
 
 
 def completed(path: str, n: int) -> set[int]:
@@ -118,64 +111,43 @@ def completed(path: str, n: int) -> set[int]:
 # ------------------------------------------------------------------ engine
 
 
-def _engine(args: argparse.Namespace) -> tuple[Any, bool, dict[str, Any]]:
-    """(handle, owned, role → resolved ModelRef) — launched, or attached by name."""
-    from saguaro_ray.cli import engine_options_from_args, speculation_from_args
+def _engine(args: argparse.Namespace) -> tuple[Any, bool, Any]:
+    """(handle, owned, the models) — launched, or attached by name."""
+    from saguaro_ray.cli_flags import engine_options_from_args, speculation_from_args
     from saguaro_ray.errors import ConfigError
+    from saguaro_ray.model_set import ModelSet
     from saguaro_ray.runtime.engine import Engine, connect
     from saguaro_ray.runtime.engine_config import EngineConfig
-    from saguaro_ray.models.resolve import resolve_models
 
     if not args.target:
         raise ConfigError("--target is required (the tokenizer and context length come from it, also with --connect)")
     spec = speculation_from_args(args)
-    specs = {"target": args.target}
-    if spec.needs_draft:
-        if not args.draft:
-            raise ConfigError(f"--mode {args.mode} needs --draft")
-        specs["draft"] = args.draft
-    if spec.mode == "pyramid":
-        if not args.qualifier:
-            raise ConfigError("--mode pyramid needs --qualifier")
-        specs["qualifier"] = args.qualifier
-    models = resolve_models(specs)
+    models = ModelSet.open(args.target, args.draft, args.qualifier, modes=[spec])
     if args.connect:
         return connect(args.connect, address=args.address or "auto", namespace=args.namespace), False, models
+    refs = models.refs
     config = EngineConfig(
-        target=models["target"].path,
-        draft=models.get("draft"),
-        qualifier=models.get("qualifier"),
+        target=refs["target"].path,
+        draft=refs.get("draft"),
+        qualifier=refs.get("qualifier"),
         spec=spec,
         **engine_options_from_args(args),
-        worker_cpus=args.worker_cpus,
-        threads_per_worker=args.threads,
         placement_strategy=args.placement_strategy,
-        target_tp=args.target_tp,
         target_placement_strategy=args.target_placement_strategy,
-        address=args.address,
     )
     return Engine.launch(config), True, models
 
 
 def _params(args: argparse.Namespace, row: dict[str, Any]) -> Any:
-    from saguaro_ray.config import SamplingParams
+    from saguaro_ray.cli_flags import SAMPLING_FLAGS, sampling_from_args
 
-    base = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "ignore_eos": args.ignore_eos,
-    }
-    base.update({k: row[k] for k in _PER_PROMPT if k in row})
-    return SamplingParams(**base)
+    return sampling_from_args(args, {k: row[k] for k in SAMPLING_FLAGS if k in row})
 
 
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from saguaro_ray.engine.frontend import Frontend, open_models
+    from saguaro_ray.engine.frontend import Frontend
     from saguaro_ray.errors import ConfigError, SaguaroError
 
     if args.n <= 0 or args.in_flight <= 0:
@@ -189,9 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # validate every remaining prompt up front, per prompt (one bad line must not sink the job)
     params = {i: _params(args, rows[i]) for i in todo}
     handle, owned, models = _engine(args)
-    ckpts, tokenizer = open_models(models)
-    max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
-    frontend = Frontend(tokenizer, ckpts["target"].config.vocab_size, max_context, args.mode, None)
+    frontend = Frontend.for_models(models, args.mode)
     failures = 0
     t0 = time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
@@ -247,17 +217,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from saguaro_ray.errors import SaguaroError
+    from saguaro_ray.cli_flags import run_command
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except SaguaroError as exc:
-        print(f"saguaro_ray.jobs.generate: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command("saguaro_ray.jobs.generate", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -110,23 +110,23 @@ def _end_to_end(models: dict[str, str], ray: bool, device: str = "cuda") -> dict
     SD's greedy tokens equal AR's; tokens/s per mode (after a warm-up call).
     ``ray``: through the Ray engine, each worker actor on half the GPU.
     (``device="cpu"`` is the dry run the tests make of this code.)"""
+    from saguaro_ray import EngineConfig
     from saguaro_ray.config import SpeculationConfig
 
     out: dict[str, Any] = {}
     tokens: dict[str, list[list[int]]] = {}
     for mode in ("ar", "sd", "ssd"):
         spec = SpeculationConfig(mode=mode, k=4, budget=8)
+        config = EngineConfig(target=models["target"], draft=models["draft"], spec=spec, device=device, dtype="fp32", gpus_per_worker=0.5, address="local")
         if ray:
-            from saguaro_ray import Engine, EngineConfig
+            from saguaro_ray import Engine
 
-            engine: Any = Engine.launch(
-                EngineConfig(target=models["target"], draft=models["draft"], spec=spec, device=device, dtype="fp32", gpus_per_worker=0.5, address="local")
-            )
+            engine: Any = Engine.launch(config)
             close = engine.shutdown
         else:
-            from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+            from saguaro_ray.engine import LocalEngine
 
-            engine = LocalEngine(LocalEngineConfig(target=models["target"], draft=models["draft"], spec=spec, device=device, dtype="fp32"))
+            engine = LocalEngine(config)
             close = engine.close
         try:
             engine.generate(PROMPTS[:1], PARAMS)  # warm-up (CUDA context, kernels)
@@ -154,9 +154,9 @@ def tensor_parallel_check(models: dict[str, str]) -> dict[str, Any]:
         return {"skipped": f"target_tp=2 needs 2 GPUs, found {gpus}"}
     from saguaro_ray import Engine, EngineConfig
     from saguaro_ray.config import SpeculationConfig
-    from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+    from saguaro_ray.engine import LocalEngine
 
-    ref = LocalEngine(LocalEngineConfig(target=models["target"], spec=SpeculationConfig(mode="ar"), device="cuda", dtype="fp32"))
+    ref = LocalEngine(EngineConfig(target=models["target"], spec=SpeculationConfig(mode="ar"), device="cuda", dtype="fp32"))
     try:
         reference = [r.token_ids for r in ref.generate(PROMPTS, PARAMS)]
     finally:

@@ -73,13 +73,15 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # the server's default (ServeAppConfig.max_b
 
 @dataclass(frozen=True)
 class LoadOptions:
-    clients: int = 64
-    seconds: float = 120.0
-    disconnect: float = 0.1
-    poison: float = 0.05
-    seed: int = 0
+    """One load test: who connects, for how long, and how they misbehave."""
+
+    clients: int = 64  # concurrent streaming clients
+    seconds: float = 120.0  # of load, after the references and a warm-up
+    disconnect: float = 0.1  # fraction of clients that hang up mid-stream
+    poison: float = 0.05  # fraction of clients that send poison bodies
+    seed: int = 0  # of every client's random choices
     api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # the server's limit, which the "huge body" poison exceeds
 
     def split(self) -> tuple[int, int, int]:
         """(good, disconnecting, poison) clients; a fraction above 0 gets at least one."""

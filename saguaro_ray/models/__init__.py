@@ -10,22 +10,34 @@ Public API::
     real_model_path(name)     -> Path                   (converted once, cached)
     list_real_models()        -> list[dict]
     distill_draft(target, out, DistillSpec(...)) -> DistillResult   (saguaro_ray.models.distill)
+
+Names are imported on first use (PEP 562): a worker that only loads a
+checkpoint imports :mod:`saguaro_ray.models.spec` through this package, and
+must not pull in the resolver, which can build (train) the zoo family.
 """
 
-from saguaro_ray.models.gguf_import import import_gguf, read_gguf_info
-from saguaro_ray.models.real import REAL_MODELS, list_real_models, models_root, real_model_path
-from saguaro_ray.models.resolve import resolve_model_path, resolve_models
-from saguaro_ray.models.spec import QUANT_SCHEMES, ModelRef
+from __future__ import annotations
 
-__all__ = [
-    "QUANT_SCHEMES",
-    "REAL_MODELS",
-    "ModelRef",
-    "import_gguf",
-    "list_real_models",
-    "models_root",
-    "read_gguf_info",
-    "real_model_path",
-    "resolve_model_path",
-    "resolve_models",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "QUANT_SCHEMES": "spec",
+    "ModelRef": "spec",
+    "REAL_MODELS": "real",
+    "list_real_models": "real",
+    "models_root": "real",
+    "real_model_path": "real",
+    "import_gguf": "gguf_import",
+    "read_gguf_info": "gguf_import",
+    "resolve_model_path": "resolve",
+    "resolve_models": "resolve",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'saguaro_ray.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"saguaro_ray.models.{_HOMES[name]}"), name)

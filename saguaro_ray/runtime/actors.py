@@ -30,14 +30,15 @@ import ray
 import torch
 
 from saguaro_ray.config import SamplingParams
-from saguaro_ray.engine.frontend import Frontend, open_models
+from saguaro_ray.engine.frontend import Frontend, StreamChunk
 from saguaro_ray.engine.rounds import RoundLoop, submit_each
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
+from saguaro_ray.model_set import ModelSet, role_kind
 from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
-from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
 from saguaro_ray.runtime.restart_budget import RestartBudget
 from saguaro_ray.runtime.routing import RoutedLogic
@@ -87,15 +88,7 @@ def make_runner(
 ) -> ModelRunner:
     """A worker's model runner on the configured device (``tp``: one rank's slice;
     ``quantize``: a self-draft's weight scheme)."""
-    return ModelRunner(
-        model,
-        device=config.device,
-        dtype=config.dtype,
-        attention_backend=config.attention_backend,
-        max_kv_tokens=config.max_kv_tokens,
-        tp=tp,
-        quantize=quantize,
-    )
+    return ModelRunner(model, **config.runner_options, tp=tp, quantize=quantize)
 
 
 def _exit_if_asked(role: str) -> None:
@@ -119,7 +112,7 @@ class WorkerActor:
     def __init__(self, role: str, model: ModelRef, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
         logging.basicConfig(level=logging.INFO)
         _exit_if_asked(role)
-        torch.set_num_threads(config.threads_per_worker)
+        torch.set_num_threads(config.worker_threads)
         kind = role_kind(role)
         self.role = role
         self.logic = _LOGIC[kind](self._make_runner(model, config))
@@ -127,7 +120,8 @@ class WorkerActor:
         # tensors to and from peers live on the device the model runs on
         self.routed = RoutedLogic(self.logic, key, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
-        follow_up = self.routed.follow_up if config.build_ahead else None  # the work a draft starts after answering
+        # the work a draft starts after answering (build_ahead None: on through Ray)
+        follow_up = self.routed.follow_up if config.build_ahead is not False else None
         self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=follow_up)
 
     def _make_runner(self, model: ModelRef, config: EngineConfig) -> Any:
@@ -173,12 +167,7 @@ class CoordinatorActor:
     def __init__(self, config: EngineConfig, workers: dict[str, Any], key: bytes) -> None:
         logging.basicConfig(level=logging.INFO)
         self.config = config
-        roles = {"target": config.target}
-        if config.spec.needs_draft:
-            roles["draft"] = config.draft  # type: ignore[assignment]
-        if config.spec.mode == "pyramid":
-            roles["qualifier"] = config.qualifier  # type: ignore[assignment]
-        ckpts, tokenizer = open_models(roles)
+        models = ModelSet.from_specs(config.models)  # resolved by the launcher: only opened here
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:  # the workers hold the lost coordinator's sequences: start them afresh
             log.warning("coordinator restarted: the requests it ran are lost; restarting its workers")
@@ -207,14 +196,11 @@ class CoordinatorActor:
                 self._subscribe(c)
         for c in self.clients.values():
             c.on_recovered = self._on_recovered
-        target_cfg = ckpts["target"].config
-        eos = target_cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-        max_context = min(ck.config.max_position_embeddings for ck in ckpts.values())
         self.loop = RoundLoop(
             config.spec,
             self.clients["target"],
-            eos,
-            max_context,
+            models.eos_ids,
+            models.max_context,
             draft=[c for role, c in self.clients.items() if role.startswith("draft")],
             qualifier=self.clients.get("qualifier"),
             broadcast=self._broadcast,
@@ -228,7 +214,7 @@ class CoordinatorActor:
             block_size=max(i["block_size"] for i in infos),
             max_queued=config.max_queued,
         )
-        self.frontend = Frontend(tokenizer, target_cfg.vocab_size, max_context, config.spec.mode, self.scheduler)
+        self.frontend = Frontend.for_models(models, config.spec.mode, self.scheduler)
 
     async def ready(self) -> bool:
         return True
@@ -324,9 +310,10 @@ class CoordinatorActor:
     ) -> list[GenerationResult]:
         return await self.frontend.agenerate(prompts, params, n, request_id)
 
-    async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        # an async generator function: what Ray streams to the caller chunk by chunk
         async for chunk in self.frontend.astream(prompt, params, request_id):
-            yield {"token_ids": chunk.token_ids, "text": chunk.text, "finish_reason": chunk.finish_reason, "stats": chunk.stats}
+            yield chunk
 
     async def abort(self, request_id: str) -> None:
         """Abort the request(s) named ``request_id`` at the next round boundary."""

@@ -18,22 +18,21 @@ import logging
 import os
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from saguaro_ray.config import SamplingParams
-from saguaro_ray.engine.frontend import open_models
+from saguaro_ray.engine.frontend import Prompt, PromptParams, Prompts, StreamChunk
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import ConfigError, SaguaroError
-from saguaro_ray.models.resolve import resolve_models
-from saguaro_ray.models.spec import ModelRef
+from saguaro_ray.model_set import ModelSet, role_kind
 from saguaro_ray.runtime.actors import CoordinatorActor, WorkerActor
 from saguaro_ray.runtime.control import EngineKey
-from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
+from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.runtime.placement import actor_options, reserve
 from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
 from saguaro_ray.runtime.target_group import TargetGroup, kill_worker, stop, worker_info
 from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
@@ -58,27 +57,20 @@ class EngineHandle:
         self._owned = owned
 
     # ------------------------------------------------------------- sync
-    def generate(
-        self,
-        prompts: Sequence[str | Sequence[int]] | str,
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        n: int = 1,
-    ) -> list[GenerationResult]:
-        """Generate ``n`` samples per prompt; results in (prompt, sample) order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        return _unwrap(lambda: ray.get(self.coordinator.generate.remote(list(prompts), params, n)))
+    def generate(self, prompts: Prompts | str, params: PromptParams = SamplingParams(), n: int = 1) -> list[GenerationResult]:
+        """Generate ``n`` samples per prompt (a lone string: one prompt); results in (prompt, sample) order."""
+        return _unwrap(lambda: ray.get(self.coordinator.generate.remote(_prompt_list(prompts), params, n)))
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[dict[str, Any]]:
-        """Yield ``{"token_ids", "text", "finish_reason"}`` chunks as rounds
-        complete; closing the generator early aborts the request."""
+    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
+        """Yield one sample's chunks (:class:`StreamChunk`) as rounds complete
+        (the last carries the finish reason); closing the generator early aborts the request."""
         request_id = uuid.uuid4().hex
         gen = self.coordinator.stream.remote(prompt, params, request_id)
         finished = False
         try:
             for ref in gen:
                 chunk = _unwrap(lambda: ray.get(ref))
-                finished = chunk["finish_reason"] is not None
+                finished = chunk.finish_reason is not None
                 yield chunk
         finally:
             if not finished:
@@ -90,18 +82,11 @@ class EngineHandle:
         self.coordinator.abort.remote(request_id)
 
     # ------------------------------------------------------------ async
-    async def agenerate(
-        self,
-        prompts: Sequence[str | Sequence[int]] | str,
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        n: int = 1,
-    ) -> list[GenerationResult]:
+    async def agenerate(self, prompts: Prompts | str, params: PromptParams = SamplingParams(), n: int = 1) -> list[GenerationResult]:
         """:meth:`generate` for an event loop; cancelling the task aborts the request."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
         request_id = uuid.uuid4().hex
         try:
-            return await self.coordinator.generate.remote(list(prompts), params, n, request_id)
+            return await self.coordinator.generate.remote(_prompt_list(prompts), params, n, request_id)
         except ray.exceptions.TaskCancelledError:  # before RayTaskError: Ray's report of it is both
             self.abort(request_id)
             raise _cancelled() from None
@@ -111,7 +96,7 @@ class EngineHandle:
             self.abort(request_id)
             raise
 
-    async def astream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> AsyncIterator[dict[str, Any]]:
+    async def astream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> AsyncIterator[StreamChunk]:
         """:meth:`stream` for an event loop; a cancelled or closed consumer aborts the request."""
         request_id = uuid.uuid4().hex
         gen = self.coordinator.stream.remote(prompt, params, request_id)
@@ -124,7 +109,7 @@ class EngineHandle:
                     raise _cancelled() from None
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
                     raise _user_error(exc) from None
-                finished = chunk["finish_reason"] is not None
+                finished = chunk.finish_reason is not None
                 yield chunk
         finally:
             if not finished:
@@ -170,6 +155,10 @@ class EngineHandle:
 
 
 _CLOSE_TIMEOUT_S = 10.0
+
+
+def _prompt_list(prompts: Prompts | str) -> list[Prompt]:
+    return [prompts] if isinstance(prompts, str) else list(prompts)
 
 
 def _close_workers(workers: dict[str, Any]) -> None:
@@ -220,17 +209,13 @@ class Engine:
     @staticmethod
     def launch(config: EngineConfig) -> EngineHandle:
         """Validate, place and start an engine; returns its handle."""
-        models = _resolve_models(config)
+        models = _open_models(config)
         ensure_ray(config)
-        bundles, roles = _bundles(config)
-        pg = placement_group(bundles, strategy=config.placement_strategy, name=f"{config.name}-pg" if config.name else "")  # unnamed engines must not collide
-        try:
-            ray.get(pg.ready(), timeout=_PG_TIMEOUT_S)
-        except Exception as exc:
-            remove_placement_group(pg)
-            raise ConfigError(
-                f"could not reserve resources {bundles} ({type(exc).__name__}); lower worker_cpus/gpus or add nodes"
-            ) from None
+        # a sharded target (target_tp > 1) is placed in its own group (runtime.tp_actors)
+        roles = ["coordinator", *(r for r in config.roles if r != "target" or config.target_tp == 1)]
+        bundles = [config.bundle(role) for role in roles]
+        name = f"{config.name}-pg" if config.name else ""  # unnamed engines must not collide
+        pg = reserve(bundles, config.placement_strategy, name, _PG_TIMEOUT_S, f"resources {bundles}", "lower worker_cpus/gpus or add nodes")
         try:  # a sharded target's ranks get a placement group of their own
             target_pg = reserve_target_group(config, _PG_TIMEOUT_S) if config.target_tp > 1 else None
         except ConfigError:
@@ -246,14 +231,13 @@ class Engine:
         workers: dict[str, Any] = {}
         try:
             if target_pg is not None:
-                workers["target"] = launch_target_group(config, models["target"], key, tcp_host, lifetime, target_pg)
+                workers["target"] = launch_target_group(config, models.refs["target"], key, tcp_host, lifetime, target_pg)
             for i, role in enumerate(roles[1:], start=1):
-                opts = _actor_options(config, pg, i, lifetime)
+                opts = actor_options(config, pg, i, role, lifetime)
                 workers[role] = ray.remote(WorkerActor).options(**opts, max_restarts=RAY_MAX_RESTARTS).remote(
-                    role, models[role_kind(role)], config, key, tcp_host
+                    role, models.refs[role_kind(role)], config, key, tcp_host
                 )
-            copts = _actor_options(config, pg, 0, lifetime)
-            copts.pop("num_gpus", None)
+            copts = actor_options(config, pg, 0, "coordinator", lifetime)
             # Ray restarts a lost coordinator (a lifetime count: nothing outlives it to keep a window);
             # the restarted one restarts the workers and serves new requests
             coord_cls = ray.remote(CoordinatorActor).options(
@@ -263,7 +247,8 @@ class Engine:
                 max_concurrency=COORDINATOR_CONCURRENCY,
                 max_restarts=config.max_restarts,
             )
-            resolved = replace(config, target=models["target"].path, draft=models.get("draft"), qualifier=models.get("qualifier"))
+            refs = models.refs
+            resolved = replace(config, target=refs["target"].path, draft=refs.get("draft"), qualifier=refs.get("qualifier"))
             coordinator = coord_cls.remote(resolved, workers, key)
             try:
                 ray.get(coordinator.ready.remote())
@@ -290,14 +275,13 @@ def connect(name: str, address: str | None = "auto", namespace: str = "saguaro-r
     return EngineHandle(coordinator)
 
 
-def _resolve_models(config: EngineConfig) -> dict[str, ModelRef]:
+def _open_models(config: EngineConfig) -> ModelSet:
     """Resolve model names (``zoo:`` built, ``real:`` converted on first use;
     ``self:`` drafts) and validate every model and vocabulary here, before any
     actor starts: workers only ever load a directory."""
-    refs = resolve_models({role_kind(r): config.model_for(r) for r in config.roles})
-    ckpts, _ = open_models(refs)
-    check_tensor_parallel(ckpts["target"].config, config.target_tp, source=refs["target"].path)
-    return refs
+    models = ModelSet.from_specs(config.models)
+    check_tensor_parallel(models.checkpoints["target"].config, config.target_tp, source=models.refs["target"].path)
+    return models
 
 
 def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:
@@ -321,33 +305,3 @@ def ensure_ray(config: EngineConfig, logical_cpus: float | None = None) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 1)), include_dashboard=False, **kwargs)
     else:
         ray.init(address=config.address, **kwargs)
-
-
-def _bundles(config: EngineConfig) -> tuple[list[dict[str, float]], list[str]]:
-    # a sharded target (target_tp > 1) is placed in its own group (runtime.tp_actors)
-    roles = ["coordinator", *(r for r in config.roles if r != "target" or config.target_tp == 1)]
-    bundles = []
-    for role in roles:
-        if role == "coordinator":
-            b: dict[str, float] = {"CPU": config.coordinator_cpus}
-        else:
-            b = {"CPU": config.worker_cpus}
-            if config.device == "cuda":
-                b["GPU"] = config.gpus_per_worker
-        b.update(config.resources.get(role_kind(role), {}))
-        bundles.append(b)
-    return bundles, roles
-
-
-def _actor_options(config: EngineConfig, pg: Any, index: int, lifetime: str | None) -> dict[str, Any]:
-    bundle_cpus = config.coordinator_cpus if index == 0 else config.worker_cpus
-    opts: dict[str, Any] = {
-        "num_cpus": bundle_cpus,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    }
-    if index > 0 and config.device == "cuda":
-        opts["num_gpus"] = config.gpus_per_worker
-    if lifetime:
-        opts["lifetime"] = lifetime
-    return opts
-

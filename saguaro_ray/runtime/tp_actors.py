@@ -20,14 +20,12 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from saguaro_ray.errors import ConfigError
 from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.actors import WorkerActor, make_runner
 from saguaro_ray.runtime.data_plane import DataPlaneStore, StoreClient
 from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.runtime.placement import actor_options, reserve
 from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
 from saguaro_ray.runtime.target_group import TargetGroup
 from saguaro_ray.workers.checkpoint import open_checkpoint
@@ -102,7 +100,7 @@ class TargetFollowerActor:
 
     def __init__(self, model: str, config: EngineConfig, rank: int, key: bytes) -> None:
         logging.basicConfig(level=logging.INFO)
-        torch.set_num_threads(config.threads_per_worker)
+        torch.set_num_threads(config.worker_threads)
         self.runner, self.tp = rank_runner(model, config, rank)
         self._key = key
         self._thread: threading.Thread | None = None
@@ -132,29 +130,17 @@ class TargetFollowerActor:
         }
 
 
-def target_bundles(config: EngineConfig) -> list[dict[str, float]]:
-    bundle: dict[str, float] = {"CPU": config.worker_cpus}
-    if config.device == "cuda":
-        bundle["GPU"] = config.gpus_per_worker
-    bundle.update(config.resources.get("target", {}))
-    return [dict(bundle) for _ in range(config.target_tp)]
-
-
 def reserve_target_group(config: EngineConfig, timeout_s: float) -> Any:
     """The target ranks' placement group, ready (or a ConfigError saying what to change)."""
-    bundles = target_bundles(config)
-    name = f"{config.name}-target-pg" if config.name else ""
-    pg = placement_group(bundles, strategy=config.target_placement_strategy, name=name)
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except Exception as exc:
-        remove_placement_group(pg)
-        raise ConfigError(
-            f"could not reserve {config.target_tp} target ranks {bundles[0]} with {config.target_placement_strategy} "
-            f"({type(exc).__name__}); lower target_tp or worker_cpus/gpus_per_worker, add devices to one node, "
-            "or set target_placement_strategy='PACK'"
-        ) from None
-    return pg
+    bundles = [config.bundle("target") for _ in range(config.target_tp)]
+    return reserve(
+        bundles,
+        config.target_placement_strategy,
+        f"{config.name}-target-pg" if config.name else "",
+        timeout_s,
+        f"{config.target_tp} target ranks {bundles[0]} with {config.target_placement_strategy}",
+        "lower target_tp or worker_cpus/gpus_per_worker, add devices to one node, or set target_placement_strategy='PACK'",
+    )
 
 
 def launch_target_group(
@@ -163,15 +149,7 @@ def launch_target_group(
     """Start the T rank actors in ``pg`` and form their group."""
     actors = []
     for rank in range(config.target_tp):
-        opts: dict[str, Any] = {
-            "num_cpus": config.worker_cpus,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-            "max_restarts": RAY_MAX_RESTARTS,
-        }
-        if config.device == "cuda":
-            opts["num_gpus"] = config.gpus_per_worker
-        if lifetime:
-            opts["lifetime"] = lifetime
+        opts = {**actor_options(config, pg, rank, "target", lifetime), "max_restarts": RAY_MAX_RESTARTS}
         if rank == 0:
             actors.append(ray.remote(TargetLeaderActor).options(**opts).remote("target", model, config, key, tcp_host))
         else:

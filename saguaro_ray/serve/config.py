@@ -162,18 +162,12 @@ class ServeAppConfig(BaseModel):
 
     def engine_config(self, entry: EngineEntry) -> Any:
         """The :class:`EngineConfig` of ``entry`` (validated)."""
+        from saguaro_ray.model_set import needed_specs
         from saguaro_ray.runtime.engine_config import EngineConfig
 
-        kwargs = self.engine_options_for(entry)
         spec = entry.spec()
-        return EngineConfig(
-            target=self.target,
-            draft=self.draft if spec.needs_draft else None,
-            qualifier=self.qualifier if spec.mode == "pyramid" else None,
-            spec=spec,
-            namespace=entry.namespace,
-            **kwargs,
-        )
+        models = needed_specs([spec], self.target, self.draft, self.qualifier)  # only those its mode runs
+        return EngineConfig(**models, spec=spec, namespace=entry.namespace, **self.engine_options_for(entry))
 
     def launch_config(self, entry: EngineEntry, models: dict[str, ModelRef] | None = None) -> Any:
         """``engine_config(entry)`` with ``models`` (role → resolved model, see
