@@ -220,13 +220,14 @@ def test_a_stream_closed_while_its_events_wait_counts_as_the_client_leaving():
     import time
     from types import SimpleNamespace
 
+    from saguaro_ray.engine.frontend import StreamChunk
     from saguaro_ray.serve.metrics import ServeMetrics
     from saguaro_ray.serve.streaming import sse_events
 
     metrics = ServeMetrics("edge-test")
     engine = SimpleNamespace(entry=SimpleNamespace(name="ar"), mode="ar", k=None)
     body = CompletionRequest(model="m", prompt="x", stream=True)
-    first = (0, {"token_ids": [7], "text": "a", "finish_reason": None})
+    first = (0, StreamChunk(token_ids=[7], text="a"))
 
     async def main() -> None:
         events = sse_events(metrics, "completions", body, engine, asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)

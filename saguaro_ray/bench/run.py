@@ -77,39 +77,27 @@ class _Runner:
         spec = SpeculationConfig(
             mode=mode, k=args.k, budget=args.budget, fanout=fanout if fanout == "auto" else tuple(fanout), backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2
         )
-        if runtime == "inprocess":
-            from saguaro_ray.engine import LocalEngine, LocalEngineConfig
+        from saguaro_ray.runtime.engine_config import EngineConfig
 
-            self.engine = LocalEngine(
-                LocalEngineConfig(
-                    target=args.target,
-                    draft=args.draft,
-                    qualifier=args.qualifier,
-                    spec=spec,
-                    num_threads=args.threads,
-                    num_drafts=num_drafts,
-                    dtype=args.dtype,
-                    **_build_ahead(args),
-                )
-            )
+        config = EngineConfig(
+            target=args.target,
+            draft=args.draft,
+            qualifier=args.qualifier,
+            spec=spec,
+            num_drafts=num_drafts,
+            threads_per_worker=args.threads,
+            dtype=args.dtype,
+            **_build_ahead(args),
+            **({} if runtime == "inprocess" else {"target_tp": args.target_tp, "address": args.address}),
+        )
+        if runtime == "inprocess":
+            from saguaro_ray.engine import LocalEngine
+
+            self.engine = LocalEngine(config)
         else:
             from saguaro_ray.runtime.engine import Engine
-            from saguaro_ray.runtime.engine_config import EngineConfig
 
-            self.engine = Engine.launch(
-                EngineConfig(
-                    target=args.target,
-                    draft=args.draft,
-                    qualifier=args.qualifier,
-                    spec=spec,
-                    num_drafts=num_drafts,
-                    target_tp=args.target_tp,
-                    **_build_ahead(args),
-                    threads_per_worker=args.threads,
-                    address=args.address,
-                    dtype=args.dtype,
-                )
-            )
+            self.engine = Engine.launch(config)
         self._timeline, self.close = _engine_calls(runtime, self.engine)
 
     def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:

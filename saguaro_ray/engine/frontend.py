@@ -21,28 +21,20 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.stops import StopChecker
 from saguaro_ray.errors import ConfigError, PromptTooLongError
-from saguaro_ray.model_set import ModelSet, ModelSpec
+from saguaro_ray.model_set import ModelSet
 from saguaro_ray.tokenizer import IncrementalDecoder
-from saguaro_ray.workers.checkpoint import Checkpoint
 
 
 Prompt = str | Sequence[int]  # text, or token ids
 Prompts = Sequence[Prompt]
 PromptParams = SamplingParams | Sequence[SamplingParams]  # one for every prompt, or one each
-
-
-def open_models(roles: Mapping[str, ModelSpec]) -> tuple[dict[str, Checkpoint], Any]:
-    """``(checkpoints, tokenizer)`` of ``roles``: serve/replica.py's call until it
-    opens a :class:`ModelSet` itself (remove at the issue-18 merge, with that change)."""
-    models = ModelSet.from_specs(roles)
-    return dict(models.checkpoints), models.tokenizer
 
 
 @dataclass
@@ -56,14 +48,6 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # the sample's stats, on the last chunk
-
-    # serve/replica.py reads the Ray engine's chunks as the dicts they were;
-    # remove both at the issue-18 merge, when it reads the attributes
-    def __getitem__(self, name: str) -> Any:
-        return getattr(self, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self, name, default)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
@@ -30,13 +30,6 @@ from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.target import TargetLogic
 
 log = logging.getLogger(__name__)
-
-
-def LocalEngineConfig(*, num_threads: int | None = None, **fields: Any) -> EngineConfig:  # noqa: N802 — the old class's name
-    """The in-process engine's former config class, for bench.py until it
-    builds ``EngineConfig(threads_per_worker=...)`` itself (it is being split in
-    parallel; remove this at the issue-18 merge, with that change)."""
-    return EngineConfig(threads_per_worker=num_threads, **fields)
 
 
 class LocalEngine:

@@ -17,7 +17,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.serve.auth import APIKeys
 from saguaro_ray.serve.config import EngineEntry, ServeAppConfig, parse_config
@@ -42,11 +41,6 @@ class ServedEngine:
     prompt_bytes: int  # text beyond this many bytes cannot fit the context (see limits.prompt_byte_limit)
 
 
-def engine_roles(spec: SpeculationConfig) -> list[str]:
-    """The model roles an engine of ``spec`` runs (the replica's one rule for it)."""
-    return ["target"] + (["draft"] if spec.needs_draft else []) + (["qualifier"] if spec.mode == "pyramid" else [])
-
-
 class ReplicaCore:
     """One replica's state: the engines, the tokenizer, the API keys, admission and metrics."""
 
@@ -63,23 +57,19 @@ class ReplicaCore:
 
     # ------------------------------------------------------------ lifecycle
     def _start_engines(self) -> tuple[Any, dict[str, ServedEngine]]:
-        from saguaro_ray.engine.frontend import Frontend, open_models
-        from saguaro_ray.models.resolve import resolve_models
+        from saguaro_ray.engine.frontend import Frontend
+        from saguaro_ray.model_set import ModelSet
         from saguaro_ray.runtime.engine import Engine, connect
 
         cfg = self.cfg
-        roles = {e.name: engine_roles(e.spec()) for e in cfg.engines}
-        needed = {r for rs in roles.values() for r in rs}
-        specs = {r: getattr(cfg, r) for r in ("target", "draft", "qualifier") if r in needed}  # the config checked each is set
-        paths = resolve_models(specs)  # once here, not once per engine
-        ckpts, tokenizer = open_models(paths)
-        vocab = ckpts["target"].config.vocab_size
-        token_bytes = max_token_bytes(tokenizer)
+        # every engine's models, resolved and opened once here (not once per engine)
+        models = ModelSet.open(cfg.target, cfg.draft, cfg.qualifier, modes=[e.spec() for e in cfg.engines])
+        token_bytes = max_token_bytes(models.tokenizer)
 
         def start(entry: EngineEntry) -> tuple[Any, bool]:
             if entry.connect:
                 return connect(entry.connect, namespace=entry.namespace), False
-            return Engine.launch(cfg.launch_config(entry, paths)), True
+            return Engine.launch(cfg.launch_config(entry, models.refs)), True
 
         engines: dict[str, ServedEngine] = {}
         with ThreadPoolExecutor(len(cfg.engines)) as pool:
@@ -92,20 +82,20 @@ class ReplicaCore:
                     errors.append(exc)
                     continue
                 spec = entry.spec()
-                max_context = min(ckpts[r].config.max_position_embeddings for r in roles[name])
+                own = models.restrict(spec)  # this engine's models: its context window is theirs
                 engines[name] = ServedEngine(
                     entry=entry,
                     handle=handle,
                     owned=owned,
-                    frontend=Frontend(tokenizer, vocab, max_context, spec.mode, None),
+                    frontend=Frontend.for_models(own, spec.mode),
                     mode=spec.mode,
                     k=spec.k if spec.mode in ("sd", "ssd") else None,
-                    prompt_bytes=prompt_byte_limit(token_bytes, max_context),
+                    prompt_bytes=prompt_byte_limit(token_bytes, own.max_context),
                 )
         if errors:
             self._shutdown_engines(engines)
             raise errors[0]
-        return tokenizer, engines
+        return models.tokenizer, engines
 
     def _shutdown_engines(self, engines: dict[str, ServedEngine]) -> None:
         for e in engines.values():

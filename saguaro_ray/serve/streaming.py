@@ -17,30 +17,17 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from saguaro_ray.config import SamplingParams
+from saguaro_ray.engine.frontend import StreamChunk
 from saguaro_ray.serve.metrics import ServeMetrics
 from saguaro_ray.serve.protocol import _Common, api_error_from, choice_stats, deadline_passed, new_id, now, prompt_field, usage
 from saguaro_ray.serve.replica import ServedEngine
 
 log = logging.getLogger(__name__)
-
-
-class StreamPiece(NamedTuple):
-    """What the events take from one engine stream chunk."""
-
-    tokens: int  # token ids the chunk carries
-    text: str
-    finish_reason: str | None  # set on a sample's last chunk
-    stats: dict[str, Any] | None  # the sample's round statistics, when the chunk has them
-
-
-def read_chunk(chunk: dict[str, Any]) -> StreamPiece:
-    """The one place that reads an engine stream chunk (``EngineHandle.astream`` yields dicts)."""
-    return StreamPiece(len(chunk["token_ids"]), chunk["text"], chunk.get("finish_reason"), chunk.get("stats"))
 
 
 async def stream_response(
@@ -155,15 +142,16 @@ async def sse_events(
             if isinstance(payload, BaseException):
                 raise payload
             t = time.perf_counter()
-            piece = read_chunk(payload)
-            if piece.tokens:
+            piece: StreamChunk = payload
+            tokens = len(piece.token_ids)
+            if tokens:
                 if not first_token_seen:
                     first_token_seen = True
                     metrics.first_token(route, name, t - t0)
                 if last_token_t[index] is not None:
-                    metrics.inter_token(route, name, t - last_token_t[index], piece.tokens)
+                    metrics.inter_token(route, name, t - last_token_t[index], tokens)
                 last_token_t[index] = t
-                ntokens[index] += piece.tokens
+                ntokens[index] += tokens
             if piece.text:
                 yield event([choice(index, piece.text, None)])
             if piece.finish_reason is not None:
