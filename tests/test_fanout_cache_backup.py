@@ -254,13 +254,13 @@ def test_the_round_loop_measures_each_rounds_fixed_cost(tmp_path):
 
     from saguaro_ray.config import SamplingParams, SpeculationConfig
     from saguaro_ray.engine import LocalEngine, LocalEngineConfig
-    from saguaro_ray.engine.rounds import round_components
+    from saguaro_ray.engine.timeline import round_components
 
     target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
     eng = LocalEngine(LocalEngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="ssd", k=3), num_threads=1))
     try:
         eng.generate([[3, 5, 7]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-        stats = eng.loop.backup_stats
+        stats = eng.loop.strategy.backup_stats
         rounds = [r.to_json() for r in eng.timeline if not r.prefill]
         ema = 0.0  # the statistics' moving average, from its prior of 0
         for r in rounds:

@@ -35,6 +35,7 @@ torch.distributed data plane.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import hmac
 import math
@@ -47,7 +48,7 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.errors import SaguaroError
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
 __all__ = [
     "BadFrame",
@@ -151,7 +152,7 @@ def registered_types() -> dict[str, type]:
     return dict(_BY_NAME)
 
 
-for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, QualifyItem, BuildItem, Extension, LookupResult, NextRound, Outcome, Timed):
+for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, BuildItem, Extension, LookupResult, NextRound, Outcome, Timed):
     register(_cls)
 
 
@@ -241,6 +242,8 @@ def _to_wire(obj: Any) -> Any:
         return tensor_to_wire(obj)
     if t is bytearray or t is memoryview:
         return bytes(obj)
+    if isinstance(obj, enum.Enum):  # a str-valued enum (a proposal's source) travels as its value
+        return _to_wire(obj.value)
     if dataclasses.is_dataclass(obj):
         raise EncodeError(f"dataclass {t.__module__}.{t.__qualname__} is not registered for the wire; call saguaro_ray.runtime.wire.register({t.__qualname__})")
     raise EncodeError(f"objects of type {t.__module__}.{t.__qualname__} cannot be sent over the control plane")

@@ -1,0 +1,316 @@
+"""SSD (Saguaro): while the target verifies round T, the drafts build round
+T+1's speculations for its likely outcomes; after verification a cache hit
+supplies the next proposal at once, and a miss is served by the backup
+(``neural``: K draft steps from the real outcome; ``fast``: a point-mass
+guess from the history).
+
+A round, top to bottom (:meth:`SSDStrategy.run`): fix the budget; give new
+sequences a first proposal; send the verification and every draft's build
+(the longer of the two first); emit the outcomes; send the lookups with the
+real outcomes — with one draft, each carries the sequence's
+:class:`NextRound`, so that the draft serves a miss's backup in the same call
+and starts the next round's build itself; read the answers into each
+sequence's next proposal; serve what is left with the round loop's own
+backup. What the calls carry is :mod:`saguaro_ray.workers.ssd_protocol`'s.
+
+The budget is fixed one round ahead: a round's lookup carries the next
+round's fan-outs, and its build uses them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from saguaro_ray.algorithms.backup import BackupKind, BackupPolicy, BackupStats
+from saguaro_ray.algorithms.fanout import BudgetController, BudgetSearch, FanoutEstimator
+from saguaro_ray.algorithms.ngram import ngram_guess
+from saguaro_ray.workers import ssd_protocol
+from saguaro_ray.engine.calls import RetryingCall
+from saguaro_ray.engine.sequence import SequenceState
+from saguaro_ray.engine.timeline import RoundRecord, Span, round_components
+from saguaro_ray.engine.transport import WorkerHandle
+from saguaro_ray.workers.messages import Extension, LookupResult, NextRound, Outcome, Proposal, ProposalSource
+
+if TYPE_CHECKING:
+    from saguaro_ray.engine.round_loop import RoundLoop
+
+
+def _regime(p: Proposal) -> BackupKind | None:
+    """The acceptance regime a proposal is verified under, for the fan-out
+    estimator and the backup statistics: the backup kind that made it, or
+    None for the primary draft (a cache hit, a first proposal)."""
+    if p.source is ProposalSource.NEURAL:
+        return "neural"
+    if p.source is ProposalSource.FAST:
+        return "fast"
+    return None
+
+
+def _span(spans: Sequence[Span]) -> Span:
+    """The time several workers' concurrent calls cover together."""
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+@dataclass
+class _Lookups:
+    """A round's lookup calls in flight: ``at[j]`` is where the j-th live
+    sequence's answer sits in each reply; ``kind`` the backup a miss's
+    answer carries when the lookup asked for one."""
+
+    calls: list[tuple[WorkerHandle, RetryingCall]]
+    at: list[int]
+    kind: BackupKind
+    plans: list[NextRound] | None  # what the lookup carried per live sequence (the only draft)
+
+
+class SSDStrategy:
+    def __init__(self, loop: "RoundLoop") -> None:
+        spec = loop.spec
+        self.loop = loop
+        self.fanout = FanoutEstimator()
+        # auto fan-outs spend the budget that delivers the most tokens/s at the batch
+        # size (measured), never more than stays hidden behind verification
+        self.budget = BudgetController(spec.budget)
+        self.budget_search = BudgetSearch(spec.budget)
+        self._spend = spec.budget  # the budget per sequence of this round's builds
+        self._next_spend: int | None = None  # ... and of the next round's, fixed one round ahead
+        # per sequence: the plan its latest lookup carried, while its proposal is the one that
+        # lookup served (the next build's items are made from it, on the draft's side too)
+        self._planned: dict[int, NextRound] = {}
+        self.backup_policy = BackupPolicy(spec.backup)
+        self.backup_stats = BackupStats()
+        self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
+        # the KV delta of each sequence's latest hit, and the draft that served it
+        self._deltas: dict[int, tuple[WorkerHandle, Extension]] = {}
+
+    # -------------------------------------------------------------- round
+    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
+        loop, spec = self.loop, self.loop.spec
+        decided = min(self.budget.budget, self.budget_search.budget(len(running)))
+        self._spend, self._next_spend = self._next_spend or decided, decided
+        rec.budget = self._spend if spec.fanout == "auto" else None
+        need = [s for s in running if s.proposal is None]
+        if need:  # newly admitted sequences (a miss is served at its own round's lookup)
+            rec.backup, rec.draft = self._backup(need, len(running))
+        # a cached speculation may be longer than what is still worth verifying
+        ks = [loop.spec_len(s, spec.k) for s in running]
+        proposals = [ssd_protocol.clip(s.proposal, k) for s, k in zip(running, ks)]  # type: ignore[arg-type]
+        # a speculation clipped to nothing is never verified: its q rows are never fetched
+        loop.discard([loop.target], [s.proposal.q for s, p in zip(running, proposals) if s.proposal.tokens and not p.tokens])  # type: ignore[union-attr]
+        # every draft that is up builds its share of the outcomes (one budget each)
+        builders = loop.drafts.up()
+        shards = max(1, len(builders))
+        share = shards > 1  # peers take the owner's KV delta instead of recomputing
+        kind = self._backup_kind(len(running))  # one backup decision per round, for this round's misses
+        # whichever of the two has been taking longer is sent first
+        if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
+            calls_b = self._send_builds(running, proposals, ks, builders, rec)
+            call_v = loop.verify(running, proposals, rec)
+        else:
+            call_v = loop.verify(running, proposals, rec)
+            calls_b = self._send_builds(running, proposals, ks, builders, rec)
+        outcomes = loop.verified(call_v, rec)
+        self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)  # type: ignore[index]
+        loop.emit(running, proposals, outcomes, rec)
+        live = [i for i, s in enumerate(running) if not s.finished]
+        lookups = self._send_lookups([running[i] for i in live], [outcomes[i] for i in live], [d for d, _ in calls_b], kind, share, rec)
+        built = [got for got in (loop.draft_value(c) for _, c in calls_b) if got is not None]
+        if built:
+            rec.build = _span([span for _, span in built])  # a build started ahead: the span it really ran
+            rec.ahead = any(isinstance(value, dict) and value.get("ahead") for value, _ in built)
+            # when the build ended, from the verification's start, in verification times: the
+            # round waits for a build that ends after verification, however early it began
+            t_primary = (rec.build[1] - rec.verify[0]) / self._verify_seconds  # type: ignore[index]
+            self.backup_stats.observe_latency(t_primary=t_primary)
+            self.budget.observe(t_primary)
+        for p, out in zip(proposals, outcomes):
+            from_cache = p.source is ProposalSource.CACHE
+            self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else _regime(p))
+        if not live:  # every sequence finished: nothing was looked up
+            return
+        self._take_lookups([running[i] for i in live], [proposals[i] for i in live], [outcomes[i] for i in live], lookups, rec)
+        missed = [running[i] for i in live if running[i].proposal is None]
+        if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
+            rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
+
+    def ended(self, rec: RoundRecord) -> None:
+        # what the round cost beyond its workers' time, for the backup policy's model
+        self.backup_stats.observe_latency(t_round=round_components(rec)["control"] / self._verify_seconds)
+        if self.loop.spec.fanout == "auto":
+            self.budget_search.observe(rec.batch, sum(a + 1 for a in rec.accepted), rec.end - rec.start)
+
+    def dropped(self, seqs: Sequence[SequenceState], finished: bool) -> None:
+        """An SSD sequence ended at a round boundary (cancelled, failed) still
+        holds the speculation its last lookup served for a round that will not
+        run: the target takes its q rows (and the other drafts its KV delta)
+        so the draft lets them go."""
+        loop = self.loop
+        for s in seqs:
+            self._planned.pop(s.seq_id, None)
+        if not finished:
+            loop.discard([loop.target], [s.proposal.q for s in seqs if s.proposal is not None])
+        for s in seqs:
+            owned = self._deltas.pop(s.seq_id, None)
+            if owned is not None and not finished:
+                owner, delta = owned
+                loop.discard([d for d in loop.drafts.up() if d is not owner], [delta.kv])
+
+    # -------------------------------------------------------------- calls
+    def _send_builds(
+        self, running: list[SequenceState], proposals: list[Proposal], ks: list[int], builders: list[WorkerHandle], rec: RoundRecord
+    ) -> list[tuple[WorkerHandle, RetryingCall]]:
+        """Each draft's share of the build for this round's proposals. A
+        sequence whose proposal its lookup's plan foresaw gets the plan's item
+        (:func:`ssd_protocol.next_build_item`, what the only draft built
+        ahead); when every one did, the call says so (``ahead``). A
+        self-contained re-send is always built afresh."""
+        loop, shards = self.loop, max(1, len(builders))
+        planned, self._planned = self._planned, {}
+        if shards > 1:
+            planned = {}
+        fanouts = [self._fanout_for(p, shards) for p in proposals]
+        owned = [self._deltas.pop(s.seq_id, None) for s in running]
+        c = loop.spec.saguaro_c
+        ahead = bool(running) and all(s.seq_id in planned for s in running)
+
+        def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
+            deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
+            items = ssd_protocol.build_items([loop.step(s, full) for s in running], proposals, fanouts, ks, c, shard, shards, deltas)
+            if not full:
+                items = [ssd_protocol.next_build_item(planned[s.seq_id], s.proposal) if s.seq_id in planned else it for s, it in zip(running, items)]  # type: ignore[arg-type]
+            return (items, rec.index, ahead and not full)
+
+        calls = ((d, loop.draft_call("build", lambda full, i=i, d=d: args(full, i, d), d)) for i, d in enumerate(builders))
+        return [(d, call) for d, call in calls if call is not None]
+
+    def _send_lookups(
+        self, live: list[SequenceState], outcomes: list[Outcome], lookers: list[WorkerHandle], kind: BackupKind, share: bool, rec: RoundRecord
+    ) -> _Lookups:
+        """Send the live sequences' outcomes to every draft that is building, as
+        one broadcast, without waiting for the builds: each draft runs the
+        lookup after its build. The round id makes a lookup that overtook a
+        re-sent build answer misses. The only draft also gets each
+        sequence's plan (:meth:`_plans`); several drafts get none: a miss at
+        one may be another's hit, and each build needs the hit's KV delta,
+        which only the next build call carries."""
+        plans = self._plans(live, kind) if len(lookers) == 1 else None
+        args = ([o.key for o in outcomes], share, rec.index, plans)
+        loop = self.loop
+        futs = loop.broadcast(lookers, "lookup", args) if live and lookers else []
+        rec.lookup_sent = time.perf_counter() if futs else None
+        calls = [(d, RetryingCall(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
+        return _Lookups(calls, list(range(len(live))), kind, plans)
+
+    def _plans(self, live: list[SequenceState], kind: BackupKind) -> list[NextRound]:
+        """Each live sequence's :class:`NextRound`, now that its outcome is
+        emitted: the next round's step and K, the backup of ``kind`` that
+        serves a miss (the fast guess made here, from the history), and the
+        next build's fan-outs after a hit and after that backup, at the
+        budget fixed for the next round."""
+        loop = self.loop
+        made: dict[int, tuple[list[int], list[int]]] = {}  # fan-outs by K, shared (each costs an allocation)
+        plans = []
+        for s in live:
+            k = loop.spec_len(s, loop.spec.k)
+            if k not in made:
+                made[k] = (self._fanout(k, None, spend=self._next_spend), self._fanout(k, kind, spend=self._next_spend))
+            after_hit, after_backup = made[k]
+            guess = ngram_guess(s.all_ids, k) if kind == "fast" else None
+            plans.append(NextRound(loop.step(s), k, kind, after_hit, after_backup, loop.spec.saguaro_c, guess))
+        return plans
+
+    def _take_lookups(self, live: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], lookups: _Lookups, rec: RoundRecord) -> None:
+        """Collect the drafts' answers: each live sequence's next proposal is a hit,
+        else the backup its lookup made (the only draft's); observe hits and ranks."""
+        answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
+        spans = []
+        for d, call in lookups.calls:
+            got = self.loop.draft_value(call)
+            if got is not None:
+                answers.append((d, got[0]))
+                spans.append(got[1])
+        if spans:
+            rec.lookup = _span(spans)
+            rec.lookup_back = time.perf_counter()
+        served_backup = False
+        kept: set[int] = set()  # the proposals and KV deltas this round uses (by id)
+        for j, (s, p, out, got) in enumerate(zip(live, proposals, outcomes, ssd_protocol.read_answers([res for _, res in answers], lookups.at))):
+            hit = got.hit is not None
+            if hit and got.delta is not None:
+                self._deltas[s.seq_id] = (answers[got.owner][0], got.delta)  # type: ignore[index]
+                kept.add(id(got.delta))
+            self.fanout.observe(out.accepted, out.proposed, got.rank, after_backup=_regime(p) or False, hit=hit)
+            self.backup_stats.observe_lookup(_regime(p) or "cache", hit)
+            s.lookups += 1
+            s.hits += int(hit)
+            rec.hits += int(hit)
+            rec.misses += int(not hit)
+            s.proposal = got.hit or got.backup  # neither: the round loop's backup serves it
+            if s.proposal is not None and lookups.plans is not None:
+                self._planned[s.seq_id] = lookups.plans[j]
+            kept.add(id(s.proposal))
+            served_backup = served_backup or (not hit and got.backup is not None)
+        self._drop_lookups(answers, kept)
+        if served_backup and rec.lookup is not None:  # this lookup made backups for its misses
+            rec.backup = lookups.kind
+            self.backup_policy.served(lookups.kind)
+            if lookups.kind == "neural":  # drafting them is part of the lookup's time
+                self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
+
+    def _drop_lookups(self, answers: Sequence[tuple[WorkerHandle, Sequence[LookupResult]]], kept: set[int]) -> None:
+        """Discard what lookups answered but the round does not use (``kept``:
+        the ids of what it does): speculations for sequences that finished, a
+        backup next to a hit, the KV deltas of unused hits."""
+        loop = self.loop
+        qs = [p.q for _, res in answers for r in res for p in (r.proposal, r.backup) if p is not None and id(p) not in kept]
+        loop.discard([loop.target], qs)
+        for d, res in answers:
+            kvs = [r.extension.kv for r in res if r.extension is not None and id(r.extension) not in kept]
+            loop.discard([x for x in loop.drafts.up() if x is not d], kvs)
+
+    # ------------------------------------------------------------ fan-out
+    def _fanout_for(self, proposal: Proposal, shards: int = 1) -> list[int]:
+        """F_k for the outcomes of verifying ``proposal`` (its source sets the
+        acceptance regime: a backup speculation is accepted differently),
+        over ``shards`` drafts that each build a budget's worth."""
+        return self._fanout(len(proposal.tokens), _regime(proposal), shards)
+
+    def _fanout(self, k: int, regime: BackupKind | None, shards: int = 1, spend: int | None = None) -> list[int]:
+        """F_0..F_k at ``spend`` per draft (default: this round's budget)."""
+        spec = self.loop.spec
+        if spec.fanout == "auto":
+            return self.fanout.allocation((spend or self._spend) * shards, k, after_backup=regime or False)
+        return [f * shards for f in spec.fanout[: k + 1]]
+
+    # ------------------------------------------------------------- backup
+    def _backup_kind(self, batch_size: int) -> BackupKind:
+        """``auto`` weighs the backups at the live batch size (a batch of b
+        hits fully only with probability p_hit^b); without a draft: fast."""
+        return self.backup_policy.choose(batch_size, self.backup_stats) if self.loop.drafts.primary is not None else "fast"
+
+    def _backup(self, seqs: list[SequenceState], batch_size: int, kind: BackupKind | None = None) -> tuple[BackupKind, Span]:
+        """Give ``seqs`` (no speculation yet, or a miss) a backup speculation
+        of ``kind`` (default: the policy's choice now); returns the kind
+        served and the drafting span."""
+        loop = self.loop
+        kind = kind or self._backup_kind(batch_size)
+        ks = [loop.spec_len(s, loop.spec.k) for s in seqs]
+        t0 = time.perf_counter()
+        got = None
+        if kind == "neural":
+            # Saguaro sampling applies to backup drafts too: F_j of the round that will verify them
+            fanouts = [self._fanout(k, "neural") for k in ks]
+            got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full) for s in seqs], ks, loop.spec.saguaro_c, fanouts)))
+        if got is None:
+            kind = "fast"
+            proposals, span = loop.fast(seqs, ks), (t0, time.perf_counter())
+        else:
+            proposals, span = got
+            self.backup_stats.observe_latency(t_neural=(span[1] - span[0]) / self._verify_seconds)
+        for s, p in zip(seqs, proposals):
+            p.source = ProposalSource(kind)
+            s.proposal = p
+        self.backup_policy.served(kind)
+        return kind, span
