@@ -61,6 +61,18 @@ def test_build_items_carry_tokens_only_and_the_peers_delta():
     assert item == BuildItem(step, Proposal([5, 6], None, ProposalSource.CACHE), [2, 1, 1], 2, 0.5, 1, 2, delta)
 
 
+def test_the_next_build_item_follows_the_plan_for_a_hit_or_a_backup():
+    step = SeqStep(3, 6, [8], SAMPLED, 1, 4, [1, 2, 3, 4])
+    plan = NextRound(step, 2, "fast", [3, 1, 1], [5, 0, 0], 0.5, [9, 9])
+    hit = ssd_protocol.next_build_item(plan, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
+    assert hit == BuildItem(step, Proposal([7, 6], None, ProposalSource.CACHE), [3, 1, 1], 2, 0.5)
+    guess = ssd_protocol.miss_backup(plan)
+    assert guess == Proposal([9, 9], None, ProposalSource.FAST)
+    assert ssd_protocol.next_build_item(plan, guess) == BuildItem(step, guess, [5, 0, 0], 2, 0.5)
+    assert ssd_protocol.miss_backup(NextRound(step, 2, "neural", [1], [1])) is None  # drafted by the draft
+    assert ssd_protocol.miss_backup(NextRound(step, 0, "neural", [1], [1])) == Proposal([], None, ProposalSource.NEURAL)
+
+
 def test_read_answers_takes_the_first_hit_its_owner_and_the_first_known_rank():
     hit = Proposal([7], None, ProposalSource.CACHE)
     delta = Extension(2, 0, [7], [[1]])
