@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from saguaro_ray.algorithms.backup import BackupKind, BackupPolicy, BackupStats
-from saguaro_ray.algorithms.fanout import BudgetController, BudgetSearch, FanoutEstimator
+from saguaro_ray.algorithms.fanout import BudgetController, FanoutEstimator
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.workers import ssd_protocol
 from saguaro_ray.engine.calls import RetryingCall
@@ -70,10 +70,8 @@ class SSDStrategy:
         spec = loop.spec
         self.loop = loop
         self.fanout = FanoutEstimator()
-        # auto fan-outs spend the budget that delivers the most tokens/s at the batch
-        # size (measured), never more than stays hidden behind verification
+        # auto fan-outs spend as much of the budget as stays hidden behind verification
         self.budget = BudgetController(spec.budget)
-        self.budget_search = BudgetSearch(spec.budget)
         self._spend = spec.budget  # the budget per sequence of this round's builds
         self._next_spend: int | None = None  # ... and of the next round's, fixed one round ahead
         # per sequence: the plan its latest lookup carried, while its proposal is the one that
@@ -88,8 +86,7 @@ class SSDStrategy:
     # -------------------------------------------------------------- round
     def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
         loop, spec = self.loop, self.loop.spec
-        decided = min(self.budget.budget, self.budget_search.budget(len(running)))
-        self._spend, self._next_spend = self._next_spend or decided, decided
+        self._spend, self._next_spend = self._next_spend or self.budget.budget, self.budget.budget
         rec.budget = self._spend if spec.fanout == "auto" else None
         need = [s for s in running if s.proposal is None]
         if need:  # newly admitted sequences (a miss is served at its own round's lookup)
@@ -138,8 +135,6 @@ class SSDStrategy:
     def ended(self, rec: RoundRecord) -> None:
         # what the round cost beyond its workers' time, for the backup policy's model
         self.backup_stats.observe_latency(t_round=round_components(rec)["control"] / self._verify_seconds)
-        if self.loop.spec.fanout == "auto":
-            self.budget_search.observe(rec.batch, sum(a + 1 for a in rec.accepted), rec.end - rec.start)
 
     def dropped(self, seqs: Sequence[SequenceState], finished: bool) -> None:
         """An SSD sequence ended at a round boundary (cancelled, failed) still
