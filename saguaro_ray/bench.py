@@ -245,14 +245,15 @@ def summarise(runs: list[RunResult], rtt_s: float | None = None) -> list[dict[st
 
 # One-way control hops on a decode round's critical path: AR coordinator →
 # target → coordinator; SD the same for the propose, then for the verify;
-# SSD coordinator → target (verify) → coordinator → draft (lookup) → coordinator;
+# SSD coordinator → target (verify) → draft (lookup) → coordinator when the
+# target places the lookup, one hop more when the coordinator sends it;
 # PyramidSD at least draft, qualify and verify, there and back.
 _HOPS = {"ar": 2, "sd": 4, "ssd": 4, "pyramid": 6}
 
 
 def _control_hops(mode: str, rs: Iterable[RunResult]) -> float | None:
     """Mean one-way control hops per decode round on the critical path."""
-    per_round = [_HOPS[mode] for r in rs for rd in r.rounds if not rd.get("prefill")]
+    per_round = [3 if rd.get("forwarded") else _HOPS[mode] for r in rs for rd in r.rounds if not rd.get("prefill")]
     return sum(per_round) / len(per_round) if per_round and mode in _HOPS else None
 
 
@@ -325,7 +326,8 @@ def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
             xs["reply"].append(rd["back"] - rd["verify"][1])
             if rd.get("lookup_sent") is not None and rd.get("lookup_back") is not None:
                 ready = max(rd["lookup_sent"], rd["build"][1]) if rd.get("build") else rd["lookup_sent"]
-                xs["bookkeeping"].append(rd["lookup_sent"] - rd["back"])
+                if not rd.get("forwarded"):  # the target placed the lookup: no bookkeeping before it
+                    xs["bookkeeping"].append(rd["lookup_sent"] - rd["back"])
                 xs["lookup_send"].append(rd["lookup"][0] - ready)
                 xs["lookup_reply"].append(rd["lookup_back"] - rd["lookup"][1])
             if prev is not None and rd["index"] == prev["index"] + 1:

@@ -110,6 +110,8 @@ def test_ideal_ceiling_and_control_floor_follow_their_definitions():
 
     ar = _run("ar", "ray", _rounds(10, 0.004, 0.003), 0, 0, 250.0)
     ssd = _run("ssd", "ray", _rounds(10, 0.006, 0.004), 20, 10, 400.0)
+    for rd in ssd.rounds[:5]:  # half the lookups placed by the target: one hop less
+        rd["forwarded"] = True
     for i, rd in enumerate(ssd.rounds[1:]):  # nine builds; three started ahead, two of those outlived verification
         start = rd["verify"][0] - (0.001 if i < 3 else 0.0)
         rd["build"], rd["ahead"] = [start, rd["verify"][1] + (0.001 if i < 2 else -0.0005)], i < 3
@@ -126,7 +128,7 @@ def test_ideal_ceiling_and_control_floor_follow_their_definitions():
     assert e_ar["ideal_speedup_vs_ar"] == pytest.approx(1.0)
     # the floor: one-way hops on the critical path × half the bare round trip / round time
     assert e_ar["control_hops"] == 2 and e_ar["control_floor_fraction"] == pytest.approx(100e-6 / 0.004)
-    assert e_ssd["control_hops"] == 4 and e_ssd["control_floor_fraction"] == pytest.approx(4 * 50e-6 / 0.006)
+    assert e_ssd["control_hops"] == 3.5 and e_ssd["control_floor_fraction"] == pytest.approx(3.5 * 50e-6 / 0.006)
     assert by["ar", "inprocess"]["control_floor_fraction"] is None  # threads in one process: no sockets
 
 

@@ -20,6 +20,7 @@ import zmq
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.runtime.control import (
     Broadcaster,
+    CallForwarder,
     ClientClosed,
     CommandClient,
     CommandServer,
@@ -529,6 +530,102 @@ def test_direct_calls_that_arrived_first_run_before_a_broadcast(host):
         server.close()
 
 
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
+    """A worker places a call on another worker for the coordinator (the SSD
+    target starting the drafts' lookups): the peer answers the coordinator."""
+    key = new_key()
+    peer = CommandServer(Recorder(), ALLOWED, key, host=host, name="draft")
+    client = CommandClient("draft", peer.endpoint, key, timeout_s=20)
+    forwarder = CallForwarder(key)
+    try:
+        client.call("add", "t", "first")  # the peer knows the client's reply socket
+        cid, fut = client.expect("add")
+        forwarder.call(client.address_for(cid), "add", ["t", "forwarded"])
+        assert fut.result(20).value == 2 and forwarder.forwarded == 1
+        assert client.call("history", "t") == ["first", "forwarded"]
+        # a withdrawn call fails at once; an answer that still comes counts as late
+        cid, fut = client.expect("add")
+        client.forget(cid)
+        with pytest.raises(ControlError, match="withdrawn"):
+            fut.result(1)
+        forwarder.call(client.address_for(cid), "add", ["t", "late"])
+        deadline = time.monotonic() + 20
+        while client.late_replies == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(ControlError):
+            forwarder.call([peer.endpoint, peer.id, "not bytes", cid], "add", ["t", "x"])
+        with pytest.raises(ControlError, match="no server id"):  # a client that has not reached its server yet
+            forwarder.call([peer.endpoint, None, client.identity, cid], "add", ["t", "x"])
+        for _ in range(2):  # a bad endpoint is refused each time, and no socket is kept for it
+            with pytest.raises(ControlError, match="cannot forward"):
+                forwarder.call(["bogus://nowhere", peer.id, client.identity, cid], "add", ["t", "x"])
+        assert "bogus://nowhere" not in forwarder._socks
+        # a verification whose lookup cannot be placed still stands (that lookup is lost)
+        from saguaro_ray.runtime.routing import RoutedLogic
+
+        routed = RoutedLogic(Recorder(), key, forwarder=forwarder)
+        item = VerifyItem(SeqStep(1, 0, [5], SamplingParams(), 0, 0, []), Proposal([7], torch.eye(4)[[2]]))
+        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", peer.id, client.identity, 99]]}
+        assert routed.verify([item], then) == [Outcome(1, 1, 2, 1)]
+        cid, fut = client.expect("echo")
+        then["to"] = [client.address_for(cid)]
+        routed.verify([item], then)
+        assert list(fut.result(20).value) == [[(1, 1, 2)], "more"]  # the outcomes' keys, then the given args
+    finally:
+        forwarder.close()
+        client.close()
+        peer.close()
+
+
+class Rounds:
+    """A draft in miniature: a lookup needs the build of its round."""
+
+    def __init__(self) -> None:
+        self.built: int | None = None
+        self.order: list[str] = []
+
+    def build(self, r: int) -> None:
+        self.built = r
+        self.order.append(f"build {r}")
+
+    def lookup(self, r: int) -> bool:
+        self.order.append(f"lookup {r}")
+        return self.built == r
+
+    def history(self) -> list[str]:
+        return list(self.order)
+
+
+def test_a_call_that_is_not_ready_waits_for_the_call_that_readies_it():
+    """A forwarded lookup may overtake its round's build (another connection):
+    it waits while later calls run, and runs once the build has; with no build
+    coming it runs when its time is up."""
+    key = new_key()
+    logic = Rounds()
+    ready = lambda method, args: method != "lookup" or (logic.built is not None and logic.built >= args[0])  # noqa: E731
+    server = CommandServer(logic, ["build", "lookup", "history"], key, name="d", ready=ready, max_defer_s=0.5)
+    coordinator = CommandClient("d", server.endpoint, key, timeout_s=20)
+    target = CommandClient("d", server.endpoint, key, timeout_s=20)  # another connection
+    try:
+        early = target.submit("lookup", 1)  # overtakes the build
+        time.sleep(0.1)
+        assert not early.done()
+        coordinator.call("build", 1)
+        assert early.result(20).value is True
+        t0 = time.monotonic()
+        assert target.call("lookup", 2) is False  # no build 2 comes: a miss, after the wait
+        waited = time.monotonic() - t0
+        assert waited >= 0.4, waited
+        assert coordinator.call("history") == ["build 1", "lookup 1", "lookup 2"]
+        assert coordinator.server_stats()["deferred_calls"] == 2
+    finally:
+        coordinator.close()
+        target.close()
+        server.close()
+
+
 # ---------------------------------------------------------------- replays
 
 
@@ -642,6 +739,38 @@ def test_a_captured_call_sent_again_is_dropped_and_counted():
         server.close()
         if restarted is not None:
             restarted.close()
+
+
+def test_a_captured_forwarded_call_sent_again_is_dropped():
+    """A call the target forwards to a draft for the coordinator, captured and
+    sent again, is not executed a second time."""
+    key = new_key()
+    logic = Recorder()
+    peer = CommandServer(logic, ALLOWED, key, host="127.0.0.1", name="draft")
+    client = CommandClient("draft", peer.endpoint, key, timeout_s=20)
+    forwarder = CallForwarder(key)
+    tap = Tap(peer.endpoint, key)
+    attacker = zmq.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(peer.endpoint)
+    try:
+        client.call("add", "t", "first")
+        cid, fut = client.expect("add")
+        address = client.address_for(cid)
+        address[0] = tap.endpoint  # the forwarded call passes the tap
+        forwarder.call(address, "add", ["t", "forwarded"])
+        assert fut.result(20).value == 2
+        [frame] = tap.captured("add")
+        attacker.send(frame)
+        _wait_for(lambda: peer.drop_reasons.get("replayed", 0) == 1, f"replay not counted: {peer.drop_reasons}")
+        assert client.call("history", "t") == ["first", "forwarded"]
+        assert client.late_replies == 0  # nothing was answered for it either
+    finally:
+        attacker.close(0)
+        tap.close()
+        forwarder.close()
+        client.close()
+        peer.close()
 
 
 def test_a_captured_broadcast_sent_again_is_dropped():

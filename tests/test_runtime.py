@@ -121,13 +121,17 @@ def test_ssd_same_draft_matches_ar(engine, ar_tokens):
         assert r.token_ids == ar_tokens[tuple(p)], f"prompt {p}"
         assert r.finish_reason == "length" and len(r.token_ids) == GREEDY.max_tokens
         _check_stats([r])
-        # the draft is the target: every speculation is right, every lookup hits
+        # the draft is the target: every speculation is right, every lookup hits —
+        # lookups the target placed itself as verification ended (a lookup that
+        # overtakes its round's build waits for it at the draft)
         assert r.stats["cache_hit_rate"] == 1.0 and r.stats["mean_accepted"] > 1.0
+    assert engine.worker_info()["target"]["forwarded_calls"] > 0
+    assert all(x["forwarded"] for x in engine.timeline() if x["lookup"] is not None)
     # every next proposal is a hit the draft served: it starts each next build itself,
     # once its lookup is answered, and the build call is answered from that build —
     # all but the first of each sequence's six rounds (its proposal is the backup the
-    # round loop asked for); the last too, whose K the plan made after the outcome had
-    # (21 of 24 tokens out after round 5)
+    # round loop asked for); the last too, whose K depended on the outcome (21 of 24
+    # tokens out after round 5): that lookup carried one plan per outcome
     spec_rounds = [x for x in engine.timeline() if x["build"] is not None]
     assert len(spec_rounds) == 6 * len(PROMPTS)
     assert sum(x["ahead"] for x in spec_rounds) == 5 * len(PROMPTS), [x["ahead"] for x in spec_rounds]
@@ -152,8 +156,9 @@ def test_ssd_unrelated_draft_matches_ar(ray_instance, ckpts, ar_tokens, referenc
         rates = [r.stats["cache_hit_rate"] for r in singles + res]
         print("unrelated draft: cache hit rates", rates, "mean accepted", [r.stats["mean_accepted"] for r in res])
         assert min(rates) < 1.0
-        # A ragged batch: sequences leave at different rounds. Every live sequence's
-        # lookup is answered once per round.
+        # A ragged batch: sequences leave at different rounds, and near its length limit a
+        # sequence's neural backup depends on the outcome, so it is drafted after the lookup
+        # the target placed. Every live sequence's lookup is answered once per round.
         ragged = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 9, 17, 24)]
         before = len(h.timeline())
         res = bounded(h.generate, PROMPTS[:4], ragged)
@@ -162,6 +167,7 @@ def test_ssd_unrelated_draft_matches_ar(ray_instance, ckpts, ar_tokens, referenc
         for i, x in enumerate(recs):
             live_after = recs[i + 1]["batch"] if i + 1 < len(recs) else 0
             assert x["hits"] + x["misses"] == live_after, x
+            assert x["forwarded"] or x["lookup"] is None, x
         assert any(x["misses"] for x in recs)
         assert not any(x["ahead"] for x in h.timeline()) and h.worker_info()["draft0"]["builds_ahead"]["started"] == 0
     finally:
@@ -191,8 +197,10 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         # q rows reached the target, and KV deltas the peer draft, over the data plane
         assert h.metrics()["data_plane_generation"] >= 1
         info = h.worker_info()
-        # every round's outcomes reached both drafts in the coordinator's one-message broadcast
+        # every round's outcomes reached both drafts straight from the target (the
+        # coordinator's one-message broadcast stays the path when a verification was re-sent)
         assert h.metrics()["broadcast_subscribers"] == ["draft0", "draft1"]
+        assert info["target"]["forwarded_calls"] > 0 and info["target"]["forwarded_calls"] % 2 == 0
         assert info["draft0"]["broadcast_calls"] == info["draft1"]["broadcast_calls"]
         assert info["target"]["data_plane"]["received"] > 0
         assert sum(info[d]["data_plane"]["sent"] for d in ("draft0", "draft1")) > info["target"]["data_plane"]["received"]

@@ -4,9 +4,11 @@ the answers are read (``saguaro_ray.workers.ssd_protocol``).
 With one draft a lookup carries each sequence's :class:`NextRound`: a miss
 gets its backup in the same call (the neural one drafted exactly as
 ``propose`` would), and, every next proposal known, the draft starts the next
-round's build itself once the lookup is answered. The build call still
-comes, made by the round loop with the same function from the same plan; it
-says so (``ahead``) and is answered from the build already run. These tests
+round's build itself once the lookup is answered. The plan is made
+before verification (the target places the lookup when verification ends)
+and read at the real outcome (``resolve``). The build call still comes, made
+by the round loop with the same function from the same plan; it says so
+(``ahead``) and is answered from the build already run. These tests
 check that the build run ahead is the very build the call asks for (same
 speculations, same q rows), that a call made otherwise is built afresh, and
 that the engine uses it round after round while staying token-exact."""
@@ -61,16 +63,28 @@ def test_build_items_carry_tokens_only_and_the_peers_delta():
     assert item == BuildItem(step, Proposal([5, 6], None, ProposalSource.CACHE), [2, 1, 1], 2, 0.5, 1, 2, delta)
 
 
-def test_the_next_build_item_follows_the_plan_for_a_hit_or_a_backup():
-    step = SeqStep(3, 6, [8], SAMPLED, 1, 4, [1, 2, 3, 4])
-    plan = NextRound(step, 2, "fast", [3, 1, 1], [5, 0, 0], 0.5, [9, 9])
-    hit = ssd_protocol.next_build_item(plan, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
-    assert hit == BuildItem(step, Proposal([7, 6], None, ProposalSource.CACHE), [3, 1, 1], 2, 0.5)
-    guess = ssd_protocol.miss_backup(plan)
-    assert guess == Proposal([9, 9], None, ProposalSource.FAST)
-    assert ssd_protocol.next_build_item(plan, guess) == BuildItem(step, guess, [5, 0, 0], 2, 0.5)
-    assert ssd_protocol.miss_backup(NextRound(step, 2, "neural", [1], [1])) is None  # drafted by the draft
-    assert ssd_protocol.miss_backup(NextRound(step, 0, "neural", [1], [1])) == Proposal([], None, ProposalSource.NEURAL)
+def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
+    """``resolve``: the next step is what the round loop sends once the outcome
+    is emitted; the next K, the fan-outs and the fast guess are the entry of
+    that outcome (near a length limit the K differs by outcome)."""
+    from saguaro_ray.algorithms.ngram import ngram_guess
+
+    s = SequenceState(3, [5, 6, 7, 5, 6], SAMPLED, 1)
+    s.output_ids = [7, 5]
+    step = RoundLoop.step(s)
+    plan = NextRound(step, [6, 9], [2, 1, 0], "fast", [[3, 1, 1], [2, 1], [1]], [[5, 0, 0], [4, 0], [2]], 0.5, list(s.all_ids))
+    r = ssd_protocol.resolve(plan, 1, 4)
+    s.emit([6, 4], ())
+    assert r.step == RoundLoop.step(s) and r.k == 1 and r.after_hit == [2, 1] and r.after_backup == [4, 0]
+    assert r.guess == ngram_guess(s.all_ids, 1) and ssd_protocol.resolve(plan, 3, 4) is None
+    hit = ssd_protocol.next_build_item(plan, 1, 4, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
+    assert hit == BuildItem(r.step, Proposal([7], None, ProposalSource.CACHE), [2, 1], 1, 0.5)
+    guess = ssd_protocol.miss_backup(r)
+    assert guess == Proposal(r.guess, None, ProposalSource.FAST)
+    assert ssd_protocol.next_build_item(plan, 1, 4, guess) == BuildItem(r.step, guess, [4, 0], 1, 0.5)
+    assert ssd_protocol.miss_backup(ssd_protocol.resolve(plan, 2, 4)) == Proposal([], None, ProposalSource.FAST)  # K = 0
+    neural = NextRound(step, [6, 9], [2, 2, 2], "neural", [[1, 1, 1]] * 3, [[1, 1, 1]] * 3)
+    assert ssd_protocol.miss_backup(ssd_protocol.resolve(neural, 0, 4)) is None  # drafted by the draft
 
 
 def test_read_answers_takes_the_first_hit_its_owner_and_the_first_known_rank():
@@ -112,12 +126,12 @@ def _miss(draft: DraftLogic, s: SequenceState, proposal: list[int], k: int) -> t
     return (s.seq_id, k, t)
 
 
-def _plan(s: SequenceState, k: int, backup: str = "neural", after_hit=None, after_backup=None, c: float = 1.0) -> NextRound:
-    """The plan the round loop sends for ``s`` once its outcome is emitted."""
-    from saguaro_ray.algorithms.ngram import ngram_guess
-
-    guess = ngram_guess(s.all_ids, k) if backup == "fast" else None
-    return NextRound(RoundLoop.step(s), k, backup, after_hit or [1] * (k + 1), after_backup or [1] * (k + 1), c, guess)
+def _plan(s: SequenceState, proposal: list[int], k: int, backup: str = "neural", after_hit=None, after_backup=None, c: float = 1.0) -> NextRound:
+    """The plan the round loop sends for ``s`` before verifying ``proposal``:
+    the next K is ``k`` whatever the outcome."""
+    n = len(proposal) + 1
+    hit, back = after_hit or [1] * (k + 1), after_backup or [1] * (k + 1)
+    return NextRound(RoundLoop.step(s), list(proposal), [k] * n, backup, [hit] * n, [back] * n, c, list(s.all_ids) if backup == "fast" else None)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -132,9 +146,10 @@ def test_a_miss_gets_the_neural_backup_propose_would_draft(ckpts, params):
     p = Proposal([11, 12])
     for d, s in ((a, s_a), (b, s_b)):
         d.build([_item(s, p, [2, 1, 1], 2)], 1)
+    plan = _plan(s_a, p.tokens, 3, after_backup=[1, 1, 1, 1], c=0.5)
     key = _miss(a, s_a, p.tokens, 1)
     s_b.emit(p.tokens[:1] + [key[2]], ())
-    [got] = a.lookup([key], round_id=1, plans=[_plan(s_a, 3, after_backup=[1, 1, 1, 1], c=0.5)])
+    [got] = a.lookup([key], round_id=1, plans=[plan])
     [plain] = b.lookup([key], round_id=1)
     assert got.proposal is None and plain.proposal is None and plain.backup is None
     [want] = b.propose([RoundLoop.step(s_b)], [3], 0.5, [[1, 1, 1, 1]])
@@ -156,19 +171,19 @@ def test_a_miss_gets_the_plans_fast_guess_or_nothing_at_k_zero(ckpts):
     _admit([draft], seqs)
     p = Proposal([40, 41])
     draft.build([_item(s, p, [1, 1, 1], 2) for s in seqs], 1)
+    plans = [_plan(seqs[0], p.tokens, 2, "fast"), _plan(seqs[1], p.tokens, 0, "fast")]
     keys = [_miss(draft, s, p.tokens, 1) for s in seqs]
-    plans = [_plan(seqs[0], 2, "fast"), _plan(seqs[1], 0, "fast")]
     res = draft.lookup(keys, round_id=1, plans=plans)
     assert res[0].backup == Proposal(ngram_guess(seqs[0].all_ids, 2), None, ProposalSource.FAST)
     assert res[1].backup == Proposal([], None, ProposalSource.FAST)
     assert draft.follow_up() is not None  # every next proposal is known: it builds ahead
     draft.follow_up()()
-    items = [ssd_protocol.next_build_item(plan, r.backup) for plan, r in zip(plans, res)]
+    items = [ssd_protocol.next_build_item(plan, k, t, r.backup) for plan, (_, k, t), r in zip(plans, keys, res)]
     assert isinstance(draft.build(items, 2, ahead=True), Timed)  # answered from the build started ahead
     stranger = SequenceState(99, [4, 4, 4], GREEDY, 0)
     stranger.output_ids = [1, 2]
     draft.build([_item(seqs[0], Proposal([4]), [1, 1], 1)], 3)
-    [r] = draft.lookup([_miss(draft, seqs[0], [4], 0)], round_id=3, plans=[_plan(stranger, 2)])
+    [r] = draft.lookup([_miss(draft, seqs[0], [4], 0)], round_id=3, plans=[_plan(stranger, [4], 2)])
     assert r.proposal is None and r.backup is None and draft.follow_up() is None
 
 
@@ -215,8 +230,8 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     assert not ahead and got_a == got_b  # nothing was started ahead
 
     # round 1's outcomes: a hit for sequence 1, a miss (served by the neural backup) for sequence 2
+    plans = [_plan(seqs[0], first[0].tokens, 2, after_hit=[2, 1, 1]), _plan(seqs[1], first[1].tokens, 2, after_backup=[3, 0, 0])]
     keys = [_hit(a, seqs[0], first[0].tokens), _miss(a, seqs[1], first[1].tokens, 0)]
-    plans = [_plan(seqs[0], 2, after_hit=[2, 1, 1]), _plan(seqs[1], 2, after_backup=[3, 0, 0])]
     res_a = a.lookup(keys, round_id=1, plans=plans)
     res_b = b.lookup(keys, round_id=1, plans=plans)
     work = a.follow_up()
@@ -228,15 +243,15 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     assert res_a[1].proposal is None and backup is not None and backup.tokens == res_b[1].backup.tokens
     assert backup.q is not None  # the sampled sequence's backup carries its law
 
-    second = [ssd_protocol.next_build_item(plan, p) for plan, p in zip(plans, (hit, backup))]
+    second = [ssd_protocol.next_build_item(plan, k, t, p) for plan, (_, k, t), p in zip(plans, keys, (hit, backup))]
     assert second[0].proposal.tokens == hit.tokens[:2] and second[1].fanout == [3, 0, 0]
     got_a, got_b, ahead = _round(a, b, second, 2, ahead=True)
     assert ahead and got_a == got_b and got_a["branches"] > 0 and a.ahead_builds == a.ahead_started == 1
     _same_cache(a, b, (1, 2))
 
     # round 2: both hit; the call is made otherwise (another fan-out, ahead false): built afresh
+    plans2 = [_plan(s, it.proposal.tokens, 1) for s, it in zip(seqs, second)]
     keys2 = [_hit(a, s, it.proposal.tokens, -1) for s, it in zip(seqs, second)]
-    plans2 = [_plan(s, 1) for s in seqs]
     res_a = a.lookup(keys2, round_id=2, plans=plans2)
     res_b = b.lookup(keys2, round_id=2, plans=plans2)
     for x, y in zip(res_a, res_b):  # served from the build started ahead, q rows included
@@ -258,17 +273,30 @@ def test_a_released_sequence_leaves_the_started_build_standing(ckpts):
     _admit((a, b), seqs)
     first = Proposal([11, 12])
     _round(a, b, [_item(s, first, [2, 1, 1], 2) for s in seqs], 1)
+    plans = [_plan(s, first.tokens, 2) for s in seqs]
     keys = [_hit(a, s, first.tokens) for s in seqs]
-    plans = [_plan(s, 2) for s in seqs]
     res = a.lookup(keys, round_id=1, plans=plans)
     b.lookup(keys, round_id=1)
     assert all(r.proposal is not None for r in res)
     a.follow_up()()
     for d in (a, b):
         d.release([2])
-    _, _, ahead = _round(a, b, [ssd_protocol.next_build_item(plans[0], res[0].proposal)], 2, ahead=True)
+    _, _, ahead = _round(a, b, [ssd_protocol.next_build_item(plans[0], keys[0][1], keys[0][2], res[0].proposal)], 2, ahead=True)
     assert ahead  # (its branch count still includes the released sequence's)
     _same_cache(a, b, (1,))
+
+
+def test_the_round_loop_plans_per_outcome_near_a_length_limit():
+    """``_plans``: the next K of every outcome — the same far from a limit, one
+    per outcome near it — and the fan-outs of each; several drafts get none."""
+    loop = RoundLoop(SpeculationConfig(mode="ssd", k=3, fanout=(2, 1, 1, 1)), None, (), 1000)  # type: ignore[arg-type]
+    far = SequenceState(1, [1, 2], SamplingParams(temperature=0.0, max_tokens=50), 0)
+    near = SequenceState(2, [1, 2], SamplingParams(temperature=0.0, max_tokens=8), 0)
+    far.output_ids, near.output_ids = [9] * 10, [9] * 2  # near: 6 left, and a round emits 1..4
+    plans = loop.strategy._plans([far, near], [Proposal([4, 5, 6])] * 2, [3, 3], "fast")  # type: ignore[attr-defined]
+    assert plans[0].ks == [3, 3, 3, 3] and plans[1].ks == [3, 3, 2, 1]  # min(3, 8 - 2 - n - 1)
+    assert [len(f) for f in plans[1].after_hit] == [4, 4, 3, 2] and plans[1].history == near.all_ids
+    assert plans[0].step == RoundLoop.step(far) and plans[0].tokens == [4, 5, 6]
 
 
 # ------------------------------------------------------------- whole rounds

@@ -21,8 +21,8 @@ the draft starts the next round's build itself once the lookup is answered
 (:meth:`DraftLogic.follow_up`) — one control-plane hop before the build call
 would reach it — with the items :func:`ssd_protocol.next_build_item` gives,
 which are the ones the round loop sends (it says so with ``ahead``). The
-draft keeps no copy of the round loop's state: every call says where each
-sequence stands.
+draft keeps no copy of the round loop's state: the plan says where each
+sequence stands, and :func:`ssd_protocol.resolve` reads it at the outcome.
 
 Every sampled token records the exact law it was drawn from (Saguaro-rescaled
 when C < 1). Random draws come from the draft stream of (seed, output
@@ -92,6 +92,7 @@ class DraftLogic(RunnerLogic):
         # the round whose build the cache holds (None: none complete); a lookup names the
         # round it expects: one that overtook a re-sent build must not read another round's cache
         self._round: int | None = None
+        self._started: int | None = None  # round id of the latest build begun
         # the next round's build, known since the latest lookup (to start once it is answered) ...
         self._next_build: list[BuildItem] | None = None
         # ... and, once run, its sequences, span and result, until the build call comes
@@ -186,6 +187,7 @@ class DraftLogic(RunnerLogic):
         started, self._built_ahead, self._next_build = self._built_ahead, None, None
         if ahead and started is not None and items and {it.step.seq_id for it in items} <= started[0]:
             self._round = round_id
+            self._started = round_id if round_id is not None else self._started
             self.ahead_builds += 1
             return Timed({**started[2], "ahead": True}, *started[1])
         if started is not None:  # built for nothing: the hits' deltas it consumed are still in the KV
@@ -216,6 +218,7 @@ class DraftLogic(RunnerLogic):
 
     def _build(self, items: Sequence[BuildItem], round_id: int | None) -> dict[str, object]:
         self._round = None  # until this build is complete
+        self._started = round_id if round_id is not None else self._started
         self._delta_in_kv = {}
         glue_plans = [self._glue_plan(it) for it in items]
         fwd = [(i, st) for i, (st, _) in enumerate(glue_plans) if st is not None]
@@ -308,6 +311,11 @@ class DraftLogic(RunnerLogic):
         return {"branches": len(branches)}
 
     # ------------------------------------------------------------- lookup
+    def awaits_build(self, round_id: int | None) -> bool:
+        """Is a lookup for ``round_id`` ahead of every build begun here (its
+        build is still on the way)? Round ids increase from round to round."""
+        return round_id is not None and (self._started is None or self._started < round_id)
+
     def lookup(
         self,
         keys: Sequence[tuple[int, int, int]],
@@ -325,12 +333,13 @@ class DraftLogic(RunnerLogic):
         ``share_kv`` a copy is returned for peer drafts.
 
         ``plans[i]`` (the round loop's only draft): what the next round
-        verifies and builds for key i's sequence. A miss gets the plan's
-        backup in this same call, as ``backup`` — the neural one drafted
-        exactly as :meth:`propose` would from the plan's step, the fast one
-        the plan's guess — which saves the round loop a second call; and
-        with every next proposal known here, the next build starts once this
-        lookup is answered (:meth:`follow_up`).
+        verifies and builds for key i's sequence, read at its outcome
+        (:func:`ssd_protocol.resolve`). A miss gets the plan's backup in this
+        same call, as ``backup`` — the neural one drafted exactly as
+        :meth:`propose` would from the next step, the fast one the n-gram
+        guess from the plan's history — which saves the round loop a second
+        call; and with every next proposal known here, the next build starts
+        once this lookup is answered (:meth:`follow_up`).
 
         A ``round_id`` other than the latest complete build's (the lookup
         overtook a re-sent build, or that build failed) gets misses and no
@@ -349,13 +358,15 @@ class DraftLogic(RunnerLogic):
             ext = self._commit_hit(seq_id, t, spec, share_kv)
             out.append(LookupResult(Proposal(list(spec.tokens), spec.q, ProposalSource.CACHE), rank, ext))
         if plans is not None and len(plans) == len(keys):
-            self._serve_backups(out, plans)
+            resolved = [None if p is None else ssd_protocol.resolve(p, k, t) for p, (_, k, t) in zip(plans, keys)]
+            self._serve_backups(out, resolved)
             served = [r.proposal or r.backup for r in out]
-            if not share_kv and all(p is not None for p in plans) and all(p is not None for p in served):
-                self._next_build = [ssd_protocol.next_build_item(plan, p) for plan, p in zip(plans, served)]  # type: ignore[arg-type]
+            if not share_kv and all(p is not None for p in served):
+                items = [None if p is None else ssd_protocol.next_build_item(p, k, t, x) for p, (_, k, t), x in zip(plans, keys, served)]  # type: ignore[arg-type]
+                self._next_build = items if all(it is not None for it in items) else None  # type: ignore[assignment]
         return out
 
-    def _serve_backups(self, out: list[LookupResult], plans: Sequence[NextRound | None]) -> None:
+    def _serve_backups(self, out: list[LookupResult], plans: Sequence[ssd_protocol.Resolved | None]) -> None:
         """Give each miss with a plan its backup (see :meth:`lookup`); none
         where a neural backup's sequence is not held here (this draft was
         restarted: the round loop serves that miss itself)."""
@@ -370,7 +381,7 @@ class DraftLogic(RunnerLogic):
                 neural.append(i)
         if not neural:
             return
-        todo: list[NextRound] = [plans[i] for i in neural]  # type: ignore[misc]
+        todo: list[ssd_protocol.Resolved] = [plans[i] for i in neural]  # type: ignore[misc]
         got = self.propose([p.step for p in todo], [p.k for p in todo], min(p.saguaro_c for p in todo), [p.after_backup for p in todo])
         for i, p in zip(neural, got):
             out[i] = replace(out[i], backup=replace(p, source=ProposalSource.NEURAL))

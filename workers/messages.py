@@ -154,27 +154,29 @@ class BuildItem:
 @dataclass
 class NextRound:
     """What the round after a lookup verifies and builds for one sequence,
-    whatever its outcome — sent with the lookup to the only draft, so that it
-    serves a miss with its backup in the same call and, knowing every next
+    whatever the outcome — made before verification (the target places the
+    lookup the moment verification ends) and sent to the only draft, so that
+    it serves a miss with its backup in the same call and, knowing every next
     proposal, starts the next round's build itself (``DraftLogic.follow_up``).
 
-    ``step``: where the sequence stands once the real outcome is emitted (the
-    next round's step); ``k``: the next round's speculation length (a cached
-    speculation is clipped to it, a backup is that long); ``backup``: the kind
-    that serves a miss (``neural``: K draft tokens from ``step``; ``fast``:
-    ``guess``, the round loop's n-gram guess from its history);
-    ``after_hit`` / ``after_backup``: the fan-out of the next build when the
-    next proposal is a hit / that backup. The next build's items are
-    :func:`saguaro_ray.workers.ssd_protocol.next_build_item` of these, on both
-    sides."""
+    ``step`` / ``tokens``: this round's step and the proposal being verified
+    (the outcome (k, t) decides the next step); ``ks[k]``: the next round's
+    speculation length once k draft tokens are accepted (near a length limit
+    it depends on the outcome); ``backup``: the kind that serves a miss
+    (``neural``: K draft tokens from the next step; ``fast``: the n-gram guess
+    from ``history``, the sequence's token ids before this outcome);
+    ``after_hit[k]`` / ``after_backup[k]``: the next build's fan-out when the
+    next proposal is a hit / that backup. Read at the real outcome with
+    :func:`saguaro_ray.workers.ssd_protocol.resolve`, on both sides."""
 
     step: SeqStep
-    k: int
+    tokens: list[int]
+    ks: list[int]
     backup: str
-    after_hit: list[int]
-    after_backup: list[int]
+    after_hit: list[list[int]]
+    after_backup: list[list[int]]
     saguaro_c: float = 1.0
-    guess: list[int] | None = None
+    history: list[int] | None = None
 
 
 @dataclass

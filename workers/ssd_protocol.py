@@ -1,19 +1,19 @@
 """The SSD protocol: what each draft call of an SSD round carries, and how its answers are read.
 
 One home for the rules the round loop and the drafts must agree on. A round
-of SSD (see ``saguaro_ray.engine.strategies.ssd``) sends every draft that
-is up a *build* — its share of the speculations for the likely outcomes of
-the proposal being verified — and, once the outcomes are known, a *lookup*
-with them. With one draft the lookup also carries each sequence's
-:class:`NextRound`, made from the round loop's state once the outcome is
-emitted: the draft serves a miss's backup from it (:func:`miss_backup`, or a
-neural draft from its step) and, with every next proposal known, starts the
-next round's build itself; the items of that build are
-:func:`next_build_item` of the plan and the proposal the lookup served — the
-same function the round loop calls for the build call it sends next, so the
-two are equal by construction and the call only says so (``ahead``). The
-drafts keep no copy of the coordinator's state and derive nothing. Plain
-functions over the worker messages — no transport, no models.
+of SSD (see ``saguaro_ray.engine.strategies.ssd``) sends every draft that is
+up a *build* — its share of the speculations for the likely outcomes of the
+proposal being verified — and a *lookup* of the real outcomes, which the
+target places on the drafts the moment verification ends. With one draft the
+lookup also carries each sequence's :class:`NextRound`, made before
+verification; :func:`resolve` reads it at the real outcome (the next step,
+K, fan-outs and the fast guess), so the draft serves a miss's backup in the
+lookup and, with every next proposal known, starts the next round's build
+itself. The items of that build are :func:`next_build_item` — the same
+function, on the same plan, outcome and proposal, that the round loop calls
+for the build call it sends next: the two are equal by construction, and the
+call only says so (``ahead``). Plain functions over the worker messages — no
+transport, no models.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Proposal, ProposalSource, SeqStep
+from saguaro_ray.algorithms.ngram import ngram_guess
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Proposal, ProposalSource, SeqStep
 
 
 def clip(p: Proposal, n: int) -> Proposal:
@@ -54,25 +55,63 @@ def build_items(
     ]
 
 
-def next_build_item(plan: NextRound, proposal: Proposal) -> BuildItem:
+def step_after(step: SeqStep, tokens: Sequence[int], k: int, t: int) -> SeqStep:
+    """Where a sequence stands once outcome (k, t) of verifying ``tokens``
+    after ``step`` is emitted: its first k tokens accepted, t pending — the
+    step the round loop sends next (``RoundLoop.step``)."""
+    held = list(step.new_tokens) + list(tokens[:k])
+    recent = (list(step.recent) + held)[-RECENT_TOKENS:]
+    return SeqStep(step.seq_id, step.start + len(held), [t], step.params, step.seed, step.output_pos + k + 1, recent)
+
+
+@dataclass
+class Resolved:
+    """A :class:`NextRound` read at the real outcome: the next round's step and
+    K, the next build's fan-outs, and the fast guess (None unless the plan's
+    backup is ``fast``)."""
+
+    step: SeqStep
+    k: int
+    backup: str
+    after_hit: list[int]
+    after_backup: list[int]
+    saguaro_c: float
+    guess: list[int] | None
+
+
+def resolve(plan: NextRound, k: int, t: int) -> Resolved | None:
+    """``plan`` at outcome (k accepted, then t); None if the plan does not cover it."""
+    if not 0 <= k < len(plan.ks):
+        return None
+    k_next = plan.ks[k]
+    guess = None
+    if plan.backup == "fast" and plan.history is not None:
+        guess = ngram_guess(list(plan.history) + list(plan.tokens[:k]) + [t], k_next)
+    return Resolved(step_after(plan.step, plan.tokens, k, t), k_next, plan.backup, plan.after_hit[k], plan.after_backup[k], plan.saguaro_c, guess)
+
+
+def next_build_item(plan: NextRound, k: int, t: int, proposal: Proposal) -> BuildItem | None:
     """The only draft's build item for a sequence in the round after ``plan``'s
-    lookup, whose next proposal is ``proposal``: a hit clipped to the plan's
-    K with the fan-out after a hit, else the plan's backup with the fan-out
-    after it."""
+    lookup, whose outcome was (k, t) and whose next proposal is ``proposal``:
+    a hit clipped to the next K with the fan-out after a hit, else the plan's
+    backup with the fan-out after it (None: the plan does not cover k)."""
+    r = resolve(plan, k, t)
+    if r is None:
+        return None
     if proposal.source is ProposalSource.CACHE:
-        tokens, fanout = proposal.tokens[: plan.k], plan.after_hit
+        tokens, fanout = proposal.tokens[: r.k], r.after_hit
     else:
-        tokens, fanout = proposal.tokens, plan.after_backup
-    return BuildItem(plan.step, Proposal(tokens, None, proposal.source), list(fanout), plan.k, plan.saguaro_c)
+        tokens, fanout = proposal.tokens, r.after_backup
+    return BuildItem(r.step, Proposal(tokens, None, proposal.source), list(fanout), r.k, r.saguaro_c)
 
 
-def miss_backup(plan: NextRound) -> Proposal | None:
-    """A miss's backup that needs no drafting: nothing at K = 0, the plan's
-    guess for the fast backup; None: the neural one, drafted from the step."""
-    if plan.k == 0:
-        return Proposal([], None, ProposalSource(plan.backup))
-    if plan.backup == "fast" and plan.guess is not None:
-        return Proposal(list(plan.guess), None, ProposalSource.FAST)
+def miss_backup(r: Resolved) -> Proposal | None:
+    """A miss's backup that needs no drafting: nothing at K = 0, the fast
+    guess; None: the neural one, drafted from the step."""
+    if r.k == 0:
+        return Proposal([], None, ProposalSource(r.backup))
+    if r.backup == "fast" and r.guess is not None:
+        return Proposal(list(r.guess), None, ProposalSource.FAST)
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerHandle, WorkerLost
@@ -20,6 +21,22 @@ log = logging.getLogger(__name__)
 ArgsFn = Callable[[bool], tuple]
 # one call to many workers at once: (workers, method, args) -> one future per worker
 BroadcastFn = Callable[[Sequence[WorkerHandle], str, tuple], "list[Future[Timed]]"]
+
+
+@dataclass
+class Forwarded:
+    """A call another worker places on ``worker`` for this coordinator:
+    ``address`` is what that worker needs to send it (endpoint, server id,
+    reply routing id, call id), ``future`` its answer, ``forget()`` withdraws it."""
+
+    worker: WorkerHandle
+    address: list[Any]
+    future: "Future[Timed]"
+    forget: Callable[[], None]
+
+
+# register one forwarded call per worker: (workers, method) -> Forwarded per worker
+ForwardFn = Callable[[Sequence[WorkerHandle], str], "list[Forwarded]"]
 
 
 def submit_each(workers: Sequence[WorkerHandle], method: str, args: tuple) -> "list[Future[Timed]]":

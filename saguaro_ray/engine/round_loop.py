@@ -25,7 +25,7 @@ import torch
 
 from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.config import SpeculationConfig
-from saguaro_ray.engine.calls import ArgsFn, BroadcastFn, RetryingCall, discarded, released, submit_each
+from saguaro_ray.engine.calls import ArgsFn, BroadcastFn, ForwardFn, RetryingCall, discarded, released, submit_each
 from saguaro_ray.engine.drafts import DraftPool
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.strategies import RoundStrategy, strategy_for
@@ -54,13 +54,17 @@ class RoundLoop:
         draft: WorkerHandle | Sequence[WorkerHandle] | None = None,
         qualifier: WorkerHandle | None = None,
         broadcast: BroadcastFn = submit_each,
+        forward: ForwardFn | None = None,
     ) -> None:
-        """``broadcast``: how one call reaches several drafts at once (SSD's lookups)."""
+        """``broadcast``: how one call reaches several drafts at once (SSD's lookups);
+        ``forward``: where the transport allows, how the target places the SSD
+        lookups on the drafts itself when verification ends."""
         self.spec = spec
         self.target = target
         drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
         self.drafts = DraftPool(drafts)
         self.broadcast = broadcast
+        self.forward = forward
         self.qualifier = qualifier
         self.eos_ids = eos_ids
         self.max_context = max_context
@@ -118,10 +122,11 @@ class RoundLoop:
         """KV tokens a round may hold beyond the emitted ones (proposal + pending token)."""
         return max(self.spec.k, self.spec.lq + self.spec.ld) + 1
 
-    def spec_len(self, s: SequenceState, k: int) -> int:
-        """Draft tokens worth proposing: never past max_tokens or the context."""
-        remaining = s.params.max_tokens - len(s.output_ids) - 1
-        room = self.max_context - len(s.all_ids)
+    def spec_len(self, s: SequenceState, k: int, ahead: int = 0) -> int:
+        """Draft tokens worth proposing: never past max_tokens or the context
+        (``ahead``: once ``s`` has emitted that many more tokens)."""
+        remaining = s.params.max_tokens - len(s.output_ids) - ahead - 1
+        room = self.max_context - len(s.all_ids) - ahead
         return max(0, min(k, remaining, room))
 
     def emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
@@ -144,12 +149,23 @@ class RoundLoop:
         for w in receivers:
             w.submit("discard", refs).add_done_callback(lambda f, name=w.name: discarded(name, f))
 
-    def verify(self, running: list[SequenceState], proposals: list[Proposal], rec: RoundRecord, rule: str = "exact", tau: float = 0.0) -> RetryingCall:
-        """Send the verification of ``proposals`` (``rule``/``tau``: PyramidSD's stage 2)."""
+    def verify(
+        self,
+        running: list[SequenceState],
+        proposals: list[Proposal],
+        rec: RoundRecord,
+        rule: str = "exact",
+        tau: float = 0.0,
+        then: dict[str, Any] | None = None,
+    ) -> RetryingCall:
+        """Send the verification of ``proposals`` (``rule``/``tau``: PyramidSD's
+        stage 2); ``then`` (first attempt only) is the call the target places
+        on the drafts when it is done (SSD's lookups)."""
         div = self.spec.div
 
         def args(full: bool) -> tuple:
-            return ([VerifyItem(self.step(s, full), local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)],)
+            items = [VerifyItem(self.step(s, full), local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)]
+            return (items,) if then is None or full else (items, then)
 
         call = RetryingCall(self.target, "verify", args)
         rec.sent = time.perf_counter()

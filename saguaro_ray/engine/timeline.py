@@ -42,6 +42,7 @@ class RoundRecord:
     back: float | None = None
     lookup_sent: float | None = None
     lookup_back: float | None = None
+    forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
     budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
     ahead: bool = False  # SSD: the draft started this round's build itself, after the previous lookup
 

@@ -36,7 +36,7 @@ from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.models.spec import ModelRef
-from saguaro_ray.runtime.control import Broadcaster, CommandServer, ControlError
+from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig, role_kind
 from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
@@ -126,10 +126,10 @@ class WorkerActor:
         self.logic = _LOGIC[kind](self._make_runner(model, config))
         node = ray.util.get_node_ip_address()
         # tensors to and from peers live on the device the model runs on
-        self.routed = RoutedLogic(self.logic, key, str(self.logic.runner.device), node)
+        self.routed = RoutedLogic(self.logic, key, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
         follow_up = self.routed.follow_up if config.build_ahead else None  # the work a draft starts after answering
-        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, follow_up=follow_up)
+        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=follow_up)
 
     def _make_runner(self, model: ModelRef, config: EngineConfig) -> Any:
         """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""
@@ -155,6 +155,7 @@ class WorkerActor:
             "dropped_frames": self.server.dropped_frames,
             "drop_reasons": self.server.drop_reasons,
             "broadcast_calls": self.server.stats()["broadcast_calls"],
+            "forwarded_calls": 0 if self.routed.forwarder is None else self.routed.forwarder.forwarded,
             "data_plane": None if self.routed.plane is None else self.routed.plane.stats(),
             # a draft: SSD builds it started itself, and how many of them a build call used
             "builds_ahead": {"started": getattr(self.logic, "ahead_started", 0), "used": getattr(self.logic, "ahead_builds", 0)},
@@ -162,6 +163,8 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         self.server.close()
+        if self.routed.forwarder is not None:  # its sockets were the server thread's
+            self.routed.forwarder.close()
         self.routed.leave_data_plane()
 
 
@@ -216,6 +219,7 @@ class CoordinatorActor:
             draft=[c for role, c in self.clients.items() if role.startswith("draft")],
             qualifier=self.clients.get("qualifier"),
             broadcast=self._broadcast,
+            forward=lambda workers, method: [w.forwarded(method) for w in workers],
         )
         infos = [worker_info(a) for a in workers.values()]
         self.scheduler = Scheduler(

@@ -11,7 +11,9 @@ Freshness, channel by channel. A client's calls are addressed to the
 server's id, which the client learns in a handshake (``__hello__``, the one
 call a server answers unaddressed: it does nothing but name the server) sent
 before any call, and numbered by the client; the server's replies are
-addressed to the client's reply routing id and numbered by the server. A broadcast is numbered by
+addressed to the client's reply routing id and numbered by the server. A
+forwarded call is addressed to the peer server's id, which the coordinator
+hands over with the rest of the call's address. A broadcast is numbered by
 the broadcaster, and a subscriber accepts it only from the broadcaster it was
 introduced to (in the ``__subscribe__`` call: endpoint, broadcaster id and the
 number it had reached). Subscription hellos are idempotent and carry no
@@ -27,6 +29,15 @@ Commands — ROUTER (worker, binds) ⇄ DEALER (coordinator, connects).
     the worker connecting back to the coordinator, for nothing gained. The
     :class:`CommandServer` runs calls on *one* thread in arrival order — the
     same guarantee a Ray actor (and ``InProcessWorker``) gives.
+
+Forwarded calls — DEALER (a worker, connects) → ROUTER (another worker).
+    A :class:`CallForwarder` lets a worker place a call on another worker's
+    command socket on the coordinator's behalf: the coordinator registers the
+    call (:meth:`CommandClient.expect`) and hands the worker the peer's
+    endpoint, its own client's routing id and the call id; the request names
+    that routing id as ``reply_to``, so the peer answers the coordinator as if
+    it had sent the call itself. The SSD target uses it to start the drafts'
+    cache lookups the moment verification ends.
 
 Broadcast — XPUB (coordinator, binds) → SUB (workers, connect), in
     ``XPUB_MANUAL`` mode. A :class:`Subscriber` sends, as a subscription, an
@@ -88,6 +99,7 @@ __all__ = [
     "Broadcaster",
     "ClientClosed",
     "CommandClient",
+    "CallForwarder",
     "CommandServer",
     "ControlError",
     "EngineKey",
@@ -360,6 +372,12 @@ class CommandServer:
     before it reads the next call (a draft starts the next round's build as
     soon as its lookup is answered; see ``DraftLogic.follow_up``).
 
+    A call that ``ready(method, args)`` says cannot run yet waits, up to
+    ``max_defer_s``, while later calls run, and runs as soon as one of them
+    has made it ready (or when its time is up): a forwarded SSD lookup (see
+    :class:`CallForwarder`) may arrive before the build it looks into, which
+    the coordinator sent first but over another connection.
+
     Bind to ``endpoint`` exactly, or (default) via :func:`bind_endpoint` on
     ``host`` (``None``: ipc). ``poll_interval_s`` bounds how long ``close()``
     waits for an idle loop; a call in progress is waited for up to
@@ -377,11 +395,17 @@ class CommandServer:
         name: str = "worker",
         poll_interval_s: float = 0.1,
         max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
+        ready: Callable[[str, list], bool] | None = None,
+        max_defer_s: float = 0.5,
         follow_up: Callable[[], Callable[[], None] | None] | None = None,
     ) -> None:
         self.name = name
         self._target = target
+        self._ready = ready
         self._follow_up = follow_up
+        self._max_defer_s = max_defer_s
+        self._deferred: deque[tuple[float, str, list, Callable[[], None]]] = deque()  # server thread only
+        self._deferred_calls = 0
         self._allowed = frozenset(allowed)
         for m in sorted(self._allowed):
             if not isinstance(m, str) or not m or m.startswith("_"):
@@ -429,6 +453,7 @@ class CommandServer:
             "drop_reasons": self._drops.reasons(),
             "unroutable_replies": self._unroutable,
             "broadcast_calls": self._broadcast_calls,
+            "deferred_calls": self._deferred_calls,
         }
 
     # loop ---------------------------------------------------------------
@@ -443,7 +468,7 @@ class CommandServer:
                     polled_sub = self._sub
                     poller.register(polled_sub._sock, zmq.POLLIN)
                 try:
-                    events = dict(poller.poll(self._poll_ms))
+                    events = dict(poller.poll(self._wait_ms()))
                     # direct calls first: a broadcast (e.g. an SSD lookup) is sent after
                     # the direct calls it follows (that round's build), so run whatever
                     # of those has already arrived before it
@@ -452,6 +477,7 @@ class CommandServer:
                     if polled_sub is not None and polled_sub._sock in events:
                         self._drain(sock)
                         self._handle_broadcast(polled_sub)
+                    self._run_deferred()
                 except zmq.ZMQError as e:
                     if e.errno == zmq.ETERM:
                         break
@@ -473,17 +499,53 @@ class CommandServer:
                 self._handle(parts)
             except Exception:  # never let one frame kill the loop
                 log.exception("command server %r: unexpected error handling a frame", self.name)
+            self._run_deferred()
+
+    def _wait_ms(self) -> int:
+        return _poll_ms(self._poll_ms, self._deferred[0][0]) if self._deferred else self._poll_ms
+
+    def _is_ready(self, method: str, args: list) -> bool:
+        if self._ready is None:
+            return True
+        try:
+            return bool(self._ready(method, args))
+        except Exception:  # the call itself will report what is wrong with it
+            return True
 
     def _serve_call(self, ident: bytes, cid: int, method: str, args: list) -> None:
-        """Execute a call and answer ``ident``; then run the work the answer
-        left to do (``follow_up``)."""
-        self._reply(ident, cid, self._execute(cid, method, args), method)
-        work = self._follow_up() if self._follow_up is not None else None
-        if work is not None:
-            try:
-                work()
-            except Exception:
-                log.exception("command server %r: the work after call %d (%s) failed", self.name, cid, method)
+        """Execute a call and answer ``ident`` now, or hold it until it is ready;
+        then run the work the answer left to do (``follow_up``)."""
+
+        def run() -> None:
+            self._reply(ident, cid, self._execute(cid, method, args), method)
+            work = self._follow_up() if self._follow_up is not None else None
+            if work is not None:
+                try:
+                    work()
+                except Exception:
+                    log.exception("command server %r: the work after call %d (%s) failed", self.name, cid, method)
+
+        if self._is_ready(method, args):
+            run()
+        else:
+            self._deferred_calls += 1
+            self._deferred.append((time.monotonic() + self._max_defer_s, method, args, run))
+
+    def _run_deferred(self) -> None:
+        """Run the waiting calls that are ready now, or out of time, in arrival order."""
+        if not self._deferred:
+            return
+        now, waiting = time.monotonic(), deque()
+        while self._deferred:
+            entry = self._deferred.popleft()
+            if entry[0] <= now or self._is_ready(entry[1], entry[2]):
+                try:
+                    entry[3]()
+                except Exception:
+                    log.exception("command server %r: unexpected error running a deferred call", self.name)
+            else:
+                waiting.append(entry)
+        self._deferred = waiting
 
     def _handle_broadcast(self, sub: "Subscriber") -> None:
         """Execute this server's entry of a broadcast call; reply to the named client."""
@@ -613,6 +675,64 @@ class CommandServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class CallForwarder:
+    """Places calls on other workers' command sockets, to be answered to a
+    third party (see "Forwarded calls" in the module doc).
+
+    One DEALER per peer endpoint, opened on first use and kept (a restarted
+    peer has a new endpoint, hence a new socket). Not thread-safe: a worker
+    forwards from its :class:`CommandServer` thread only. Sends never block:
+    a full queue raises :class:`ControlError`, and the coordinator's expected
+    call then times out or is replaced by its own fallback.
+    """
+
+    def __init__(self, key: bytes, *, max_peers: int = 64, max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._codec = FrameCodec(key)
+        self._key = key
+        self._sender = Sender()
+        self._max_peers = max_peers
+        self._max_frame_bytes = max_frame_bytes
+        self._socks: dict[str, zmq.Socket] = {}
+        self.forwarded = 0
+
+    def call(self, address: Sequence[Any], method: str, args: list) -> None:
+        """Send ``method(*args)`` to the server at ``address`` — ``[endpoint,
+        server id, reply routing id, call id]``, from
+        :meth:`CommandClient.address_for` — so that it replies to that client
+        under that call id. :class:`ControlError` if it cannot be sent."""
+        if type(address) not in (list, tuple) or len(address) != 4:
+            raise ControlError(f"a forwarded call's address is [endpoint, server id, reply routing id, call id], got {address!r}")
+        endpoint, server_id, reply_to, cid = address
+        if type(server_id) is not bytes or not server_id:
+            raise ControlError(f"cannot forward a call to {endpoint}: its server has not been reached yet (no server id)")
+        if type(endpoint) is not str or type(reply_to) is not bytes or not 0 < len(reply_to) <= 255 or type(cid) is not int:
+            raise ControlError("a forwarded call needs an endpoint, the client's routing id (bytes) and an integer call id")
+        frame = self._codec.encode({"id": cid, "method": method, "args": list(args), "reply_to": reply_to}, self._sender.stamp(server_id))
+        try:
+            sock = self._socks.get(endpoint)
+            if sock is None:
+                sock = _sock(zmq.DEALER, self._max_frame_bytes)
+                try:
+                    _connect(sock, self._key, endpoint)
+                except zmq.ZMQError:
+                    sock.close(0)  # a bad endpoint leaves nothing behind
+                    raise
+                if len(self._socks) >= self._max_peers:  # peers that restarted left their old endpoints here
+                    self._socks.pop(next(iter(self._socks))).close(0)
+                self._socks[endpoint] = sock
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            raise ControlError(f"the send queue to {endpoint} is full; is that worker alive?") from None
+        except zmq.ZMQError as e:
+            raise ControlError(f"cannot forward a call to {endpoint}: {e}") from None
+        self.forwarded += 1
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
 
 
 class _ClockMap:
@@ -823,6 +943,21 @@ class CommandClient:
                 raise ClientClosed(f"command client {self.name!r} is closed")
             self._pending[cid] = _Pending(fut, method, time.monotonic() + timeout, timeout, time.perf_counter())
         return cid, fut
+
+    def address_for(self, cid: int) -> list[Any]:
+        """Where another worker sends a call on this client's behalf (see
+        :class:`CallForwarder`): ``[endpoint, server id, reply routing id,
+        call id]``; the server id is ``None`` until the handshake is answered."""
+        return [self.endpoint, self.server_id, self.identity, cid]
+
+    def forget(self, cid: int) -> None:
+        """Withdraw an expected call: its future fails now, and an answer that
+        still comes counts as a late reply."""
+        with self._lock:
+            p = self._pending.pop(cid, None)
+        if p is not None:
+            self._settled(p)
+            _fail(p.future, ControlError(f"call {cid} ({p.method}) to worker {self.name!r} was withdrawn"))
 
     def call(self, method: str, *args: Any) -> Any:
         """Blocking convenience: the call's value."""

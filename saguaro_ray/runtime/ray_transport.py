@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import ray
 
+from saguaro_ray.engine.calls import Forwarded
 from saguaro_ray.engine.transport import TransferLost, WorkerGone, WorkerLost
 from saguaro_ray.runtime.control import CommandClient
 from saguaro_ray.runtime.restart_budget import RestartBudget
@@ -126,6 +127,15 @@ class RayWorkerHandle:
             client = self._client
             cid, inner = client.expect(method)
         return client.identity, cid, self._track(inner)
+
+    def forwarded(self, method: str) -> Forwarded:
+        """A call another worker places on this one for us (see
+        :class:`~saguaro_ray.runtime.control.CallForwarder`): where to send it
+        and the future of its answer."""
+        with self._lock:
+            client = self._client
+            cid, inner = client.expect(method)
+        return Forwarded(self, client.address_for(cid), self._track(inner), lambda: client.forget(cid))
 
     def _track(self, inner: "Future[Timed]") -> "Future[Timed]":
         """A future the watchdog can fail at once if the worker dies."""

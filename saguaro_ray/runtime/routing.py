@@ -9,6 +9,12 @@ coordinator; a hit's KV delta goes from the owning draft to its peers the
 same way (:class:`KVDeltaRef`). On the receiving side, references in a call's
 arguments are fetched before the logic runs.
 
+A verification may carry a ``then``: the SSD round's cache lookup, which
+this worker places on each draft's command socket (:class:`CallForwarder`)
+with the real outcomes as soon as verification ends, instead of the
+coordinator doing it after the result has reached it — the drafts answer the
+coordinator directly.
+
 Until :meth:`RoutedLogic.join_data_plane` succeeds (or when the engine runs
 without a data plane) tensors simply ride the frames. A reference that cannot
 be fetched raises :class:`TransferLost`; the round loop then re-sends the call
@@ -17,9 +23,13 @@ self-contained.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from saguaro_ray.runtime.control import CallForwarder, ControlError
 from saguaro_ray.runtime.data_plane import DataPlane, discard_refs, offload_kv, offload_q, resolve
+
+log = logging.getLogger(__name__)
 
 RECV_TIMEOUT_S = 10.0  # a reference's tensor must arrive within this, or the call is re-sent without it
 
@@ -27,9 +37,12 @@ RECV_TIMEOUT_S = 10.0  # a reference's tensor must arrive within this, or the ca
 class RoutedLogic:
     """A worker's logic object behind the data plane (see the module doc)."""
 
-    def __init__(self, logic: Any, key: bytes, device: str = "cpu", host: str | None = None) -> None:
+    def __init__(
+        self, logic: Any, key: bytes, device: str = "cpu", host: str | None = None, forwarder: CallForwarder | None = None
+    ) -> None:
         self.logic = logic
         self._key = key  # the engine's: the data-plane store only answers it
+        self.forwarder = forwarder
         self.device = device
         self.host = host  # the node address this worker's gloo sockets bind to
         self.plane: DataPlane | None = None
@@ -66,6 +79,13 @@ class RoutedLogic:
             return value
         return offload_q(value, self.plane, self.q_dst)
 
+    def ready(self, method: str, args: list) -> bool:
+        """Can this call run now? Not an SSD lookup that overtook the build it
+        looks into (a lookup the target forwarded; see :class:`CommandServer`)."""
+        if method == "lookup" and len(args) >= 3 and hasattr(self.logic, "awaits_build"):
+            return not self.logic.awaits_build(args[2])
+        return True
+
     def follow_up(self) -> Any:
         """The work the logic has left to do after the call just answered (or None)."""
         follow_up = getattr(self.logic, "follow_up", None)
@@ -78,8 +98,22 @@ class RoutedLogic:
     def release(self, seq_ids: Any) -> Any:
         return self.logic.release(seq_ids)
 
-    def verify(self, items: Any) -> Any:
-        return self.logic.verify(self._in(items))
+    def verify(self, items: Any, then: dict[str, Any] | None = None) -> Any:
+        """Verify; with ``then`` = ``{"method", "args", "to": [address, ...]}``
+        (each from :meth:`CommandClient.address_for`) also send
+        ``method(keys, *args)`` to each listed worker, ``keys`` being the
+        outcomes' lookup keys."""
+        outcomes = self.logic.verify(self._in(items))
+        if then is not None:
+            if self.forwarder is None:
+                raise ValueError("this worker cannot forward calls (it has no forwarder)")
+            args = [[o.key for o in outcomes], *then["args"]]
+            for address in then["to"]:
+                try:
+                    self.forwarder.call(address, then["method"], args)
+                except ControlError as e:  # the verification stands; that draft's lookup is lost (degradable)
+                    log.warning("could not place %s: %s", then["method"], e)
+        return outcomes
 
     def qualify(self, items: Any) -> Any:
         return self._out_q(self.logic.qualify(self._in(items)))

@@ -5,33 +5,34 @@ supplies the next proposal at once, and a miss is served by the backup
 guess from the history).
 
 A round, top to bottom (:meth:`SSDStrategy.run`): fix the budget; give new
-sequences a first proposal; send the verification and every draft's build
-(the longer of the two first); emit the outcomes; send the lookups with the
-real outcomes — with one draft, each carries the sequence's
-:class:`NextRound`, so that the draft serves a miss's backup in the same call
-and starts the next round's build itself; read the answers into each
-sequence's next proposal; serve what is left with the round loop's own
-backup. What the calls carry is :mod:`saguaro_ray.workers.ssd_protocol`'s.
+sequences a first proposal; make each sequence's :class:`NextRound` (with one
+draft) and register the lookups the target will place; send the
+verification and every draft's build (the longer of the two first); emit the
+outcomes — meanwhile the target has sent the drafts the lookups, and the only
+draft serves a miss's backup in it and starts the next round's build itself;
+read the answers into each sequence's next proposal; serve what is left with
+the round loop's own backup. What the calls carry is
+:mod:`saguaro_ray.workers.ssd_protocol`'s.
 
-The budget is fixed one round ahead: a round's lookup carries the next
-round's fan-outs, and its build uses them.
+The budget is fixed one round ahead: a round's plans carry the next round's
+fan-outs, and its build uses them.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from saguaro_ray.algorithms.backup import BackupKind, BackupPolicy, BackupStats
 from saguaro_ray.algorithms.fanout import BudgetController, FanoutEstimator
-from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.workers import ssd_protocol
-from saguaro_ray.engine.calls import RetryingCall
+from saguaro_ray.engine.calls import Forwarded, RetryingCall
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.timeline import RoundRecord, Span, round_components
 from saguaro_ray.engine.transport import WorkerHandle
-from saguaro_ray.workers.messages import Extension, LookupResult, NextRound, Outcome, Proposal, ProposalSource
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, ProposalSource, Timed
 
 if TYPE_CHECKING:
     from saguaro_ray.engine.round_loop import RoundLoop
@@ -62,7 +63,16 @@ class _Lookups:
     calls: list[tuple[WorkerHandle, RetryingCall]]
     at: list[int]
     kind: BackupKind
-    plans: list[NextRound] | None  # what the lookup carried per live sequence (the only draft)
+    plans: list[NextRound] | None  # the plan of the j-th live sequence (the only draft)
+
+
+@dataclass
+class _PlacedLookups:
+    """The lookups the target places when verification ends: ``then`` rides the
+    verification call, ``calls`` are the calls registered at the drafts."""
+
+    then: dict[str, object]
+    calls: list[Forwarded]
 
 
 class SSDStrategy:
@@ -74,9 +84,10 @@ class SSDStrategy:
         self.budget = BudgetController(spec.budget)
         self._spend = spec.budget  # the budget per sequence of this round's builds
         self._next_spend: int | None = None  # ... and of the next round's, fixed one round ahead
-        # per sequence: the plan its latest lookup carried, while its proposal is the one that
-        # lookup served (the next build's items are made from it, on the draft's side too)
-        self._planned: dict[int, NextRound] = {}
+        # per sequence: the plan its latest lookup carried and the outcome it was read at, while
+        # its proposal is the one that lookup served (the next build's items are made from them,
+        # on the draft's side too)
+        self._planned: dict[int, tuple[NextRound, int, int]] = {}
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
@@ -101,18 +112,31 @@ class SSDStrategy:
         shards = max(1, len(builders))
         share = shards > 1  # peers take the owner's KV delta instead of recomputing
         kind = self._backup_kind(len(running))  # one backup decision per round, for this round's misses
+        # everything a lookup needs but the outcomes is known now: with one draft, each
+        # sequence's plan; where the transport allows, the target places the lookups itself
+        plans = self._plans(running, proposals, ks, kind) if len(builders) == 1 else None
+        placed = self._place_lookups(builders, share, rec.index, plans)
+        then = None if placed is None else placed.then
         # whichever of the two has been taking longer is sent first
         if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
             calls_b = self._send_builds(running, proposals, ks, builders, rec)
-            call_v = loop.verify(running, proposals, rec)
+            call_v = loop.verify(running, proposals, rec, then=then)
         else:
-            call_v = loop.verify(running, proposals, rec)
+            call_v = loop.verify(running, proposals, rec, then=then)
             calls_b = self._send_builds(running, proposals, ks, builders, rec)
         outcomes = loop.verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)  # type: ignore[index]
         loop.emit(running, proposals, outcomes, rec)
         live = [i for i, s in enumerate(running) if not s.finished]
-        lookups = self._send_lookups([running[i] for i in live], [outcomes[i] for i in live], [d for d, _ in calls_b], kind, share, rec)
+        if placed is not None and not call_v.resent:
+            rec.lookup_sent, rec.forwarded = rec.verify[1], True  # type: ignore[index]
+            args = ([o.key for o in outcomes], share, rec.index, plans)
+            calls = [(f.worker, RetryingCall(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in placed.calls]
+            lookups = _Lookups(calls, live, kind, None if plans is None else [plans[i] for i in live])
+        else:
+            for f in placed.calls if placed is not None else []:  # verification was re-sent: its lookups were never placed
+                f.forget()
+            lookups = self._send_lookups(running, outcomes, live, [d for d, _ in calls_b], kind, share, plans, rec)
         built = [got for got in (loop.draft_value(c) for _, c in calls_b) if got is not None]
         if built:
             rec.build = _span([span for _, span in built])  # a build started ahead: the span it really ran
@@ -125,9 +149,12 @@ class SSDStrategy:
         for p, out in zip(proposals, outcomes):
             from_cache = p.source is ProposalSource.CACHE
             self.backup_stats.observe_sequence(from_cache, out.accepted + 1, None if from_cache else _regime(p))
-        if not live:  # every sequence finished: nothing was looked up
+        if not live:  # every sequence finished: nothing to wait for (the target placed lookups anyway) ...
+            for f in placed.calls if placed is not None and rec.forwarded else []:
+                # ... but their answers' transfers must be taken, whenever they come
+                f.future.add_done_callback(lambda fut, d=f.worker: self._drop_answer(d, fut))
             return
-        self._take_lookups([running[i] for i in live], [proposals[i] for i in live], [outcomes[i] for i in live], lookups, rec)
+        self._take_lookups(running, proposals, outcomes, lookups, rec)
         missed = [running[i] for i in live if running[i].proposal is None]
         if missed:  # the fast backup, or the neural one from the primary when several drafts looked up
             rec.backup, rec.miss_backup = self._backup(missed, len(running), kind)
@@ -168,55 +195,84 @@ class SSDStrategy:
         fanouts = [self._fanout_for(p, shards) for p in proposals]
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
         c = loop.spec.saguaro_c
-        ahead = bool(running) and all(s.seq_id in planned for s in running)
+        ahead = bool(running) and all(self._planned_item(planned.get(s.seq_id), s.proposal) is not None for s in running)  # type: ignore[arg-type]
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
             items = ssd_protocol.build_items([loop.step(s, full) for s in running], proposals, fanouts, ks, c, shard, shards, deltas)
             if not full:
-                items = [ssd_protocol.next_build_item(planned[s.seq_id], s.proposal) if s.seq_id in planned else it for s, it in zip(running, items)]  # type: ignore[arg-type]
+                items = [self._planned_item(planned.get(s.seq_id), s.proposal) or it for s, it in zip(running, items)]  # type: ignore[arg-type]
             return (items, rec.index, ahead and not full)
 
         calls = ((d, loop.draft_call("build", lambda full, i=i, d=d: args(full, i, d), d)) for i, d in enumerate(builders))
         return [(d, call) for d, call in calls if call is not None]
 
+    @staticmethod
+    def _planned_item(planned: tuple[NextRound, int, int] | None, proposal: Proposal) -> BuildItem | None:
+        """The build item the only draft made ahead for a planned sequence (None: not planned)."""
+        return None if planned is None else ssd_protocol.next_build_item(planned[0], planned[1], planned[2], proposal)
+
+    def _place_lookups(self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None) -> _PlacedLookups | None:
+        """The lookups the target places itself when verification ends: the
+        ``then`` of the verification call and the calls registered at each
+        draft (None: the transport cannot, or no draft is building)."""
+        if self.loop.forward is None or not lookers:
+            return None
+        calls = self.loop.forward(lookers, "lookup")
+        return _PlacedLookups({"method": "lookup", "args": [share, round_id, plans], "to": [f.address for f in calls]}, calls)
+
     def _send_lookups(
-        self, live: list[SequenceState], outcomes: list[Outcome], lookers: list[WorkerHandle], kind: BackupKind, share: bool, rec: RoundRecord
+        self,
+        running: list[SequenceState],
+        outcomes: list[Outcome],
+        live: list[int],
+        lookers: list[WorkerHandle],
+        kind: BackupKind,
+        share: bool,
+        plans: list[NextRound] | None,
+        rec: RoundRecord,
     ) -> _Lookups:
-        """Send the live sequences' outcomes to every draft that is building, as
-        one broadcast, without waiting for the builds: each draft runs the
-        lookup after its build. The round id makes a lookup that overtook a
-        re-sent build answer misses. The only draft also gets each
-        sequence's plan (:meth:`_plans`); several drafts get none: a miss at
-        one may be another's hit, and each build needs the hit's KV delta,
-        which only the next build call carries."""
-        plans = self._plans(live, kind) if len(lookers) == 1 else None
-        args = ([o.key for o in outcomes], share, rec.index, plans)
+        """The coordinator sends the live sequences' outcomes to every draft that
+        is building, as one broadcast, without waiting for the builds: each
+        draft runs the lookup after its build (a lookup that arrives first
+        waits for it). The round id makes a lookup that overtook a re-sent
+        build answer misses."""
         loop = self.loop
+        live_plans = None if plans is None else [plans[i] for i in live]
+        args = ([outcomes[i].key for i in live], share, rec.index, live_plans)
         futs = loop.broadcast(lookers, "lookup", args) if live and lookers else []
         rec.lookup_sent = time.perf_counter() if futs else None
         calls = [(d, RetryingCall(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
-        return _Lookups(calls, list(range(len(live))), kind, plans)
+        return _Lookups(calls, list(range(len(live))), kind, live_plans)
 
-    def _plans(self, live: list[SequenceState], kind: BackupKind) -> list[NextRound]:
-        """Each live sequence's :class:`NextRound`, now that its outcome is
-        emitted: the next round's step and K, the backup of ``kind`` that
-        serves a miss (the fast guess made here, from the history), and the
-        next build's fan-outs after a hit and after that backup, at the
-        budget fixed for the next round."""
-        loop = self.loop
-        made: dict[int, tuple[list[int], list[int]]] = {}  # fan-outs by K, shared (each costs an allocation)
+    def _plans(self, running: list[SequenceState], proposals: list[Proposal], ks: list[int], kind: BackupKind) -> list[NextRound]:
+        """Each sequence's :class:`NextRound` before verification (the only
+        draft's lookup): for every outcome — 1 .. len(proposal) + 1 tokens
+        emitted — the next K, the next build's fan-outs at the budget fixed
+        for it after a hit (this round's speculation, ``ks[i]`` long, clipped
+        to that K) and after the backup of ``kind``; for the fast backup, the
+        history the guess is made from. A single draft knows a miss is a miss,
+        so it makes the backup in the lookup and can start the next build
+        itself; with several, a miss at one may be another's hit and each
+        build needs the hit's KV delta: no plans."""
+        loop, spec = self.loop, self.loop.spec
+        # fan-outs depend on the next K and this round's only: one pair per (K, K now), shared
+        made: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+        def fanouts(k: int, k_now: int) -> tuple[list[int], list[int]]:
+            if (k, k_now) not in made:
+                made[k, k_now] = (self._fanout(min(k_now, k), None, spend=self._next_spend), self._fanout(k, kind, spend=self._next_spend))
+            return made[k, k_now]
+
         plans = []
-        for s in live:
-            k = loop.spec_len(s, loop.spec.k)
-            if k not in made:
-                made[k] = (self._fanout(k, None, spend=self._next_spend), self._fanout(k, kind, spend=self._next_spend))
-            after_hit, after_backup = made[k]
-            guess = ngram_guess(s.all_ids, k) if kind == "fast" else None
-            plans.append(NextRound(loop.step(s), k, kind, after_hit, after_backup, loop.spec.saguaro_c, guess))
+        for s, p, k_now in zip(running, proposals, ks):
+            next_ks = [loop.spec_len(s, spec.k, ahead=n) for n in range(1, len(p.tokens) + 2)]
+            pairs = [fanouts(k, k_now) for k in next_ks]
+            history = list(s.all_ids) if kind == "fast" else None
+            plans.append(NextRound(loop.step(s), list(p.tokens), next_ks, kind, [h for h, _ in pairs], [b for _, b in pairs], spec.saguaro_c, history))
         return plans
 
-    def _take_lookups(self, live: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], lookups: _Lookups, rec: RoundRecord) -> None:
+    def _take_lookups(self, running: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], lookups: _Lookups, rec: RoundRecord) -> None:
         """Collect the drafts' answers: each live sequence's next proposal is a hit,
         else the backup its lookup made (the only draft's); observe hits and ranks."""
         answers: list[tuple[WorkerHandle, list[LookupResult]]] = []
@@ -231,7 +287,9 @@ class SSDStrategy:
             rec.lookup_back = time.perf_counter()
         served_backup = False
         kept: set[int] = set()  # the proposals and KV deltas this round uses (by id)
-        for j, (s, p, out, got) in enumerate(zip(live, proposals, outcomes, ssd_protocol.read_answers([res for _, res in answers], lookups.at))):
+        live = [i for i, s in enumerate(running) if not s.finished]
+        for j, (i, got) in enumerate(zip(live, ssd_protocol.read_answers([res for _, res in answers], lookups.at))):
+            s, p, out = running[i], proposals[i], outcomes[i]
             hit = got.hit is not None
             if hit and got.delta is not None:
                 self._deltas[s.seq_id] = (answers[got.owner][0], got.delta)  # type: ignore[index]
@@ -244,7 +302,7 @@ class SSDStrategy:
             rec.misses += int(not hit)
             s.proposal = got.hit or got.backup  # neither: the round loop's backup serves it
             if s.proposal is not None and lookups.plans is not None:
-                self._planned[s.seq_id] = lookups.plans[j]
+                self._planned[s.seq_id] = (lookups.plans[j], out.accepted, out.next_token)
             kept.add(id(s.proposal))
             served_backup = served_backup or (not hit and got.backup is not None)
         self._drop_lookups(answers, kept)
@@ -253,6 +311,11 @@ class SSDStrategy:
             self.backup_policy.served(lookups.kind)
             if lookups.kind == "neural":  # drafting them is part of the lookup's time
                 self.backup_stats.observe_latency(t_neural=(rec.lookup[1] - rec.lookup[0]) / self._verify_seconds)
+
+    def _drop_answer(self, draft: WorkerHandle, fut: "Future[Timed]") -> None:
+        """Discard all of a lookup's answer, once it comes (a failed lookup sent nothing that stays)."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._drop_lookups([(draft, fut.result().value)], set())
 
     def _drop_lookups(self, answers: Sequence[tuple[WorkerHandle, Sequence[LookupResult]]], kept: set[int]) -> None:
         """Discard what lookups answered but the round does not use (``kept``:
