@@ -2,8 +2,9 @@
 
 The loop and its strategies only ever submit calls and wait on futures
 (:mod:`saguaro_ray.engine.transport`); this module is what makes a call
-survive a worker restart or a lost data-plane transfer, and the one
-broadcast every transport can do.
+survive a worker restart or a lost data-plane transfer, the one broadcast
+every transport can do, and the shape of a call another worker places for
+the round loop (:class:`Forwarded`: SSD's lookups, placed by the target).
 """
 
 from __future__ import annotations
