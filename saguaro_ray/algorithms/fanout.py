@@ -324,12 +324,15 @@ class BudgetController:
     ``high`` and grows back towards the ceiling while it is below ``low``.
 
     The one budget controller (issue 18): a search over budget levels for the
-    most tokens per second stacked on top of it did not pay. Interleaved, this
-    branch, tiny family, Ray, 32 prompts × 64, three runs each on a loaded
-    two-core machine (tok/s): both 669/458/442 (b = 1) and 1694/2487/2069
-    (b = 16); this cap alone 665/425/880 and 2467/1912/3064; the search alone
-    283/426/672 and 1601/1962/2656 (it keeps big trees: hit rate 0.36–0.74,
-    against 0.22–0.27 with the cap).
+    most tokens per second (``BudgetSearch``) stacked on top of it did not
+    pay. Interleaved, tiny family, Ray, 32 prompts × 64, three runs each on a
+    shared two-core machine (tok/s), with the lookups sent by the
+    coordinator: both 669/458/442 (b = 1) and 1694/2487/2069 (b = 16), this
+    cap alone 665/425/880 and 2467/1912/3064, the search alone 283/426/672
+    and 1601/1962/2656 (it keeps big trees: hit rate 0.36–0.74 against
+    0.22–0.27); again with the lookups placed by the target: both
+    433/886/830 and 2524/3137/2732, the cap alone 658/858/714 and
+    2521/3130/2201.
     """
 
     def __init__(self, ceiling: int, high: float = 1.1, low: float = 0.9, shrink: float = 0.8, grow: float = 1.1) -> None:
