@@ -64,27 +64,30 @@ def test_build_items_carry_tokens_only_and_the_peers_delta():
 
 
 def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
-    """``resolve``: the next step is what the round loop sends once the outcome
-    is emitted; the next K, the fan-outs and the fast guess are the entry of
-    that outcome (near a length limit the K differs by outcome)."""
+    """``resolve``: with the round's step and proposal, the next step is what
+    the round loop sends once the outcome is emitted; the next K, the
+    fan-outs and the fast guess are the outcome's entry (near a length limit
+    the K differs by outcome), or the one entry for every outcome."""
     from saguaro_ray.algorithms.ngram import ngram_guess
 
     s = SequenceState(3, [5, 6, 7, 5, 6], SAMPLED, 1)
     s.output_ids = [7, 5]
-    step = RoundLoop.step(s)
-    plan = NextRound(step, [6, 9], [2, 1, 0], "fast", [[3, 1, 1], [2, 1], [1]], [[5, 0, 0], [4, 0], [2]], 0.5, list(s.all_ids))
-    r = ssd_protocol.resolve(plan, 1, 4)
+    step, tokens = RoundLoop.step(s), [6, 9]
+    plan = NextRound([2, 1, 0], "fast", [[3, 1, 1], [2, 1], [1]], [[5, 0, 0], [4, 0], [2]], 0.5, list(s.all_ids))
+    r = ssd_protocol.resolve(plan, step, tokens, 1, 4)
     s.emit([6, 4], ())
     assert r.step == RoundLoop.step(s) and r.k == 1 and r.after_hit == [2, 1] and r.after_backup == [4, 0]
-    assert r.guess == ngram_guess(s.all_ids, 1) and ssd_protocol.resolve(plan, 3, 4) is None
-    hit = ssd_protocol.next_build_item(plan, 1, 4, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
+    assert r.guess == ngram_guess(s.all_ids, 1) and ssd_protocol.resolve(plan, step, tokens, 3, 4) is None
+    hit = ssd_protocol.next_build_item(plan, step, tokens, 1, 4, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
     assert hit == BuildItem(r.step, Proposal([7], None, ProposalSource.CACHE), [2, 1], 1, 0.5)
     guess = ssd_protocol.miss_backup(r)
     assert guess == Proposal(r.guess, None, ProposalSource.FAST)
-    assert ssd_protocol.next_build_item(plan, 1, 4, guess) == BuildItem(r.step, guess, [4, 0], 1, 0.5)
-    assert ssd_protocol.miss_backup(ssd_protocol.resolve(plan, 2, 4)) == Proposal([], None, ProposalSource.FAST)  # K = 0
-    neural = NextRound(step, [6, 9], [2, 2, 2], "neural", [[1, 1, 1]] * 3, [[1, 1, 1]] * 3)
-    assert ssd_protocol.miss_backup(ssd_protocol.resolve(neural, 0, 4)) is None  # drafted by the draft
+    assert ssd_protocol.next_build_item(plan, step, tokens, 1, 4, guess) == BuildItem(r.step, guess, [4, 0], 1, 0.5)
+    assert ssd_protocol.miss_backup(ssd_protocol.resolve(plan, step, tokens, 2, 4)) == Proposal([], None, ProposalSource.FAST)  # K = 0
+    every = NextRound([2], "neural", [[1, 1, 1]], [[2, 1, 0]])  # one entry: every outcome
+    assert [ssd_protocol.resolve(every, step, tokens, k, 4).k for k in range(3)] == [2, 2, 2]
+    assert ssd_protocol.resolve(every, step, tokens, 3, 4) is None  # more accepted than proposed
+    assert ssd_protocol.miss_backup(ssd_protocol.resolve(every, step, tokens, 0, 4)) is None  # drafted by the draft
 
 
 def test_read_answers_takes_the_first_hit_its_owner_and_the_first_known_rank():
@@ -126,12 +129,11 @@ def _miss(draft: DraftLogic, s: SequenceState, proposal: list[int], k: int) -> t
     return (s.seq_id, k, t)
 
 
-def _plan(s: SequenceState, proposal: list[int], k: int, backup: str = "neural", after_hit=None, after_backup=None, c: float = 1.0) -> NextRound:
-    """The plan the round loop sends for ``s`` before verifying ``proposal``:
-    the next K is ``k`` whatever the outcome."""
-    n = len(proposal) + 1
+def _plan(s: SequenceState, k: int, backup: str = "neural", after_hit=None, after_backup=None, c: float = 1.0) -> NextRound:
+    """The plan the round loop sends for ``s`` before verifying this round's
+    proposal: the next K is ``k`` whatever the outcome."""
     hit, back = after_hit or [1] * (k + 1), after_backup or [1] * (k + 1)
-    return NextRound(RoundLoop.step(s), list(proposal), [k] * n, backup, [hit] * n, [back] * n, c, list(s.all_ids) if backup == "fast" else None)
+    return NextRound([k], backup, [hit], [back], c, list(s.all_ids) if backup == "fast" else None)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -146,7 +148,7 @@ def test_a_miss_gets_the_neural_backup_propose_would_draft(ckpts, params):
     p = Proposal([11, 12])
     for d, s in ((a, s_a), (b, s_b)):
         d.build([_item(s, p, [2, 1, 1], 2)], 1)
-    plan = _plan(s_a, p.tokens, 3, after_backup=[1, 1, 1, 1], c=0.5)
+    plan = _plan(s_a, 3, after_backup=[1, 1, 1, 1], c=0.5)
     key = _miss(a, s_a, p.tokens, 1)
     s_b.emit(p.tokens[:1] + [key[2]], ())
     [got] = a.lookup([key], round_id=1, plans=[plan])
@@ -160,9 +162,9 @@ def test_a_miss_gets_the_neural_backup_propose_would_draft(ckpts, params):
 
 def test_a_miss_gets_the_plans_fast_guess_or_nothing_at_k_zero(ckpts):
     """The fast backup is the round loop's own n-gram guess, carried by the
-    plan (the draft keeps no history); K = 0 is an empty backup; a neural
-    backup for a sequence this draft does not hold (it was restarted) is
-    not made — the round loop serves that miss itself. The draft builds
+    plan (the draft keeps no history); K = 0 is an empty backup; a sequence
+    this draft did not build for (it was restarted) gets none — the round
+    loop serves that miss itself. The draft builds
     ahead on each backup like on a hit."""
     from saguaro_ray.algorithms.ngram import ngram_guess
 
@@ -171,19 +173,19 @@ def test_a_miss_gets_the_plans_fast_guess_or_nothing_at_k_zero(ckpts):
     _admit([draft], seqs)
     p = Proposal([40, 41])
     draft.build([_item(s, p, [1, 1, 1], 2) for s in seqs], 1)
-    plans = [_plan(seqs[0], p.tokens, 2, "fast"), _plan(seqs[1], p.tokens, 0, "fast")]
+    steps = [RoundLoop.step(s) for s in seqs]
+    plans = [_plan(seqs[0], 2, "fast"), _plan(seqs[1], 0, "fast")]
     keys = [_miss(draft, s, p.tokens, 1) for s in seqs]
     res = draft.lookup(keys, round_id=1, plans=plans)
     assert res[0].backup == Proposal(ngram_guess(seqs[0].all_ids, 2), None, ProposalSource.FAST)
     assert res[1].backup == Proposal([], None, ProposalSource.FAST)
     assert draft.follow_up() is not None  # every next proposal is known: it builds ahead
     draft.follow_up()()
-    items = [ssd_protocol.next_build_item(plan, k, t, r.backup) for plan, (_, k, t), r in zip(plans, keys, res)]
+    items = [ssd_protocol.next_build_item(plan, st, p.tokens, k, t, r.backup) for plan, st, (_, k, t), r in zip(plans, steps, keys, res)]
     assert isinstance(draft.build(items, 2, ahead=True), Timed)  # answered from the build started ahead
-    stranger = SequenceState(99, [4, 4, 4], GREEDY, 0)
-    stranger.output_ids = [1, 2]
+    stranger = SequenceState(99, [4, 4, 4], GREEDY, 0)  # never built here (this draft was restarted)
     draft.build([_item(seqs[0], Proposal([4]), [1, 1], 1)], 3)
-    [r] = draft.lookup([_miss(draft, seqs[0], [4], 0)], round_id=3, plans=[_plan(stranger, [4], 2)])
+    [r] = draft.lookup([(99, 0, 5)], round_id=3, plans=[_plan(stranger, 2)])
     assert r.proposal is None and r.backup is None and draft.follow_up() is None
 
 
@@ -230,7 +232,8 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     assert not ahead and got_a == got_b  # nothing was started ahead
 
     # round 1's outcomes: a hit for sequence 1, a miss (served by the neural backup) for sequence 2
-    plans = [_plan(seqs[0], first[0].tokens, 2, after_hit=[2, 1, 1]), _plan(seqs[1], first[1].tokens, 2, after_backup=[3, 0, 0])]
+    steps = [RoundLoop.step(s) for s in seqs]
+    plans = [_plan(seqs[0], 2, after_hit=[2, 1, 1]), _plan(seqs[1], 2, after_backup=[3, 0, 0])]
     keys = [_hit(a, seqs[0], first[0].tokens), _miss(a, seqs[1], first[1].tokens, 0)]
     res_a = a.lookup(keys, round_id=1, plans=plans)
     res_b = b.lookup(keys, round_id=1, plans=plans)
@@ -243,14 +246,14 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     assert res_a[1].proposal is None and backup is not None and backup.tokens == res_b[1].backup.tokens
     assert backup.q is not None  # the sampled sequence's backup carries its law
 
-    second = [ssd_protocol.next_build_item(plan, k, t, p) for plan, (_, k, t), p in zip(plans, keys, (hit, backup))]
+    second = [ssd_protocol.next_build_item(plan, st, f.tokens, k, t, p) for plan, st, f, (_, k, t), p in zip(plans, steps, first, keys, (hit, backup))]
     assert second[0].proposal.tokens == hit.tokens[:2] and second[1].fanout == [3, 0, 0]
     got_a, got_b, ahead = _round(a, b, second, 2, ahead=True)
     assert ahead and got_a == got_b and got_a["branches"] > 0 and a.ahead_builds == a.ahead_started == 1
     _same_cache(a, b, (1, 2))
 
     # round 2: both hit; the call is made otherwise (another fan-out, ahead false): built afresh
-    plans2 = [_plan(s, it.proposal.tokens, 1) for s, it in zip(seqs, second)]
+    plans2 = [_plan(s, 1) for s in seqs]
     keys2 = [_hit(a, s, it.proposal.tokens, -1) for s, it in zip(seqs, second)]
     res_a = a.lookup(keys2, round_id=2, plans=plans2)
     res_b = b.lookup(keys2, round_id=2, plans=plans2)
@@ -273,7 +276,8 @@ def test_a_released_sequence_leaves_the_started_build_standing(ckpts):
     _admit((a, b), seqs)
     first = Proposal([11, 12])
     _round(a, b, [_item(s, first, [2, 1, 1], 2) for s in seqs], 1)
-    plans = [_plan(s, first.tokens, 2) for s in seqs]
+    step0 = RoundLoop.step(seqs[0])
+    plans = [_plan(s, 2) for s in seqs]
     keys = [_hit(a, s, first.tokens) for s in seqs]
     res = a.lookup(keys, round_id=1, plans=plans)
     b.lookup(keys, round_id=1)
@@ -281,7 +285,7 @@ def test_a_released_sequence_leaves_the_started_build_standing(ckpts):
     a.follow_up()()
     for d in (a, b):
         d.release([2])
-    _, _, ahead = _round(a, b, [ssd_protocol.next_build_item(plans[0], keys[0][1], keys[0][2], res[0].proposal)], 2, ahead=True)
+    _, _, ahead = _round(a, b, [ssd_protocol.next_build_item(plans[0], step0, first.tokens, keys[0][1], keys[0][2], res[0].proposal)], 2, ahead=True)
     assert ahead  # (its branch count still includes the released sequence's)
     _same_cache(a, b, (1,))
 
@@ -294,9 +298,8 @@ def test_the_round_loop_plans_per_outcome_near_a_length_limit():
     near = SequenceState(2, [1, 2], SamplingParams(temperature=0.0, max_tokens=8), 0)
     far.output_ids, near.output_ids = [9] * 10, [9] * 2  # near: 6 left, and a round emits 1..4
     plans = loop.strategy._plans([far, near], [Proposal([4, 5, 6])] * 2, [3, 3], "fast")  # type: ignore[attr-defined]
-    assert plans[0].ks == [3, 3, 3, 3] and plans[1].ks == [3, 3, 2, 1]  # min(3, 8 - 2 - n - 1)
+    assert plans[0].ks == [3] and plans[1].ks == [3, 3, 2, 1]  # one K for every outcome; min(3, 8 - 2 - n - 1)
     assert [len(f) for f in plans[1].after_hit] == [4, 4, 3, 2] and plans[1].history == near.all_ids
-    assert plans[0].step == RoundLoop.step(far) and plans[0].tokens == [4, 5, 6]
 
 
 # ------------------------------------------------------------- whole rounds

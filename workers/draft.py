@@ -21,8 +21,9 @@ the draft starts the next round's build itself once the lookup is answered
 (:meth:`DraftLogic.follow_up`) — one control-plane hop before the build call
 would reach it — with the items :func:`ssd_protocol.next_build_item` gives,
 which are the ones the round loop sends (it says so with ``ahead``). The
-draft keeps no copy of the round loop's state: the plan says where each
-sequence stands, and :func:`ssd_protocol.resolve` reads it at the outcome.
+draft keeps no copy of the round loop's state: :func:`ssd_protocol.resolve`
+reads the plan at the outcome, with the step and proposal of the build item
+this draft got for the round.
 
 Every sampled token records the exact law it was drawn from (Saguaro-rescaled
 when C < 1). Random draws come from the draft stream of (seed, output
@@ -93,6 +94,7 @@ class DraftLogic(RunnerLogic):
         # round it expects: one that overtook a re-sent build must not read another round's cache
         self._round: int | None = None
         self._started: int | None = None  # round id of the latest build begun
+        self._items: dict[int, BuildItem] = {}  # that build's item per sequence: where a plan is read from
         # the next round's build, known since the latest lookup (to start once it is answered) ...
         self._next_build: list[BuildItem] | None = None
         # ... and, once run, its sequences, span and result, until the build call comes
@@ -220,6 +222,7 @@ class DraftLogic(RunnerLogic):
         self._round = None  # until this build is complete
         self._started = round_id if round_id is not None else self._started
         self._delta_in_kv = {}
+        self._items = {it.step.seq_id: it for it in items}
         glue_plans = [self._glue_plan(it) for it in items]
         fwd = [(i, st) for i, (st, _) in enumerate(glue_plans) if st is not None]
         n_rows = [len(it.proposal.tokens) + 1 for it in items]
@@ -358,12 +361,18 @@ class DraftLogic(RunnerLogic):
             ext = self._commit_hit(seq_id, t, spec, share_kv)
             out.append(LookupResult(Proposal(list(spec.tokens), spec.q, ProposalSource.CACHE), rank, ext))
         if plans is not None and len(plans) == len(keys):
-            resolved = [None if p is None else ssd_protocol.resolve(p, k, t) for p, (_, k, t) in zip(plans, keys)]
+            built = [self._items.get(seq_id) for seq_id, _, _ in keys]
+            resolved = [
+                None if p is None or it is None else ssd_protocol.resolve(p, it.step, it.proposal.tokens, k, t)
+                for p, it, (_, k, t) in zip(plans, built, keys)
+            ]
             self._serve_backups(out, resolved)
             served = [r.proposal or r.backup for r in out]
-            if not share_kv and all(p is not None for p in served):
-                items = [None if p is None else ssd_protocol.next_build_item(p, k, t, x) for p, (_, k, t), x in zip(plans, keys, served)]  # type: ignore[arg-type]
-                self._next_build = items if all(it is not None for it in items) else None  # type: ignore[assignment]
+            if not share_kv and all(p is not None for p in served) and all(r is not None for r in resolved):
+                self._next_build = [
+                    ssd_protocol.next_build_item(p, it.step, it.proposal.tokens, k, t, x)  # type: ignore[arg-type, union-attr]
+                    for p, it, (_, k, t), x in zip(plans, built, keys, served)
+                ]
         return out
 
     def _serve_backups(self, out: list[LookupResult], plans: Sequence[ssd_protocol.Resolved | None]) -> None:
@@ -412,3 +421,4 @@ class DraftLogic(RunnerLogic):
             self._rankings.pop(s, None)
             self._own.pop(s, None)
             self._delta_in_kv.pop(s, None)
+            self._items.pop(s, None)

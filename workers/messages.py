@@ -159,18 +159,17 @@ class NextRound:
     it serves a miss with its backup in the same call and, knowing every next
     proposal, starts the next round's build itself (``DraftLogic.follow_up``).
 
-    ``step`` / ``tokens``: this round's step and the proposal being verified
-    (the outcome (k, t) decides the next step); ``ks[k]``: the next round's
-    speculation length once k draft tokens are accepted (near a length limit
-    it depends on the outcome); ``backup``: the kind that serves a miss
-    (``neural``: K draft tokens from the next step; ``fast``: the n-gram guess
-    from ``history``, the sequence's token ids before this outcome);
-    ``after_hit[k]`` / ``after_backup[k]``: the next build's fan-out when the
-    next proposal is a hit / that backup. Read at the real outcome with
-    :func:`saguaro_ray.workers.ssd_protocol.resolve`, on both sides."""
+    Read at the real outcome (k accepted, then t) together with this round's
+    build item (its step and proposal), which the draft already holds:
+    ``ks``: the next round's speculation length — one entry for every
+    outcome, or (near a length limit, where it depends on the outcome) entry
+    k for k accepted; ``backup``: the kind that serves a miss (``neural``: K
+    draft tokens from the next step; ``fast``: the n-gram guess from
+    ``history``, the sequence's token ids before this outcome);
+    ``after_hit`` / ``after_backup``: the next build's fan-out when the next
+    proposal is a hit / that backup, entry for entry with ``ks``. See
+    :func:`saguaro_ray.workers.ssd_protocol.resolve`."""
 
-    step: SeqStep
-    tokens: list[int]
     ks: list[int]
     backup: str
     after_hit: list[list[int]]

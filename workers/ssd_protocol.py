@@ -6,8 +6,9 @@ up a *build* — its share of the speculations for the likely outcomes of the
 proposal being verified — and a *lookup* of the real outcomes, which the
 target places on the drafts the moment verification ends. With one draft the
 lookup also carries each sequence's :class:`NextRound`, made before
-verification; :func:`resolve` reads it at the real outcome (the next step,
-K, fan-outs and the fast guess), so the draft serves a miss's backup in the
+verification; :func:`resolve` reads it at the real outcome, with the step and
+proposal of the round's build item (the next step, K, fan-outs and the fast
+guess), so the draft serves a miss's backup in the
 lookup and, with every next proposal known, starts the next round's build
 itself. The items of that build are :func:`next_build_item` — the same
 function, on the same plan, outcome and proposal, that the round loop calls
@@ -79,23 +80,25 @@ class Resolved:
     guess: list[int] | None
 
 
-def resolve(plan: NextRound, k: int, t: int) -> Resolved | None:
-    """``plan`` at outcome (k accepted, then t); None if the plan does not cover it."""
-    if not 0 <= k < len(plan.ks):
+def resolve(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: int, t: int) -> Resolved | None:
+    """``plan`` at outcome (k accepted, then t) of verifying ``tokens`` after
+    ``step`` (this round's); None if the plan does not cover it."""
+    if not 0 <= k <= len(tokens) or (len(plan.ks) > 1 and k >= len(plan.ks)):
         return None
-    k_next = plan.ks[k]
+    i = k if len(plan.ks) > 1 else 0
+    k_next = plan.ks[i]
     guess = None
     if plan.backup == "fast" and plan.history is not None:
-        guess = ngram_guess(list(plan.history) + list(plan.tokens[:k]) + [t], k_next)
-    return Resolved(step_after(plan.step, plan.tokens, k, t), k_next, plan.backup, plan.after_hit[k], plan.after_backup[k], plan.saguaro_c, guess)
+        guess = ngram_guess(list(plan.history) + list(tokens[:k]) + [t], k_next)
+    return Resolved(step_after(step, tokens, k, t), k_next, plan.backup, plan.after_hit[i], plan.after_backup[i], plan.saguaro_c, guess)
 
 
-def next_build_item(plan: NextRound, k: int, t: int, proposal: Proposal) -> BuildItem | None:
+def next_build_item(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: int, t: int, proposal: Proposal) -> BuildItem | None:
     """The only draft's build item for a sequence in the round after ``plan``'s
     lookup, whose outcome was (k, t) and whose next proposal is ``proposal``:
     a hit clipped to the next K with the fan-out after a hit, else the plan's
     backup with the fan-out after it (None: the plan does not cover k)."""
-    r = resolve(plan, k, t)
+    r = resolve(plan, step, tokens, k, t)
     if r is None:
         return None
     if proposal.source is ProposalSource.CACHE:

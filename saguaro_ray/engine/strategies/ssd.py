@@ -32,7 +32,7 @@ from saguaro_ray.engine.calls import Forwarded, RetryingCall
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.timeline import RoundRecord, Span, round_components
 from saguaro_ray.engine.transport import WorkerHandle
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, ProposalSource, Timed
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, ProposalSource, SeqStep, Timed
 
 if TYPE_CHECKING:
     from saguaro_ray.engine.round_loop import RoundLoop
@@ -64,6 +64,7 @@ class _Lookups:
     at: list[int]
     kind: BackupKind
     plans: list[NextRound] | None  # the plan of the j-th live sequence (the only draft)
+    steps: list[SeqStep]  # ... the round's step it is read with
 
 
 @dataclass
@@ -84,10 +85,10 @@ class SSDStrategy:
         self.budget = BudgetController(spec.budget)
         self._spend = spec.budget  # the budget per sequence of this round's builds
         self._next_spend: int | None = None  # ... and of the next round's, fixed one round ahead
-        # per sequence: the plan its latest lookup carried and the outcome it was read at, while
-        # its proposal is the one that lookup served (the next build's items are made from them,
-        # on the draft's side too)
-        self._planned: dict[int, tuple[NextRound, int, int]] = {}
+        # per sequence: the plan its latest lookup carried, the round's step and proposal it is
+        # read with, and the outcome, while its proposal is the one that lookup served (the next
+        # build's items are made from them, on the draft's side too)
+        self._planned: dict[int, tuple[NextRound, SeqStep, list[int], int, int]] = {}
         self.backup_policy = BackupPolicy(spec.backup)
         self.backup_stats = BackupStats()
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
@@ -114,6 +115,7 @@ class SSDStrategy:
         kind = self._backup_kind(len(running))  # one backup decision per round, for this round's misses
         # everything a lookup needs but the outcomes is known now: with one draft, each
         # sequence's plan; where the transport allows, the target places the lookups itself
+        steps = [loop.step(s) for s in running]  # what this round's build items say (not re-sent)
         plans = self._plans(running, proposals, ks, kind) if len(builders) == 1 else None
         placed = self._place_lookups(builders, share, rec.index, plans)
         then = None if placed is None else placed.then
@@ -132,11 +134,11 @@ class SSDStrategy:
             rec.lookup_sent, rec.forwarded = rec.verify[1], True  # type: ignore[index]
             args = ([o.key for o in outcomes], share, rec.index, plans)
             calls = [(f.worker, RetryingCall(f.worker, "lookup", lambda full: args, degradable=True, fut=f.future)) for f in placed.calls]
-            lookups = _Lookups(calls, live, kind, None if plans is None else [plans[i] for i in live])
+            lookups = _Lookups(calls, live, kind, None if plans is None else [plans[i] for i in live], [steps[i] for i in live])
         else:
             for f in placed.calls if placed is not None else []:  # verification was re-sent: its lookups were never placed
                 f.forget()
-            lookups = self._send_lookups(running, outcomes, live, [d for d, _ in calls_b], kind, share, plans, rec)
+            lookups = self._send_lookups(outcomes, live, [d for d, _ in calls_b], kind, share, plans, steps, rec)
         built = [got for got in (loop.draft_value(c) for _, c in calls_b) if got is not None]
         if built:
             rec.build = _span([span for _, span in built])  # a build started ahead: the span it really ran
@@ -208,9 +210,9 @@ class SSDStrategy:
         return [(d, call) for d, call in calls if call is not None]
 
     @staticmethod
-    def _planned_item(planned: tuple[NextRound, int, int] | None, proposal: Proposal) -> BuildItem | None:
+    def _planned_item(planned: tuple[NextRound, SeqStep, list[int], int, int] | None, proposal: Proposal) -> BuildItem | None:
         """The build item the only draft made ahead for a planned sequence (None: not planned)."""
-        return None if planned is None else ssd_protocol.next_build_item(planned[0], planned[1], planned[2], proposal)
+        return None if planned is None else ssd_protocol.next_build_item(*planned, proposal)
 
     def _place_lookups(self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None) -> _PlacedLookups | None:
         """The lookups the target places itself when verification ends: the
@@ -223,13 +225,13 @@ class SSDStrategy:
 
     def _send_lookups(
         self,
-        running: list[SequenceState],
         outcomes: list[Outcome],
         live: list[int],
         lookers: list[WorkerHandle],
         kind: BackupKind,
         share: bool,
         plans: list[NextRound] | None,
+        steps: list[SeqStep],
         rec: RoundRecord,
     ) -> _Lookups:
         """The coordinator sends the live sequences' outcomes to every draft that
@@ -243,15 +245,16 @@ class SSDStrategy:
         futs = loop.broadcast(lookers, "lookup", args) if live and lookers else []
         rec.lookup_sent = time.perf_counter() if futs else None
         calls = [(d, RetryingCall(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
-        return _Lookups(calls, list(range(len(live))), kind, live_plans)
+        return _Lookups(calls, list(range(len(live))), kind, live_plans, [steps[i] for i in live])
 
     def _plans(self, running: list[SequenceState], proposals: list[Proposal], ks: list[int], kind: BackupKind) -> list[NextRound]:
         """Each sequence's :class:`NextRound` before verification (the only
-        draft's lookup): for every outcome — 1 .. len(proposal) + 1 tokens
-        emitted — the next K, the next build's fan-outs at the budget fixed
-        for it after a hit (this round's speculation, ``ks[i]`` long, clipped
-        to that K) and after the backup of ``kind``; for the fast backup, the
-        history the guess is made from. A single draft knows a miss is a miss,
+        draft's lookup): the next K — one for every outcome, or one per
+        outcome (1 .. len(proposal) + 1 tokens emitted) near a length limit —
+        and the next build's fan-outs at the budget fixed for it after a hit
+        (this round's speculation, ``ks[i]`` long, clipped to that K) and
+        after the backup of ``kind``; for the fast backup, the history the
+        guess is made from. A single draft knows a miss is a miss,
         so it makes the backup in the lookup and can start the next build
         itself; with several, a miss at one may be another's hit and each
         build needs the hit's KV delta: no plans."""
@@ -267,9 +270,11 @@ class SSDStrategy:
         plans = []
         for s, p, k_now in zip(running, proposals, ks):
             next_ks = [loop.spec_len(s, spec.k, ahead=n) for n in range(1, len(p.tokens) + 2)]
+            if all(k == next_ks[0] for k in next_ks):
+                next_ks = next_ks[:1]
             pairs = [fanouts(k, k_now) for k in next_ks]
-            history = list(s.all_ids) if kind == "fast" else None
-            plans.append(NextRound(loop.step(s), list(p.tokens), next_ks, kind, [h for h, _ in pairs], [b for _, b in pairs], spec.saguaro_c, history))
+            history = s.all_ids if kind == "fast" else None
+            plans.append(NextRound(next_ks, kind, [h for h, _ in pairs], [b for _, b in pairs], spec.saguaro_c, history))
         return plans
 
     def _take_lookups(self, running: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], lookups: _Lookups, rec: RoundRecord) -> None:
@@ -302,7 +307,7 @@ class SSDStrategy:
             rec.misses += int(not hit)
             s.proposal = got.hit or got.backup  # neither: the round loop's backup serves it
             if s.proposal is not None and lookups.plans is not None:
-                self._planned[s.seq_id] = (lookups.plans[j], out.accepted, out.next_token)
+                self._planned[s.seq_id] = (lookups.plans[j], lookups.steps[j], p.tokens, out.accepted, out.next_token)
             kept.add(id(s.proposal))
             served_backup = served_backup or (not hit and got.backup is not None)
         self._drop_lookups(answers, kept)
