@@ -824,7 +824,7 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
     from saguaro_ray.runtime.engine_config import EngineConfig
     from saguaro_ray.engine.frontend import Frontend
     from saguaro_ray.model_set import ModelSet
-    from saguaro_ray.engine.rounds import RoundLoop
+    from saguaro_ray.engine.round_loop import RoundLoop
     from saguaro_ray.engine.scheduler import Scheduler
     from saguaro_ray.workers.draft import DraftLogic
     from saguaro_ray.workers.runner import ModelRunner

@@ -255,13 +255,13 @@ def test_the_round_loop_measures_each_rounds_fixed_cost(tmp_path):
     from saguaro_ray.config import SamplingParams, SpeculationConfig
     from saguaro_ray.engine import LocalEngine
     from saguaro_ray.runtime.engine_config import EngineConfig
-    from saguaro_ray.engine.rounds import round_components
+    from saguaro_ray.engine.timeline import round_components
 
     target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
     eng = LocalEngine(EngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="ssd", k=3), threads_per_worker=1))
     try:
         eng.generate([[3, 5, 7]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-        stats = eng.loop.backup_stats
+        stats = eng.loop.strategy.backup_stats
         rounds = [r.to_json() for r in eng.timeline if not r.prefill]
         ema = 0.0  # the statistics' moving average, from its prior of 0
         for r in rounds:
@@ -388,33 +388,3 @@ def test_budget_controller_keeps_the_build_behind_verification():
     assert c.budget == 16
     with pytest.raises(ValueError):
         BudgetController(0)
-
-
-def test_budget_search_settles_on_the_fastest_level_per_batch_size():
-    """Each batch-size bucket finds the budget with the most tokens/s (measured
-    with 5% noise): the ceiling at batch 1, a small budget at batch 16 — and
-    keeps re-measuring its neighbours now and then."""
-    from saguaro_ray.algorithms.fanout import BudgetSearch
-
-    rates = {1: {1: 300, 2: 330, 4: 360, 8: 390}, 16: {1: 1500, 2: 1700, 4: 1600, 8: 1400}}
-    rng = random.Random(11)
-    search = BudgetSearch(8)
-    assert search.levels == [1, 2, 4, 8]
-    for batch, best in ((1, 8), (16, 2)):
-        spent = []
-        for _ in range(3000):
-            level = search.budget(batch)
-            assert level in search.levels
-            spent.append(level)
-            search.observe(batch, round(rates[batch][level] * 0.1 * (1 + rng.uniform(-0.05, 0.05))), 0.1)
-        assert spent[-1000:].count(best) > 700, {lv: spent[-1000:].count(lv) for lv in search.levels}
-        assert len(set(spent[-1000:])) > 1  # neighbours are still re-measured
-        assert search.rate(batch, best) == pytest.approx(rates[batch][best], rel=0.06)
-    assert BudgetSearch.bucket(24) == 16 == BudgetSearch.bucket(17) and search.budget(24) == search.budget(16) == 2
-    assert BudgetSearch(6).levels == [1, 2, 4, 6]
-    one = BudgetSearch(1)  # nothing to search
-    for _ in range(50):
-        one.observe(4, 10, 0.01)
-        assert one.budget(4) == 1
-    with pytest.raises(ValueError):
-        BudgetSearch(0)

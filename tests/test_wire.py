@@ -25,7 +25,7 @@ from saguaro_ray.runtime.wire import (
 )
 from saguaro_ray.runtime import replay
 from saguaro_ray.runtime.replay import ReplayGuard, Sender
-from saguaro_ray.workers.messages import BuildItem, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
+from saguaro_ray.workers.messages import BuildItem, NextRound, Outcome, Proposal, ProposalSource, SeqStep, Timed, VerifyItem
 
 KEY = b"k" * 32
 codec = FrameCodec(KEY)
@@ -80,7 +80,8 @@ def test_every_message_roundtrips(q):
         step(greedy=True),
         prop,
         VerifyItem(step(), prop, rule="fuzzy", tau=0.25, div="tv"),
-        QualifyItem(step(), prop, rule="assisted"),
+        VerifyItem(step(), prop, rule="assisted"),
+        NextRound([3, 2], "fast", [[2, 1, 1, 0], [1, 1, 1]], [[4, 0, 0, 0], [3, 0, 0]], 0.5, [5, 6, 7]),
         BuildItem(step(), prop, fanout=[2, 1, 1, 0], k_next=4, saguaro_c=0.5),
         Outcome(3, 2, 41, 3),
         Timed([Outcome(1, 0, 5), Outcome(2, 3, 6, 3)], 1.25, 2.5),
@@ -90,6 +91,13 @@ def test_every_message_roundtrips(q):
         assert type(out) is type(m) and same(out, m), m
     batch = roundtrip([VerifyItem(step(i), prop) for i in range(4)])
     assert [v.step.seq_id for v in batch] == [0, 1, 2, 3]
+
+
+def test_a_proposals_source_travels_as_its_value_and_comes_back_an_enum():
+    """``ProposalSource`` is a str-valued enum: on the wire it is the plain string."""
+    out = roundtrip(Proposal([1], None, ProposalSource.NEURAL))
+    assert out.source is ProposalSource.NEURAL and out.source == "neural"
+    assert roundtrip(ProposalSource.FAST) == "fast"
 
 
 def test_tuples_and_containers_preserved():
@@ -139,7 +147,7 @@ def test_register():
         register(Other, "WireTestPoint")
     with pytest.raises(TypeError):
         register(dict)
-    assert {"SeqStep", "Proposal", "VerifyItem", "QualifyItem", "BuildItem", "Outcome", "Timed", "SamplingParams"} <= set(registered_types())
+    assert {"SeqStep", "Proposal", "VerifyItem", "BuildItem", "Outcome", "Timed", "SamplingParams"} <= set(registered_types())
 
 
 def reason(frame: bytes, c: FrameCodec = codec) -> str:

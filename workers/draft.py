@@ -15,12 +15,15 @@ Three jobs, all batched over sequences:
 * :meth:`DraftLogic.lookup` — after verification, return the cached
   speculation for the real outcome, or ``None`` (a miss).
 
-The only draft knows the next proposal the moment its lookup has served it
-(a hit, or the backup it made for a miss), so with the lookup's
-:class:`NextRound` plans it starts the next round's build itself once the
-lookup is answered (:meth:`DraftLogic.follow_up`), instead of waiting for the
-build call to come back through the coordinator; the build call is then
-answered from it when it asks for the same items.
+With one draft, a lookup also carries each sequence's :class:`NextRound`: a
+miss gets its backup in the same call, and with every next proposal known
+the draft starts the next round's build itself once the lookup is answered
+(:meth:`DraftLogic.follow_up`) — one control-plane hop before the build call
+would reach it — with the items :func:`ssd_protocol.next_build_item` gives,
+which are the ones the round loop sends (it says so with ``ahead``). The
+draft keeps no copy of the round loop's state: :func:`ssd_protocol.resolve`
+reads the plan at the outcome, with the step and proposal of the build item
+this draft got for the round.
 
 Every sampled token records the exact law it was drawn from (Saguaro-rescaled
 when C < 1). Random draws come from the draft stream of (seed, output
@@ -42,14 +45,13 @@ from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, position_uniforms, process_logits, sample_from
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
-from saguaro_ray.algorithms.ngram import ngram_guess
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
-from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Plan, Proposal, SeqStep, Timed, plan_for
+from saguaro_ray.workers import ssd_protocol
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
 
 log = logging.getLogger(__name__)
-
 
 def _draw(
     logits: torch.Tensor,
@@ -89,26 +91,24 @@ class DraftLogic(RunnerLogic):
         self._own: dict[int, Extension] = {}
         self.glue_tokens = 0  # tokens forwarded to build glue rows (recomputation avoided by KV deltas is not counted)
         # the round whose build the cache holds (None: none complete); a lookup names the
-        # round it expects, since it may be sent before that round's build is done
+        # round it expects: one that overtook a re-sent build must not read another round's cache
         self._round: int | None = None
         self._started: int | None = None  # round id of the latest build begun
-        self._items: dict[int, BuildItem] = {}  # that build's item per sequence (a miss's backup starts from it)
-        self._history: dict[int, list[int]] = {}  # per sequence: its token ids, as the calls reveal them (fast guesses)
+        self._items: dict[int, BuildItem] = {}  # that build's item per sequence: where a plan is read from
         # the next round's build, known since the latest lookup (to start once it is answered) ...
-        self._next: list[BuildItem] | None = None
-        # ... and, once run (its items are then ``_items``), its span and result, until the build call comes
-        self._ahead: tuple[tuple[float, float], dict[str, object]] | None = None
-        # per sequence: the part of its own hit's delta the latest build kept in the KV (a build
-        # called with other items than the one started ahead reuses it instead of recomputing)
-        self._glued: dict[int, Extension] = {}
+        self._next_build: list[BuildItem] | None = None
+        # ... and, once run, its sequences, span and result, until the build call comes
+        self._built_ahead: tuple[set[int], tuple[float, float], dict[str, object]] | None = None
+        # per sequence: the part of its own hit's delta a build started ahead kept in the KV
+        # (a build call that is not answered from it reuses that instead of recomputing)
+        self._delta_in_kv: dict[int, Extension] = {}
         self.ahead_started = 0  # builds started ahead (those no call asked for were wasted work)
         self.ahead_builds = 0  # build calls answered from a build started ahead
 
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
-        self._next = self._ahead = None  # a build started ahead assumed the sequences untouched
-        self._record(steps)
+        self._next_build = self._built_ahead = None  # a build started ahead assumed the sequences untouched
         logits = feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
         tokens: list[list[int]] = [[] for _ in steps]
         qrows: list[list[torch.Tensor]] = [[] for _ in steps]
@@ -134,7 +134,7 @@ class DraftLogic(RunnerLogic):
             active = [i for i in active if len(tokens[i]) < ks[i]]
             if active:
                 logits = self.runner.forward([steps[i].seq_id for i in active], [[tokens[i][-1]] for i in active])
-        return [Proposal(t, torch.stack(q) if q else None, "draft") for t, q in zip(tokens, qrows)]
+        return [Proposal(t, torch.stack(q) if q else None, ProposalSource.DRAFT) for t, q in zip(tokens, qrows)]
 
     # -------------------------------------------------------------- build
     def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[RowSource]]:
@@ -170,29 +170,30 @@ class DraftLogic(RunnerLogic):
         known = ext.rankings[: min(m, n_rows)]
         self.runner.truncate(seq, ext.start + m)
         if own is not None:  # the KV now holds its first m tokens: what a later build of this round may reuse
-            self._glued[seq] = replace(own, tokens=own.tokens[:m], rankings=own.rankings[:m])
+            self._delta_in_kv[seq] = replace(own, tokens=own.tokens[:m], rankings=own.rankings[:m])
         if m == len(glue):
             return None, known
         return SeqStep(seq, ext.start + m, glue[m:], st.params, st.seed, st.output_pos, []), known
 
-    def build(self, items: Sequence[BuildItem], round_id: int | None = None) -> dict[str, object] | Timed:
+    def build(self, items: Sequence[BuildItem], round_id: int | None = None, ahead: bool = False) -> dict[str, object] | Timed:
         """Pre-compute next round's speculation for the likely outcomes (SSD).
         ``round_id`` names the round for :meth:`lookup`'s check.
 
-        When this draft already ran the build for these very items (started
-        ahead, see :meth:`follow_up`) — field by field the same, for every
-        sequence still running — that build is the answer: its result with
+        ``ahead``: the round loop made ``items`` with
+        :func:`ssd_protocol.next_build_item` from the plans of this draft's
+        latest lookup and the proposals it served — the build this draft
+        started itself (:meth:`follow_up`), if it did, for every sequence
+        still running. Then that build is the answer: its result with
         ``"ahead": True``, as a :class:`Timed` of the span it really ran (the
-        worker reports that span for the call); anything else (a sequence
-        admitted, a fan-out or step that differs) is built now."""
-        ahead, self._ahead, self._next = self._ahead, None, None
-        if ahead is not None and items and all(self._items.get(it.step.seq_id) == it for it in items):
-            self._started = round_id if round_id is not None else self._started
+        worker reports that span for the call). Anything else is built now."""
+        started, self._built_ahead, self._next_build = self._built_ahead, None, None
+        if ahead and started is not None and items and {it.step.seq_id for it in items} <= started[0]:
             self._round = round_id
+            self._started = round_id if round_id is not None else self._started
             self.ahead_builds += 1
-            return Timed({**ahead[1], "ahead": True}, *ahead[0])
-        if ahead is not None:  # built for nothing: the hits' deltas it consumed are still in the KV
-            self._own.update(self._glued)
+            return Timed({**started[2], "ahead": True}, *started[1])
+        if started is not None:  # built for nothing: the hits' deltas it consumed are still in the KV
+            self._own.update(self._delta_in_kv)
         return self._build(items, round_id)
 
     def follow_up(self) -> Callable[[], None] | None:
@@ -200,10 +201,10 @@ class DraftLogic(RunnerLogic):
         answered: the next round's build, when the latest lookup made it known
         (every sequence's next proposal is here and the lookup brought its
         :class:`NextRound`). None: nothing to do."""
-        return self._build_ahead if self._next is not None else None
+        return self._build_ahead if self._next_build is not None else None
 
     def _build_ahead(self) -> None:
-        items, self._next = self._next, None
+        items, self._next_build = self._next_build, None
         if not items:
             return
         start = time.perf_counter()
@@ -213,20 +214,19 @@ class DraftLogic(RunnerLogic):
         except Exception as e:  # the build call will run it again and report what is wrong
             log.debug("a build started ahead failed: %s", e)
             self._tree, self._tree_logits = None, []
-            self._own.update(self._glued)
+            self._own.update(self._delta_in_kv)
             return
-        self._ahead = ((start, time.perf_counter()), got)
+        self._built_ahead = ({it.step.seq_id for it in items}, (start, time.perf_counter()), got)
 
     def _build(self, items: Sequence[BuildItem], round_id: int | None) -> dict[str, object]:
         self._round = None  # until this build is complete
-        self._glued = {}
-        self._record([it.step for it in items])
         self._started = round_id if round_id is not None else self._started
+        self._delta_in_kv = {}
         self._items = {it.step.seq_id: it for it in items}
-        plans = [self._glue_plan(it) for it in items]
-        fwd = [(i, st) for i, (st, _) in enumerate(plans) if st is not None]
+        glue_plans = [self._glue_plan(it) for it in items]
+        fwd = [(i, st) for i, (st, _) in enumerate(glue_plans) if st is not None]
         n_rows = [len(it.proposal.tokens) + 1 for it in items]
-        rows: list[list[RowSource]] = [list(known) for _, known in plans]
+        rows: list[list[RowSource]] = [list(known) for _, known in glue_plans]
         if fwd:
             want = [min(len(st.new_tokens), n_rows[i]) for i, st in fwd]
             self.glue_tokens += sum(len(st.new_tokens) for _, st in fwd)
@@ -324,7 +324,7 @@ class DraftLogic(RunnerLogic):
         keys: Sequence[tuple[int, int, int]],
         share_kv: bool = False,
         round_id: int | None = None,
-        plans: Sequence[Plan] | None = None,
+        plans: Sequence[NextRound | None] | None = None,
     ) -> list[LookupResult]:
         """Serve cached speculations for the real outcomes (seq_id, k, t*).
 
@@ -335,21 +335,19 @@ class DraftLogic(RunnerLogic):
         at once (so the next build forwards at most one glue token), and with
         ``share_kv`` a copy is returned for peer drafts.
 
-        ``plans[i]`` (the round loop's only draft; :class:`NextRound`, or one
-        per outcome — :func:`plan_for`): what the next round verifies and
-        builds for key i's sequence. A miss gets
-        the plan's backup in this same call, as ``backup`` — the neural one:
-        K draft tokens from the real outcome, drawn exactly as :meth:`propose`
-        would for the next round's step; the fast one: the n-gram guess from
-        the sequence's history (:func:`ngram_guess`) — which saves the round
-        loop making it after the answer; and with every next proposal known
-        here, the next build starts once this lookup is answered
-        (:meth:`follow_up`).
+        ``plans[i]`` (the round loop's only draft): what the next round
+        verifies and builds for key i's sequence, read at its outcome
+        (:func:`ssd_protocol.resolve`). A miss gets the plan's backup in this
+        same call, as ``backup`` — the neural one drafted exactly as
+        :meth:`propose` would from the next step, the fast one the n-gram
+        guess from the plan's history — which saves the round loop a second
+        call; and with every next proposal known here, the next build starts
+        once this lookup is answered (:meth:`follow_up`).
 
         A ``round_id`` other than the latest complete build's (the lookup
         overtook a re-sent build, or that build failed) gets misses and no
         backups: the cache holds another round's speculations."""
-        self._next = None
+        self._next_build = None
         if round_id is not None and round_id != self._round:
             return [LookupResult(None, None) for _ in keys]
         rows = [self._rankings.get(seq_id, []) for seq_id, _, _ in keys]
@@ -361,107 +359,41 @@ class DraftLogic(RunnerLogic):
                 out.append(LookupResult(None, rank))
                 continue
             ext = self._commit_hit(seq_id, t, spec, share_kv)
-            out.append(LookupResult(Proposal(list(spec.tokens), spec.q, "cache"), rank, ext))
-        self._record_outcomes(keys)
+            out.append(LookupResult(Proposal(list(spec.tokens), spec.q, ProposalSource.CACHE), rank, ext))
         if plans is not None and len(plans) == len(keys):
-            nexts = [plan_for(p, k) for p, (_, k, _) in zip(plans, keys)]
-            self._serve_backups(keys, out, nexts)
-            self._next = self._next_items(keys, out, nexts)
+            built = [self._items.get(seq_id) for seq_id, _, _ in keys]
+            resolved = [
+                None if p is None or it is None else ssd_protocol.resolve(p, it.step, it.proposal.tokens, k, t)
+                for p, it, (_, k, t) in zip(plans, built, keys)
+            ]
+            self._serve_backups(out, resolved)
+            served = [r.proposal or r.backup for r in out]
+            if not share_kv and all(p is not None for p in served) and all(r is not None for r in resolved):
+                self._next_build = [
+                    ssd_protocol.next_build_item(p, it.step, it.proposal.tokens, k, t, x)  # type: ignore[arg-type, union-attr]
+                    for p, it, (_, k, t), x in zip(plans, built, keys, served)
+                ]
         return out
 
-    def _serve_backups(self, keys: Sequence[tuple[int, int, int]], out: list[LookupResult], plans: Sequence[NextRound | None]) -> None:
-        """Give each miss with a plan its backup of the plan's kind, from the
-        real outcome (see :meth:`lookup`); none where this draft does not know
-        the sequence's step (or, for the fast guess, its history)."""
+    def _serve_backups(self, out: list[LookupResult], plans: Sequence[ssd_protocol.Resolved | None]) -> None:
+        """Give each miss with a plan its backup (see :meth:`lookup`); none
+        where a neural backup's sequence is not held here (this draft was
+        restarted: the round loop serves that miss itself)."""
         neural: list[int] = []
         for i, (res, plan) in enumerate(zip(out, plans)):
-            seq_id, k, t = keys[i]
-            if res.proposal is not None or plan is None or seq_id not in self._items:
+            if res.proposal is not None or plan is None:
                 continue
-            if plan.k == 0:  # nothing left worth speculating
-                out[i] = replace(res, backup=Proposal([], None, plan.backup))
-            elif plan.backup == "neural":
+            backup = ssd_protocol.miss_backup(plan)
+            if backup is not None:
+                out[i] = replace(res, backup=backup)
+            elif plan.backup == "neural" and self.runner.has_sequence(plan.step.seq_id):
                 neural.append(i)
-            elif (history := self._history_after(seq_id, k, t)) is not None:
-                out[i] = replace(res, backup=Proposal(ngram_guess(history, plan.k), None, "fast"))
-        if neural:
-            got = self.propose(
-                [self._next_step(*keys[i]) for i in neural],
-                [plans[i].k for i in neural],
-                min(self._items[keys[i][0]].saguaro_c for i in neural),
-                [plans[i].after_backup for i in neural],
-            )
-            for i, p in zip(neural, got):
-                out[i] = replace(out[i], backup=replace(p, source="neural"))
-
-    def _next_items(self, keys: Sequence[tuple[int, int, int]], results: Sequence[LookupResult], plans: Sequence[NextRound | None]) -> list[BuildItem] | None:
-        """The build items the next round will send, as the round loop makes
-        them, when they are all known here: per key, the step
-        :meth:`_next_step` gives, the hit clipped to the plan's K (else the
-        backup this lookup made), and the plan's fan-out for it (``plans``:
-        each key's own, see :func:`plan_for`). None when any is unknown (a
-        sequence without a plan, whose miss the round loop serves itself) or
-        several drafts share the outcomes (their builds need the hit's KV
-        delta first)."""
-        items = []
-        for (seq_id, k, t), res, plan in zip(keys, results, plans):
-            it = self._items.get(seq_id)
-            if plan is None or it is None or it.num_shards != 1:
-                return None
-            if res.proposal is not None:
-                proposal, fanout = Proposal(res.proposal.tokens[: plan.k], None, "cache"), plan.after_hit
-            elif res.backup is not None and res.backup.source == plan.backup:
-                proposal, fanout = Proposal(res.backup.tokens, None, plan.backup), plan.after_backup
-            else:
-                return None
-            items.append(BuildItem(self._next_step(seq_id, k, t), proposal, list(fanout), plan.k, it.saguaro_c))
-        return items
-
-    def _history_after(self, seq_id: int, k: int, t: int) -> list[int] | None:
-        """The sequence's token ids once outcome (k, t) of the latest build is
-        emitted (the round loop's history then), or None if not all known."""
-        it, history = self._items[seq_id], self._history.get(seq_id)
-        if history is None or len(history) != it.step.start + len(it.step.new_tokens) + k:
-            return None
-        return history + [t]
-
-    def _record(self, steps: Sequence[SeqStep]) -> None:
-        """Keep each sequence's token ids as the steps reveal them (in place:
-        a step rewrites what follows its start; a few missing tokens come from
-        its ``recent``). A step that starts further on than that leaves the
-        history unknown until the whole of it is sent again."""
-        for st in steps:
-            history = self._history.get(st.seq_id)
-            if history is None:
-                if st.start == 0:
-                    self._history[st.seq_id] = list(st.new_tokens)
-                continue
-            gap = st.start - len(history)
-            if gap > len(st.recent):
-                del self._history[st.seq_id]
-                continue
-            if gap > 0:
-                history.extend(st.recent[len(st.recent) - gap :])
-            else:
-                del history[st.start :]
-            history.extend(st.new_tokens)
-
-    def _record_outcomes(self, keys: Sequence[tuple[int, int, int]]) -> None:
-        """The accepted draft tokens of each outcome (seq, k, t) are part of the
-        sequence now (t comes with the next step)."""
-        for seq_id, k, _ in keys:
-            it, history = self._items.get(seq_id), self._history.get(seq_id)
-            if it is not None and history is not None and len(history) == it.step.start + len(it.step.new_tokens):
-                history.extend(it.proposal.tokens[:k])
-
-    def _next_step(self, seq_id: int, k: int, t: int) -> SeqStep:
-        """The step the round loop would send next for outcome (k, t) of the
-        latest build: its proposal's first k tokens accepted, t emitted."""
-        it = self._items[seq_id]
-        st = it.step
-        held = list(st.new_tokens) + list(it.proposal.tokens[:k])
-        recent = (list(st.recent) + held)[-RECENT_TOKENS:]
-        return SeqStep(seq_id, st.start + len(held), [t], st.params, st.seed, st.output_pos + k + 1, recent)
+        if not neural:
+            return
+        todo: list[ssd_protocol.Resolved] = [plans[i] for i in neural]  # type: ignore[misc]
+        got = self.propose([p.step for p in todo], [p.k for p in todo], min(p.saguaro_c for p in todo), [p.after_backup for p in todo])
+        for i, p in zip(neural, got):
+            out[i] = replace(out[i], backup=replace(p, source=ProposalSource.NEURAL))
 
     def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> Extension | None:
         """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's
@@ -479,8 +411,7 @@ class DraftLogic(RunnerLogic):
         return replace(ext, rankings=top_order(torch.stack(rows)).tolist(), kv=kv) if share_kv else None
 
     def prefill(self, steps: Sequence[SeqStep]) -> None:
-        self._next = self._ahead = None  # the next build has new sequences: it is built when called
-        self._record(steps)
+        self._next_build = self._built_ahead = None  # the next build has new sequences: it is built when called
         super().prefill(steps)
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -489,6 +420,5 @@ class DraftLogic(RunnerLogic):
             self.cache.drop(s)
             self._rankings.pop(s, None)
             self._own.pop(s, None)
-            self._glued.pop(s, None)
+            self._delta_in_kv.pop(s, None)
             self._items.pop(s, None)
-            self._history.pop(s, None)

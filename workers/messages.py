@@ -11,13 +11,14 @@ first token sampled in this call (it keys the random streams).
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-from saguaro_ray.config import SamplingParams
+from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import NeedsPrefillError  # noqa: F401  (its home is saguaro_ray.errors; workers import it from here)
 
 RECENT_TOKENS = 4  # committed tokens each step repeats so a worker one token behind can catch up
@@ -39,6 +40,21 @@ class SeqStep:
     recent: list[int] = field(default_factory=list)
 
 
+class ProposalSource(str, enum.Enum):
+    """Where a proposal came from: it sets the acceptance regime the fan-out
+    and backup statistics file it under. A ``str`` enum, so it travels as its
+    plain value (see :mod:`saguaro_ray.runtime.wire`)."""
+
+    DRAFT = "draft"  # the draft's sequential proposal (SD, pyramid's drafting)
+    CACHE = "cache"  # an SSD cache hit
+    NEURAL = "neural"  # SSD's neural backup: K draft steps from the real outcome
+    FAST = "fast"  # SSD's fast backup (or any draft-less fallback): a point-mass n-gram guess
+    QUALIFIED = "qualified"  # PyramidSD: the qualifier's tokens
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Proposal:
     """A speculation: tokens and the exact law each was drawn from.
@@ -50,30 +66,25 @@ class Proposal:
 
     tokens: list[int]
     q: torch.Tensor | None = None
-    source: str = "draft"  # "draft" | "cache" | "neural" | "fast"
+    source: ProposalSource = ProposalSource.DRAFT
+
+    def __post_init__(self) -> None:
+        self.source = ProposalSource(self.source)  # off the wire it arrives as its value
 
 
 @dataclass
 class VerifyItem:
-    """Verify ``proposal`` after ``step``'s new tokens. ``rule``/``tau``/``div``
-    select PyramidSD's stage-2 test (``exact`` everywhere else)."""
+    """Check ``proposal`` after ``step``'s new tokens with ``rule``: the
+    target's verification (``exact``, or PyramidSD's stage-2 test) and the
+    qualifier's stage 1 alike. ``tau``/``div`` parametrise the lossy rules;
+    ``div``'s default is :class:`SpeculationConfig`'s (the round loop always
+    passes the configured one)."""
 
     step: SeqStep
     proposal: Proposal
     rule: str = "exact"
     tau: float = 0.0
-    div: str = "tv"
-
-
-@dataclass
-class QualifyItem:
-    """PyramidSD stage 1: the qualifier checks a draft proposal with ``rule``."""
-
-    step: SeqStep
-    proposal: Proposal
-    rule: str = "exact"
-    tau: float = 0.0
-    div: str = "tv"
+    div: str = SpeculationConfig.div
 
 
 @dataclass
@@ -138,37 +149,29 @@ class BuildItem:
 
 @dataclass
 class NextRound:
-    """What the round after a lookup will verify and build for one sequence,
-    whatever the outcome — sent to the only draft with the lookup, so that it
-    serves a miss with the backup itself and starts the next build the moment
-    it knows the next proposal (its hit, or that backup), instead of waiting
-    for the build call. ``k``: the next round's speculation length (a cached
-    speculation is clipped to it, a backup is that long); ``backup``: the kind
-    that serves a miss (``neural``: K draft tokens from the real outcome;
-    ``fast``: the n-gram guess from the history); ``after_hit`` /
-    ``after_backup``: the fan-out of the next build when the next proposal is
-    a hit / that backup. The build call still comes and is answered from the
-    started build only when its items are the same (see ``DraftLogic.build``)."""
+    """What the round after a lookup verifies and builds for one sequence,
+    whatever the outcome — made before verification (the target places the
+    lookup the moment verification ends) and sent to the only draft, so that
+    it serves a miss with its backup in the same call and, knowing every next
+    proposal, starts the next round's build itself (``DraftLogic.follow_up``).
 
-    k: int
-    after_hit: list[int]
+    Read at the real outcome (k accepted, then t) together with this round's
+    build item (its step and proposal), which the draft already holds:
+    ``ks``: the next round's speculation length — one entry for every
+    outcome, or (near a length limit, where it depends on the outcome) entry
+    k for k accepted; ``backup``: the kind that serves a miss (``neural``: K
+    draft tokens from the next step; ``fast``: the n-gram guess from
+    ``history``, the sequence's token ids before this outcome);
+    ``after_hit`` / ``after_backup``: the next build's fan-out when the next
+    proposal is a hit / that backup, entry for entry with ``ks``. See
+    :func:`saguaro_ray.workers.ssd_protocol.resolve`."""
+
+    ks: list[int]
     backup: str
-    after_backup: list[int]
-
-
-# What a lookup carries per sequence: one NextRound whatever the outcome, or a list
-# with one per outcome (near a length limit the next K depends on how many tokens
-# the outcome emits) — see plan_for; None: no plan
-Plan = Union[NextRound, list[NextRound], None]
-
-
-def plan_for(plan: Plan, accepted: int) -> NextRound | None:
-    """The :class:`NextRound` of an outcome that accepted ``accepted`` draft
-    tokens: a list holds one per outcome, entry k for k accepted (k + 1
-    tokens emitted); a single one stands for every outcome."""
-    if isinstance(plan, list):
-        return plan[accepted] if 0 <= accepted < len(plan) and isinstance(plan[accepted], NextRound) else None
-    return plan if isinstance(plan, NextRound) else None
+    after_hit: list[list[int]]
+    after_backup: list[list[int]]
+    saguaro_c: float = 1.0
+    history: list[int] | None = None
 
 
 @dataclass
@@ -177,7 +180,8 @@ class LookupResult:
     a miss here), the rank of t* in the draft's ranking of row k (for fitting
     the fan-out; None if not within the kept depth), on a hit the KV delta
     peers append (see :class:`Extension`), and on a miss the neural backup
-    speculation drafted from the real outcome when the lookup asked for one."""
+    speculation drafted from the real outcome when the lookup asked for one
+    (:class:`NextRound`)."""
 
     proposal: Proposal | None
     rank: int | None

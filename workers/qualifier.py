@@ -12,12 +12,12 @@ from typing import Sequence
 
 from saguaro_ray.algorithms.pyramid import qualify
 from saguaro_ray.algorithms.sampling import STREAM_QUALIFIER
-from saguaro_ray.workers.messages import Proposal, QualifyItem
+from saguaro_ray.workers.messages import Proposal, ProposalSource, VerifyItem
 from saguaro_ray.workers.target import RunnerLogic, feed, verification_batch
 
 
 class QualifierLogic(RunnerLogic):
-    def qualify(self, items: Sequence[QualifyItem]) -> list[Proposal]:
+    def qualify(self, items: Sequence[VerifyItem]) -> list[Proposal]:
         steps = [it.step for it in items]
         proposals = [it.proposal for it in items]
         logits = feed(self.runner, steps, [p.tokens for p in proposals], [len(p.tokens) + 1 for p in proposals])
@@ -27,5 +27,5 @@ class QualifierLogic(RunnerLogic):
         for i, (st, prop) in enumerate(zip(steps, proposals)):
             k, t = int(res.accepted[i]), int(res.next_token[i])
             rows = None if st.params.greedy else vb.p[i, : k + 1].clone()
-            out.append(Proposal(prop.tokens[:k] + [t], rows, "qualified"))
+            out.append(Proposal(prop.tokens[:k] + [t], rows, ProposalSource.QUALIFIED))
         return out

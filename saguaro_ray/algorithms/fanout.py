@@ -322,6 +322,17 @@ class BudgetController:
     in verification times (a build the draft started before verification has
     that head start). The budget shrinks multiplicatively while it is above
     ``high`` and grows back towards the ceiling while it is below ``low``.
+
+    The one budget controller (issue 18): a search over budget levels for the
+    most tokens per second (``BudgetSearch``) stacked on top of it did not
+    pay. Interleaved, tiny family, Ray, 32 prompts × 64, three runs each on a
+    shared two-core machine (tok/s), with the lookups sent by the
+    coordinator: both 669/458/442 (b = 1) and 1694/2487/2069 (b = 16), this
+    cap alone 665/425/880 and 2467/1912/3064, the search alone 283/426/672
+    and 1601/1962/2656 (it keeps big trees: hit rate 0.36–0.74 against
+    0.22–0.27); again with the lookups placed by the target: both
+    433/886/830 and 2524/3137/2732, the cap alone 658/858/714 and
+    2521/3130/2201.
     """
 
     def __init__(self, ceiling: int, high: float = 1.1, low: float = 0.9, shrink: float = 0.8, grow: float = 1.1) -> None:
@@ -341,99 +352,3 @@ class BudgetController:
             self._budget = max(1.0, self._budget * self.shrink)
         elif build_over_verify < self.low:
             self._budget = min(float(self.ceiling), self._budget * self.grow)
-
-
-@dataclass
-class _SearchState:
-    level: int  # index into BudgetSearch.levels
-    skip: int  # rounds still to leave out of the window (builds of the previous level are being served)
-    rounds: int = 0
-    tokens: float = 0.0
-    seconds: float = 0.0
-    windows: int = 0
-    probe_down: bool = True  # which neighbour the next periodic probe tries
-
-
-class BudgetSearch:
-    """The SSD budget that delivers the most tokens per second, found by measuring.
-
-    What a bigger budget buys (more hits) and costs (a longer build, and a
-    verification slowed down by a build running beside it on shared memory
-    and caches) depends on the machine and on the batch: at batch 16 a batch
-    almost never hits in full, while the tree grows with batch × budget. So
-    the budget is searched per batch size (power-of-two buckets) over the
-    levels 1, 2, 4, … up to the ceiling, from the ceiling down: each level is
-    held for ``window`` rounds (the first ``settle`` rounds after a change are
-    left out — they serve builds of the previous level: the round loop fixes
-    each round's budget one round ahead, so the default is 2), a window's throughput (tokens
-    emitted per second of round time) updates that level's estimate, and the
-    search moves to a neighbouring level that is better by ``margin``. A
-    neighbour not yet measured is tried first, and every ``explore_every``
-    windows a neighbour is re-measured so an estimate does not go stale.
-    :class:`BudgetController` still caps what is spent by what the draft can
-    build while the target verifies.
-    """
-
-    def __init__(
-        self, ceiling: int, window: int = 8, margin: float = 0.03, explore_every: int = 10, smoothing: float = 0.5, settle: int = 2
-    ) -> None:
-        if ceiling < 1 or window < 1 or explore_every < 1 or not 0 < smoothing <= 1 or settle < 0:
-            raise ValueError("BudgetSearch needs ceiling, window, explore_every >= 1, settle >= 0 and smoothing in (0, 1]")
-        self.settle = settle
-        self.levels = sorted({ceiling} | {1 << i for i in range(ceiling.bit_length()) if 1 << i < ceiling})
-        self.window, self.margin, self.explore_every, self.smoothing = window, margin, explore_every, smoothing
-        self._rate: dict[tuple[int, int], float] = {}  # (bucket, level index) -> tokens/s
-        self._state: dict[int, _SearchState] = {}
-
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << (max(1, batch).bit_length() - 1)
-
-    def budget(self, batch: int) -> int:
-        """The level to spend at this batch size now."""
-        b = self.bucket(batch)
-        if b not in self._state:
-            self._state[b] = _SearchState(level=len(self.levels) - 1, skip=self.settle)
-        return self.levels[self._state[b].level]
-
-    def rate(self, batch: int, budget: int) -> float | None:
-        """The measured tokens/s of ``budget`` at this batch size (None: not yet)."""
-        return self._rate.get((self.bucket(batch), self.levels.index(budget))) if budget in self.levels else None
-
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """One SSD round at ``batch`` (spent at :meth:`budget`'s level) emitted ``tokens`` in ``seconds``."""
-        b = self.bucket(batch)
-        st = self._state.get(b)
-        if st is None or seconds <= 0:
-            return
-        if st.skip:
-            st.skip -= 1
-            return
-        st.rounds += 1
-        st.tokens += tokens
-        st.seconds += seconds
-        if st.rounds < self.window:
-            return
-        key = (b, st.level)
-        got = st.tokens / st.seconds
-        old = self._rate.get(key)
-        self._rate[key] = got if old is None else old + self.smoothing * (got - old)
-        st.rounds, st.tokens, st.seconds = 0, 0.0, 0.0
-        st.windows += 1
-        nxt = self._next(b, st)
-        if nxt != st.level:
-            st.level, st.skip = nxt, self.settle
-
-    def _next(self, b: int, st: _SearchState) -> int:
-        near = [i for i in (st.level - 1, st.level + 1) if 0 <= i < len(self.levels)]
-        if not near:  # a ceiling of 1: nothing to choose
-            return st.level
-        unknown = [i for i in near if (b, i) not in self._rate]
-        if unknown:
-            return unknown[0]
-        if st.windows % self.explore_every == 0:  # re-measure a neighbour, alternating sides
-            st.probe_down = not st.probe_down
-            side = [i for i in near if (i < st.level) == st.probe_down]
-            return (side or near)[0]
-        best = max(near, key=lambda i: self._rate[(b, i)])
-        return best if self._rate[(b, best)] > self._rate[(b, st.level)] * (1 + self.margin) else st.level

@@ -152,17 +152,3 @@ def position_uniforms(seeds: Sequence[int], positions: Sequence[int], n: int = 1
         rows.append(torch.rand(n, generator=g, dtype=torch.float64))
     return torch.stack(rows) if rows else torch.empty(0, n, dtype=torch.float64)
 
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    seeds: Sequence[int],
-    positions: Sequence[int],
-) -> torch.Tensor:
-    """One token per row of ``logits [B, V]`` from the processed law, using the
-    target stream of (seed, position) — the autoregressive step."""
-    probs = process_logits(logits, temperature, top_k, top_p)
-    u = position_uniforms(seeds, positions, 1).squeeze(-1)
-    return sample_from(probs, u)

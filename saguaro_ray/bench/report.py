@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from saguaro_ray.engine.rounds import round_components
+from saguaro_ray.engine.timeline import round_components
 
 
 def round_breakdown(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:

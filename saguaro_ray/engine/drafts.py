@@ -50,10 +50,6 @@ class DraftPool:
     def __len__(self) -> int:
         return len(self._drafts)
 
-    @property
-    def handles(self) -> list[WorkerHandle]:
-        return [d.handle for d in self._drafts]
-
     def up(self) -> list[WorkerHandle]:
         """The drafts usable now, in a fixed order (shard i goes to the i-th)."""
         return [d.handle for d in self._drafts if d.up]

@@ -17,7 +17,7 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import Frontend, Prompt, PromptParams, Prompts, StreamChunk
-from saguaro_ray.engine.rounds import RoundLoop
+from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.engine.transport import InProcessWorker

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from saguaro_ray.engine.rounds import RoundLoop
+from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import DeadlineExceededError, EngineOverloadedError, OutOfKVBlocksError, RequestAbortedError

@@ -31,7 +31,8 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import Frontend, StreamChunk
-from saguaro_ray.engine.rounds import RoundLoop, submit_each
+from saguaro_ray.engine.calls import submit_each
+from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.model_set import ModelSet, role_kind

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import ray
 
-from saguaro_ray.engine.rounds import Forwarded
+from saguaro_ray.engine.calls import Forwarded
 from saguaro_ray.engine.transport import WorkerGone, WorkerLost
 from saguaro_ray.runtime.control import CommandClient
 from saguaro_ray.runtime.restart_budget import RestartBudget

@@ -121,8 +121,8 @@ class RoutedLogic:
     def propose(self, *args: Any) -> Any:
         return self._out_q(self.logic.propose(*args))
 
-    def build(self, items: Any, round_id: int | None = None) -> Any:
-        return self.logic.build(self._in(items), round_id)
+    def build(self, items: Any, round_id: int | None = None, ahead: bool = False) -> Any:
+        return self.logic.build(self._in(items), round_id, ahead)
 
     def lookup(self, keys: Any, share_kv: bool = False, round_id: int | None = None, plans: Any = None) -> Any:
         out = self._out_q(self.logic.lookup(keys, share_kv, round_id, plans))

@@ -35,6 +35,7 @@ torch.distributed data plane.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import hmac
 import math
@@ -49,7 +50,7 @@ from saguaro_ray.config import SamplingParams
 
 # the frame errors and their reasons live in saguaro_ray.errors; the codec re-exports them
 from saguaro_ray.errors import BAD_MAC, BAD_TENSOR, MALFORMED, MISADDRESSED, REASONS, REPLAYED, UNKNOWN_TYPE, BadFrame, EncodeError  # noqa: F401
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, QualifyItem, SeqStep, Timed, VerifyItem
+from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
 __all__ = [
     "BadFrame",
@@ -121,7 +122,7 @@ def registered_types() -> dict[str, type]:
     return dict(_BY_NAME)
 
 
-for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, QualifyItem, BuildItem, Extension, LookupResult, NextRound, Outcome, Timed):
+for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, BuildItem, Extension, LookupResult, NextRound, Outcome, Timed):
     register(_cls)
 
 
@@ -211,6 +212,8 @@ def _to_wire(obj: Any) -> Any:
         return tensor_to_wire(obj)
     if t is bytearray or t is memoryview:
         return bytes(obj)
+    if isinstance(obj, enum.Enum):  # a str-valued enum (a proposal's source) travels as its value
+        return _to_wire(obj.value)
     if dataclasses.is_dataclass(obj):
         raise EncodeError(f"dataclass {t.__module__}.{t.__qualname__} is not registered for the wire; call saguaro_ray.runtime.wire.register({t.__qualname__})")
     raise EncodeError(f"objects of type {t.__module__}.{t.__qualname__} cannot be sent over the control plane")

@@ -1,0 +1,249 @@
+"""The round loop: how a batch of sequences advances, whatever the mode.
+
+A round verifies one proposal per running sequence and emits k+1 tokens for
+each (k accepted draft tokens plus the recovery/bonus token t*). The loop
+owns the authoritative token history of every sequence
+(:class:`SequenceState`), admits new sequences (prefill), retires finished
+ones and releases them on every worker; how a round makes its proposals is
+the mode's :class:`~saguaro_ray.engine.strategies.RoundStrategy` — one file
+per mode under :mod:`saguaro_ray.engine.strategies`, which calls back into
+the services here (the step a worker is sent, verification, emission,
+drafting with a fallback when no draft is up).
+
+The loop only talks to workers through :class:`WorkerHandle` futures, so the
+in-process engine and the Ray runtime run this same code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from saguaro_ray.algorithms.ngram import ngram_guess
+from saguaro_ray.config import SpeculationConfig
+from saguaro_ray.engine.calls import ArgsFn, BroadcastFn, ForwardFn, RetryingCall, discarded, released, submit_each
+from saguaro_ray.engine.drafts import DraftPool
+from saguaro_ray.engine.sequence import SequenceState
+from saguaro_ray.engine.strategies import RoundStrategy, strategy_for
+from saguaro_ray.engine.timeline import TIMELINE_ROUNDS, RoundRecord
+from saguaro_ray.engine.transport import WorkerHandle, WorkerLost
+from saguaro_ray.workers.messages import RECENT_TOKENS, Outcome, Proposal, ProposalSource, SeqStep, VerifyItem
+
+
+def on_plane(x: Any) -> bool:
+    """Is ``x`` (q rows, a KV delta) a data-plane reference rather than tensors here?"""
+    return x is not None and not isinstance(x, (torch.Tensor, list, tuple))
+
+
+def local(p: Proposal) -> Proposal:
+    """``p`` without q rows that live on the data plane (see :class:`RetryingCall`)."""
+    return p if p.q is None or isinstance(p.q, torch.Tensor) else Proposal(p.tokens, None, p.source)
+
+
+class RoundLoop:
+    def __init__(
+        self,
+        spec: SpeculationConfig,
+        target: WorkerHandle,
+        eos_ids: tuple[int, ...],
+        max_context: int,
+        draft: WorkerHandle | Sequence[WorkerHandle] | None = None,
+        qualifier: WorkerHandle | None = None,
+        broadcast: BroadcastFn = submit_each,
+        forward: ForwardFn | None = None,
+    ) -> None:
+        """``broadcast``: how one call reaches several drafts at once (SSD's lookups);
+        ``forward``: where the transport allows, how the target places the SSD
+        lookups on the drafts itself when verification ends."""
+        self.spec = spec
+        self.target = target
+        drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
+        self.drafts = DraftPool(drafts)
+        self.broadcast = broadcast
+        self.forward = forward
+        self.qualifier = qualifier
+        self.eos_ids = eos_ids
+        self.max_context = max_context
+        self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
+        self._round_ids = itertools.count()  # round ids keep increasing when the timeline is full
+        self.strategy: RoundStrategy = strategy_for(spec.mode, self)
+
+    # -------------------------------------------------------- draft health
+    @property
+    def draft_up(self) -> bool:
+        """Is at least one draft usable now?"""
+        return bool(self.drafts.up())
+
+    @property
+    def draft_failures(self) -> int:
+        return self.drafts.failures
+
+    def draft_call(self, method: str, args_fn: ArgsFn, draft: WorkerHandle | None = None) -> RetryingCall | None:
+        """Submit to ``draft`` (default: the primary) unless none is up; ``None`` means: do without."""
+        draft = draft or self.drafts.primary
+        if draft is None:
+            return None
+        return RetryingCall(draft, method, args_fn, degradable=True)
+
+    def draft_value(self, call: RetryingCall | None) -> tuple[Any, tuple[float, float]] | None:
+        """A draft call's answer and span; None when there was no call or its draft was lost."""
+        if call is None:
+            return None
+        try:
+            return call.value()
+        except WorkerLost:
+            self.drafts.lost(call.worker)
+            return None
+
+    @staticmethod
+    def fast(seqs: Sequence[SequenceState], ks: Sequence[int], blocks: Sequence[list[int]] | None = None) -> list[Proposal]:
+        """Point-mass guesses from each sequence's history (the fast backup, and
+        what any mode proposes while no draft is up)."""
+        blocks = blocks or [[] for _ in seqs]
+        return [Proposal(ngram_guess(s.all_ids + b, k), None, ProposalSource.FAST) for s, k, b in zip(seqs, ks, blocks)]
+
+    # ------------------------------------------------------------ helpers
+    @staticmethod
+    def step(s: SequenceState, full: bool = False) -> SeqStep:
+        """Where ``s`` stands: workers hold all but the last emitted token
+        (before the first round: nothing — the whole prompt is new).
+        ``full`` re-sends the whole history (a worker that lost its state)."""
+        committed = len(s.all_ids) - 1 if s.output_ids and not full else 0
+        ids = s.all_ids
+        recent = ids[max(0, committed - RECENT_TOKENS) : committed]
+        return SeqStep(s.seq_id, committed, ids[committed:], s.params, s.seed, len(s.output_ids), recent)
+
+    @property
+    def speculation_margin(self) -> int:
+        """KV tokens a round may hold beyond the emitted ones (proposal + pending token)."""
+        return max(self.spec.k, self.spec.lq + self.spec.ld) + 1
+
+    def spec_len(self, s: SequenceState, k: int, ahead: int = 0) -> int:
+        """Draft tokens worth proposing: never past max_tokens or the context
+        (``ahead``: once ``s`` has emitted that many more tokens)."""
+        remaining = s.params.max_tokens - len(s.output_ids) - ahead - 1
+        room = self.max_context - len(s.all_ids) - ahead
+        return max(0, min(k, remaining, room))
+
+    def emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
+        """Append each outcome's tokens to its sequence's history (the one place the history grows)."""
+        for s, prop, out in zip(running, proposals, outcomes):
+            s.emit(out.emitted(prop), self.eos_ids)
+            s.rounds += 1
+            s.accepted_total += out.accepted
+            s.spec_rounds += int(out.proposed > 0)
+            rec.accepted.append(out.accepted)
+
+    def discard(self, receivers: Sequence[WorkerHandle], refs: list[Any]) -> None:
+        """Have ``receivers`` take the data-plane transfers behind ``refs``
+        that nobody will resolve: until its receiver takes it, a transfer
+        holds its tensor and a thread on the sender. Without waiting: each
+        receiver takes them before anything asked of it later."""
+        refs = [r for r in refs if on_plane(r)]
+        if not refs:
+            return
+        for w in receivers:
+            w.submit("discard", refs).add_done_callback(lambda f, name=w.name: discarded(name, f))
+
+    def verify(
+        self,
+        running: list[SequenceState],
+        proposals: list[Proposal],
+        rec: RoundRecord,
+        rule: str = "exact",
+        tau: float = 0.0,
+        then: dict[str, Any] | None = None,
+    ) -> RetryingCall:
+        """Send the verification of ``proposals`` (``rule``/``tau``: PyramidSD's
+        stage 2); ``then`` (first attempt only) is the call the target places
+        on the drafts when it is done (SSD's lookups)."""
+        div = self.spec.div
+
+        def args(full: bool) -> tuple:
+            items = [VerifyItem(self.step(s, full), local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)]
+            return (items,) if then is None or full else (items, then)
+
+        call = RetryingCall(self.target, "verify", args)
+        rec.sent = time.perf_counter()
+        return call
+
+    @staticmethod
+    def verified(call: RetryingCall, rec: RoundRecord) -> list[Outcome]:
+        """Wait for a verification; records its span and when its result arrived."""
+        outcomes, rec.verify = call.value()
+        rec.back = time.perf_counter()
+        return outcomes
+
+    # -------------------------------------------------------------- run
+    def admit(self, new: list[SequenceState]) -> list[SequenceState]:
+        """Prefill new sequences on every worker concurrently (the target samples
+        their first token) — they join the running batch at a round boundary.
+        Returns those still running; finished ones are released and finalised."""
+        if not new:
+            return []
+        rec = RoundRecord(index=next(self._round_ids), batch=len(new), start=time.perf_counter(), prefill=True)
+        prefill = lambda full: ([self.step(s, full) for s in new],)  # noqa: E731
+        call_t = RetryingCall(self.target, "verify", lambda full: ([VerifyItem(self.step(s, full), Proposal([])) for s in new],))
+        calls_d = [self.draft_call("prefill", prefill, d) for d in self.drafts.up()]
+        call_q = None if self.qualifier is None else RetryingCall(self.qualifier, "prefill", prefill)
+        try:
+            outcomes, rec.verify = call_t.value()
+        finally:
+            for call_d in calls_d:
+                self.draft_value(call_d)
+            if call_q is not None:
+                call_q.result()
+        self.emit(new, [Proposal([])] * len(new), outcomes, rec)
+        rec.end = time.perf_counter()
+        self.timeline.append(rec)
+        return self._retire(new)
+
+    def advance(self, running: list[SequenceState]) -> list[SequenceState]:
+        """One round of the configured mode for every running sequence; returns
+        those still running (finished ones are released and finalised)."""
+        rec = RoundRecord(index=next(self._round_ids), batch=len(running), start=time.perf_counter())
+        self.strategy.run(running, rec)
+        rec.end = time.perf_counter()
+        self.strategy.ended(rec)
+        self.timeline.append(rec)
+        return self._retire(running)
+
+    def release(self, seqs: list[SequenceState]) -> None:
+        """Free unfinished sequences everywhere (cancellation or failure); the
+        strategy first lets go of what it holds for them."""
+        self.strategy.dropped(seqs, finished=False)
+        self._release(seqs)
+        for s in seqs:
+            self._finish_stats(s)
+
+    def _retire(self, running: list[SequenceState]) -> list[SequenceState]:
+        done = [s for s in running if s.finished]
+        self.strategy.dropped(done, finished=True)
+        self._release(done)
+        for s in done:
+            self._finish_stats(s)
+        return [s for s in running if not s.finished]
+
+    def _release(self, seqs: Sequence[SequenceState]) -> None:
+        """Free ``seqs`` on every worker, without waiting: each worker runs the
+        release before anything asked of it later (the prefill that reuses the
+        room included) — the round loop has nothing to wait for."""
+        ids = [s.seq_id for s in seqs]
+        if not ids:
+            return
+        workers = [self.target, *self.drafts.up()] + ([self.qualifier] if self.qualifier is not None else [])
+        for w in workers:
+            w.submit("release", ids).add_done_callback(lambda f, name=w.name: released(name, f))
+
+    def _finish_stats(self, s: SequenceState) -> None:
+        s.proposal = None
+        s.stats.update(
+            rounds=s.rounds,
+            mean_accepted=s.accepted_total / s.spec_rounds if s.spec_rounds else None,
+            cache_hit_rate=(s.hits / s.lookups if s.lookups else None) if self.spec.mode == "ssd" else None,
+            lossy=self.spec.lossy,
+        )

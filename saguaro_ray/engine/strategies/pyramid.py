@@ -1,0 +1,66 @@
+"""PyramidSD: the draft proposes ``ld`` tokens at a time, the qualifier turns
+them into qualified tokens until ``lq`` are ready, and the target verifies
+that block with the qualifier's law as q."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from saguaro_ray.engine.calls import RetryingCall
+from saguaro_ray.engine.round_loop import local
+from saguaro_ray.engine.sequence import SequenceState
+from saguaro_ray.engine.strategies import PlainStrategy
+from saguaro_ray.engine.timeline import RoundRecord
+from saguaro_ray.workers.messages import Proposal, ProposalSource, SeqStep, VerifyItem
+
+
+def _cat_rows(parts: list[Any]) -> Any:
+    """Concatenate q blocks: tensors in process, data-plane references between actors."""
+    if all(isinstance(x, torch.Tensor) for x in parts):
+        return torch.cat(parts)
+    return type(parts[0]).cat(parts)
+
+
+class PyramidStrategy(PlainStrategy):
+    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
+        loop, spec = self.loop, self.loop.spec
+        limits = [loop.spec_len(s, spec.lq) for s in running]
+        blocks: list[list[int]] = [[] for _ in running]
+        block_q: list[list[Any]] = [[] for _ in running]
+        t0 = time.perf_counter()
+        while True:
+            todo = [i for i, lim in enumerate(limits) if len(blocks[i]) < lim]
+            if not todo:
+                break
+            seqs = [running[i] for i in todo]
+
+            def sub(full: bool, todo: list[int] = todo) -> list[SeqStep]:
+                out = []
+                for i in todo:
+                    st = loop.step(running[i], full)
+                    out.append(replace(st, new_tokens=st.new_tokens + blocks[i], output_pos=st.output_pos + len(blocks[i])))
+                return out
+
+            ks = [min(spec.ld, limits[i] - len(blocks[i])) for i in todo]
+            got = loop.draft_value(loop.draft_call("propose", lambda full: (sub(full), ks)))
+            drafts = loop.fast(seqs, ks, [blocks[i] for i in todo]) if got is None else got[0]
+            quals = RetryingCall(
+                loop.qualifier,  # type: ignore[arg-type]
+                "qualify",
+                lambda full: (
+                    [VerifyItem(st, local(d) if full else d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full), drafts)],
+                ),
+            ).value()[0]
+            for i, qp in zip(todo, quals):
+                room = limits[i] - len(blocks[i])
+                blocks[i].extend(qp.tokens[:room])
+                if qp.q is not None:
+                    block_q[i].append(qp.q[:room])
+        rec.draft = (t0, time.perf_counter())
+        proposals = [Proposal(b, _cat_rows(q) if q else None, ProposalSource.QUALIFIED) for b, q in zip(blocks, block_q)]
+        outcomes = loop.verified(loop.verify(running, proposals, rec, spec.stage2, spec.tau_t), rec)
+        loop.emit(running, proposals, outcomes, rec)

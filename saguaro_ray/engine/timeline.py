@@ -1,0 +1,86 @@
+"""The round timeline: what each round did and when, for benchmarks, debugging
+and the backup policy's per-round cost.
+
+A :class:`RoundRecord` is filled in by the round loop and its strategy as the
+round runs; :func:`round_components` splits one into where its time went. It
+reads a record or its JSON form alike, so the benchmarks (which keep the JSON)
+and the round loop (which keeps the record) apply the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+TIMELINE_ROUNDS = 100_000  # rounds of history kept for benchmarks and debugging
+
+Span = tuple[float, float]
+
+
+@dataclass
+class RoundRecord:
+    """One round of the timeline (perf_counter seconds; None when not run)."""
+
+    index: int
+    batch: int
+    start: float = 0.0  # the round as the coordinator saw it (perf_counter)
+    end: float = 0.0
+    verify: Span | None = None
+    draft: Span | None = None  # SD drafting, pyramid drafting+qualifying, SSD backups
+    build: Span | None = None  # SSD cache construction
+    lookup: Span | None = None
+    miss_backup: Span | None = None  # SSD: backups drafted for this round's misses after the lookup
+    hits: int = 0
+    misses: int = 0
+    backup: str | None = None
+    accepted: list[int] = field(default_factory=list)
+    prefill: bool = False  # an admission round (prompts prefilled, first tokens sampled)
+    # the coordinator's side of the control plane (perf_counter): verification
+    # sent / its result in the round loop's hands; the same for the SSD lookup
+    sent: float | None = None
+    back: float | None = None
+    lookup_sent: float | None = None
+    lookup_back: float | None = None
+    forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
+    budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
+    ahead: bool = False  # SSD: the draft started this round's build itself, after the previous lookup
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @property
+    def hidden(self) -> bool | None:
+        """SSD: was the cache build finished by the time verification ended?"""
+        if self.build is None or self.verify is None:
+            return None
+        return self.build[1] <= self.verify[1]
+
+
+def _as_span(x: Any) -> Span | None:
+    return None if x is None else (float(x[0]), float(x[1]))
+
+
+def _length(span: Span | None) -> float:
+    return span[1] - span[0] if span else 0.0
+
+
+def round_components(r: RoundRecord | Mapping[str, Any]) -> dict[str, float]:
+    """One decode round (a :class:`RoundRecord`, or its JSON) split into
+    verify, drafting (busy and exposed on the critical path), cache lookup,
+    and control plane (the rest of the round)."""
+    get = r.get if isinstance(r, Mapping) else lambda name: getattr(r, name)
+    verify, build = _as_span(get("verify")), _as_span(get("build"))
+    drafted = _length(_as_span(get("draft"))) + _length(_as_span(get("miss_backup")))
+    exposed = drafted  # sequential drafting before verification, or for misses after the lookup
+    if build and verify:
+        exposed += max(0.0, build[1] - verify[1])  # a cache build that outlived verification
+    wall, v, lk = get("end") - get("start"), _length(verify), _length(_as_span(get("lookup")))
+    return {
+        "wall": wall,
+        "verify": v,
+        "draft_busy": _length(build) + drafted,
+        "draft_exposed": exposed,
+        "lookup": lk,
+        "control": max(0.0, wall - v - exposed - lk),
+    }
