@@ -569,15 +569,15 @@ def test_a_forwarded_call_is_answered_to_the_client_that_expects_it(host):
                 forwarder.call(["bogus://nowhere", peer.id, client.identity, cid], "add", ["t", "x"])
         assert "bogus://nowhere" not in forwarder._socks
         # a verification whose lookup cannot be placed still stands (that lookup is lost)
-        from saguaro_ray.runtime.routing import RoutedLogic
+        from saguaro_ray.runtime.routing import ActorLogic
 
-        routed = RoutedLogic(Recorder(), key, forwarder=forwarder)
+        routed = ActorLogic(Recorder(), key, forwarder=forwarder)
         item = VerifyItem(SeqStep(1, 0, [5], SamplingParams(), 0, 0, []), Proposal([7], torch.eye(4)[[2]]))
-        then = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", peer.id, client.identity, 99]]}
-        assert routed.verify([item], then) == [Outcome(1, 1, 2, 1)]
+        forward = {"method": "echo", "args": ["more"], "to": [["bogus://nowhere", peer.id, client.identity, 99]]}
+        assert routed.verify([item], forward) == [Outcome(1, 1, 2, 1)]
         cid, fut = client.expect("echo")
-        then["to"] = [client.address_for(cid)]
-        routed.verify([item], then)
+        forward["to"] = [client.address_for(cid)]
+        routed.verify([item], forward)
         assert list(fut.result(20).value) == [[(1, 1, 2)], "more"]  # the outcomes' keys, then the given args
     finally:
         forwarder.close()

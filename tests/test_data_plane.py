@@ -38,7 +38,7 @@ from saguaro_ray.runtime.data_plane import (
     send_kv,
 )
 from saguaro_ray.runtime.wire import FrameCodec, new_key
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, Proposal, SeqStep, Timed, VerifyItem
+from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, Proposal, SeqStep, Timed, VerifyItem
 
 KEY = b"k" * 32  # a fixed frame key, shared with the agents
 V = 24  # vocabulary width of the q rows
@@ -154,14 +154,14 @@ def job_resolve(gen: int, frame: bytes, timeout_s: float = 10.0) -> tuple[Any, A
 def job_send_kv(gen: int, seed: int, layers: int, n: int, dsts: list[int], dtype: torch.dtype) -> bytes:
     plane = _PLANES[gen]
     ref = send_kv(plane, make_kv(seed, layers, n, dtype), dsts)
-    ext = offload_kv(Extension(seq_id=7, start=3, tokens=[1, 2], rankings=[[1, 2], [2, 1]], kv=make_kv(seed + 1, layers, n, dtype)), plane, dsts)
+    ext = offload_kv(KVDelta(seq_id=7, start=3, tokens=[1, 2], rankings=[[1, 2], [2, 1]], kv=make_kv(seed + 1, layers, n, dtype)), plane, dsts)
     return FrameCodec(KEY).encode((ref, ext))
 
 
 def job_kv_edges(gen: int) -> tuple[Any, Any, Any]:
     """No receivers: the delta stays inline. Zero rows: nothing is sent, an empty delta resolves."""
     plane = _PLANES[gen]
-    ext = Extension(seq_id=1, start=0, tokens=[1], rankings=[[1]], kv=make_kv(1, 2, 1, torch.float32))
+    ext = KVDelta(seq_id=1, start=0, tokens=[1], rankings=[[1]], kv=make_kv(1, 2, 1, torch.float32))
     kept = offload_kv([ext], plane, [plane.rank])[0]
     empty = send_kv(plane, make_kv(2, 2, 0, torch.float32), [1])
     return kept is ext, empty, recv_kv(plane, empty, 0.1)
@@ -171,8 +171,8 @@ def job_recv_kv(gen: int, frame: bytes) -> tuple[Any, Any]:
     plane = _PLANES[gen]
     ref, ext = FrameCodec(KEY).decode(frame)
     kv = recv_kv(plane, ref, 10.0)
-    built = resolve([BuildItem(step=_step(), proposal=Proposal(tokens=[1]), fanout=[1, 1], k_next=2, extension=ext)], plane, 10.0)
-    return kv, built[0].extension.kv
+    built = resolve([BuildItem(step=_step(), proposal=Proposal(tokens=[1]), fanout=[1, 1], k_next=2, kv_delta=ext)], plane, 10.0)
+    return kv, built[0].kv_delta.kv
 
 
 def _settle(plane: DataPlane, key: str) -> dict[str, int]:

@@ -27,7 +27,7 @@ from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.timeline import RoundRecord, round_components
 from saguaro_ray.workers.draft import DraftLogic
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
+from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
@@ -58,7 +58,7 @@ def test_clip_cuts_tokens_and_their_law_alike():
 
 def test_build_items_carry_tokens_only_and_the_peers_delta():
     step = SeqStep(1, 4, [9], GREEDY, 0, 3, [1, 2, 3, 4])
-    delta = Extension(1, 4, [9, 5], [[5], [6]])
+    delta = KVDelta(1, 4, [9, 5], [[5], [6]])
     p = Proposal([5, 6], torch.ones(2, 4), ProposalSource.CACHE)
     [item] = ssd_protocol.build_items([step], [p], [[2, 1, 1]], [2], 0.5, 1, 2, [delta])
     assert item == BuildItem(step, Proposal([5, 6], None, ProposalSource.CACHE), [2, 1, 1], 2, 0.5, 1, 2, delta)
@@ -93,7 +93,7 @@ def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
 
 def test_read_answers_takes_the_first_hit_its_owner_and_the_first_known_rank():
     hit = Proposal([7], None, ProposalSource.CACHE)
-    delta = Extension(2, 0, [7], [[1]])
+    delta = KVDelta(2, 0, [7], [[1]])
     backup = Proposal([8], None, ProposalSource.NEURAL)
     first = [LookupResult(None, None), LookupResult(None, 4, backup=backup)]
     second = [LookupResult(hit, 2, delta), LookupResult(None, 9)]
@@ -180,14 +180,14 @@ def test_a_miss_gets_the_plans_fast_guess_or_nothing_at_k_zero(ckpts):
     res = draft.lookup(keys, round_id=1, plans=plans)
     assert res[0].backup == Proposal(ngram_guess(seqs[0].all_ids, 2), None, ProposalSource.FAST)
     assert res[1].backup == Proposal([], None, ProposalSource.FAST)
-    assert draft.follow_up() is not None  # every next proposal is known: it builds ahead
-    draft.follow_up()()
+    assert draft.after_reply() is not None  # every next proposal is known: it builds ahead
+    draft.after_reply()()
     items = [ssd_protocol.next_build_item(plan, st, p.tokens, k, t, r.backup) for plan, st, (_, k, t), r in zip(plans, steps, keys, res)]
     assert isinstance(draft.build(items, 2, ahead=True), Timed)  # answered from the build started ahead
     stranger = SequenceState(99, [4, 4, 4], GREEDY, 0)  # never built here (this draft was restarted)
     draft.build([_item(seqs[0], Proposal([4]), [1, 1], 1)], 3)
     [r] = draft.lookup([(99, 0, 5)], round_id=3, plans=[_plan(stranger, 2)])
-    assert r.proposal is None and r.backup is None and draft.follow_up() is None
+    assert r.proposal is None and r.backup is None and draft.after_reply() is None
 
 
 def _round(a: DraftLogic, b: DraftLogic, items, round_id, ahead: bool = False):
@@ -238,10 +238,10 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     keys = [_hit(a, seqs[0], first[0].tokens), _miss(a, seqs[1], first[1].tokens, 0)]
     res_a = a.lookup(keys, round_id=1, plans=plans)
     res_b = b.lookup(keys, round_id=1, plans=plans)
-    work = a.follow_up()
+    work = a.after_reply()
     assert work is not None
     work()
-    assert a.follow_up() is None
+    assert a.after_reply() is None
     hit, backup = res_a[0].proposal, res_a[1].backup
     assert hit is not None and hit.tokens == res_b[0].proposal.tokens
     assert res_a[1].proposal is None and backup is not None and backup.tokens == res_b[1].backup.tokens
@@ -262,7 +262,7 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
         assert x.proposal.tokens == y.proposal.tokens and x.rank == y.rank
         assert (x.proposal.q is None) == (y.proposal.q is None)
         assert x.proposal.q is None or torch.equal(x.proposal.q, y.proposal.q)
-    a.follow_up()()
+    a.after_reply()()
     third = [_item(s, Proposal(r.proposal.tokens[:1], None, ProposalSource.CACHE), [2, 1], 1) for s, r in zip(seqs, res_a)]
     got_a, got_b, ahead = _round(a, b, third, 3)
     assert not ahead and got_a == got_b and a.ahead_builds == 1 and a.ahead_started == 2
@@ -283,7 +283,7 @@ def test_a_released_sequence_leaves_the_started_build_standing(ckpts):
     res = a.lookup(keys, round_id=1, plans=plans)
     b.lookup(keys, round_id=1)
     assert all(r.proposal is not None for r in res)
-    a.follow_up()()
+    a.after_reply()()
     for d in (a, b):
         d.release([2])
     _, _, ahead = _round(a, b, [ssd_protocol.next_build_item(plans[0], step0, first.tokens, keys[0][1], keys[0][2], res[0].proposal)], 2, ahead=True)

@@ -18,7 +18,7 @@ Three jobs, all batched over sequences:
 With one draft, a lookup also carries each sequence's :class:`NextRound`: a
 miss gets its backup in the same call, and with every next proposal known
 the draft starts the next round's build itself once the lookup is answered
-(:meth:`DraftLogic.follow_up`) — one control-plane hop before the build call
+(:meth:`DraftLogic.after_reply`) — one control-plane hop before the build call
 would reach it — with the items :func:`ssd_protocol.next_build_item` gives,
 which are the ones the round loop sends (it says so with ``ahead``). The
 draft keeps no copy of the round loop's state: :func:`ssd_protocol.resolve`
@@ -47,7 +47,7 @@ from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
 from saguaro_ray.workers import ssd_protocol
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
+from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner, TreeState
 from saguaro_ray.workers.target import RunnerLogic, feed
 
@@ -88,7 +88,7 @@ class DraftLogic(RunnerLogic):
         self._tree: TreeState | None = None
         self._tree_logits: list[torch.Tensor] = []
         # per sequence: the KV delta of the hit this draft served (already in its cache)
-        self._own: dict[int, Extension] = {}
+        self._own: dict[int, KVDelta] = {}
         self.glue_tokens = 0  # tokens forwarded to build glue rows (recomputation avoided by KV deltas is not counted)
         # the round whose build the cache holds (None: none complete); a lookup names the
         # round it expects: one that overtook a re-sent build must not read another round's cache
@@ -101,7 +101,7 @@ class DraftLogic(RunnerLogic):
         self._built_ahead: tuple[set[int], tuple[float, float], dict[str, object]] | None = None
         # per sequence: the part of its own hit's delta a build started ahead kept in the KV
         # (a build call that is not answered from it reuses that instead of recomputing)
-        self._delta_in_kv: dict[int, Extension] = {}
+        self._delta_in_kv: dict[int, KVDelta] = {}
         self.ahead_started = 0  # builds started ahead (those no call asked for were wasted work)
         self.ahead_builds = 0  # build calls answered from a build started ahead
 
@@ -140,12 +140,12 @@ class DraftLogic(RunnerLogic):
     def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[RowSource]]:
         """How to get the glue rows (the draft's law after each token of
         ``new_tokens + proposal``) for one item: rows already known from a KV
-        delta (this draft's own hit, or a peer's ``it.extension``), and the
+        delta (this draft's own hit, or a peer's ``it.kv_delta``), and the
         step that forwards the rest (None when nothing is left to forward)."""
         st, seq = it.step, it.step.seq_id
         glue = list(st.new_tokens) + list(it.proposal.tokens)
         own = self._own.pop(seq, None)
-        ext = own or it.extension
+        ext = own or it.kv_delta
         usable = (
             ext is not None
             and ext.seq_id == seq
@@ -154,7 +154,7 @@ class DraftLogic(RunnerLogic):
             and self.runner.has_sequence(seq)
             and ext.start <= self.runner.seq_len(seq)
         )
-        if usable and ext is it.extension:  # a peer's delta: append it in place of the stale glue
+        if usable and ext is it.kv_delta:  # a peer's delta: append it in place of the stale glue
             if ext.kv is None:
                 usable = False
             else:
@@ -182,7 +182,7 @@ class DraftLogic(RunnerLogic):
         ``ahead``: the round loop made ``items`` with
         :func:`ssd_protocol.next_build_item` from the plans of this draft's
         latest lookup and the proposals it served — the build this draft
-        started itself (:meth:`follow_up`), if it did, for every sequence
+        started itself (:meth:`after_reply`), if it did, for every sequence
         still running. Then that build is the answer: its result with
         ``"ahead": True``, as a :class:`Timed` of the span it really ran (the
         worker reports that span for the call). Anything else is built now."""
@@ -196,7 +196,7 @@ class DraftLogic(RunnerLogic):
             self._own.update(self._delta_in_kv)
         return self._build(items, round_id)
 
-    def follow_up(self) -> Callable[[], None] | None:
+    def after_reply(self) -> Callable[[], None] | None:
         """Work for the worker to run once the call just served has been
         answered: the next round's build, when the latest lookup made it known
         (every sequence's next proposal is here and the lookup brought its
@@ -314,6 +314,14 @@ class DraftLogic(RunnerLogic):
         return {"branches": len(branches)}
 
     # ------------------------------------------------------------- lookup
+    def ready(self, method: str, args: Sequence[object]) -> bool:
+        """Can ``method(*args)`` run now? Not a lookup (``keys, share_kv,
+        round_id, ...``) that the target forwarded ahead of the build it looks
+        into: the command server holds it back until that build has begun."""
+        if method == "lookup" and len(args) >= 3:
+            return not self.awaits_build(args[2])  # type: ignore[arg-type]
+        return True
+
     def awaits_build(self, round_id: int | None) -> bool:
         """Is a lookup for ``round_id`` ahead of every build begun here (its
         build is still on the way)? Round ids increase from round to round."""
@@ -342,7 +350,7 @@ class DraftLogic(RunnerLogic):
         :meth:`propose` would from the next step, the fast one the n-gram
         guess from the plan's history — which saves the round loop a second
         call; and with every next proposal known here, the next build starts
-        once this lookup is answered (:meth:`follow_up`).
+        once this lookup is answered (:meth:`after_reply`).
 
         A ``round_id`` other than the latest complete build's (the lookup
         overtook a re-sent build, or that build failed) gets misses and no
@@ -395,7 +403,7 @@ class DraftLogic(RunnerLogic):
         for i, p in zip(neural, got):
             out[i] = replace(out[i], backup=replace(p, source=ProposalSource.NEURAL))
 
-    def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> Extension | None:
+    def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> KVDelta | None:
         """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's
         cache; with ``share_kv``, return the KV delta for peer drafts (its
         rankings as token lists — this draft keeps the logit rows)."""
@@ -406,7 +414,7 @@ class DraftLogic(RunnerLogic):
         kv = self.runner.tree_export(tree, spec.branch, n) if share_kv else None
         self.runner.tree_commit(tree, spec.branch, n)
         rows = [lg[spec.branch] for lg in self._tree_logits[:n]]
-        ext = Extension(seq_id, start, [t] + list(spec.tokens[: n - 1]), rows)
+        ext = KVDelta(seq_id, start, [t] + list(spec.tokens[: n - 1]), rows)
         self._own[seq_id] = ext
         return replace(ext, rankings=top_order(torch.stack(rows)).tolist(), kv=kv) if share_kv else None
 

@@ -106,7 +106,7 @@ class Outcome:
 
 
 @dataclass
-class Extension:
+class KVDelta:
     """A cache hit's *KV delta*: what the owning draft already computed along
     the speculation it served, so no draft recomputes it.
 
@@ -134,7 +134,7 @@ class BuildItem:
 
     With several drafts the candidate outcomes (k, t) of the fan-out are dealt
     out in a fixed order; this draft builds every ``num_shards``-th one from
-    ``shard``. ``extension``: a peer draft's KV delta for this sequence (the
+    ``shard``. ``kv_delta``: a peer draft's KV delta for this sequence (the
     hit that produced ``proposal``), appended instead of recomputed."""
 
     step: SeqStep
@@ -144,7 +144,7 @@ class BuildItem:
     saguaro_c: float = 1.0
     shard: int = 0
     num_shards: int = 1
-    extension: Extension | None = None
+    kv_delta: KVDelta | None = None
 
 
 @dataclass
@@ -153,7 +153,7 @@ class NextRound:
     whatever the outcome — made before verification (the target places the
     lookup the moment verification ends) and sent to the only draft, so that
     it serves a miss with its backup in the same call and, knowing every next
-    proposal, starts the next round's build itself (``DraftLogic.follow_up``).
+    proposal, starts the next round's build itself (``DraftLogic.after_reply``).
 
     Read at the real outcome (k accepted, then t) together with this round's
     build item (its step and proposal), which the draft already holds:
@@ -179,13 +179,13 @@ class LookupResult:
     """A draft's answer for one real outcome: the cached speculation (None on
     a miss here), the rank of t* in the draft's ranking of row k (for fitting
     the fan-out; None if not within the kept depth), on a hit the KV delta
-    peers append (see :class:`Extension`), and on a miss the neural backup
+    peers append (see :class:`KVDelta`), and on a miss the neural backup
     speculation drafted from the real outcome when the lookup asked for one
     (:class:`NextRound`)."""
 
     proposal: Proposal | None
     rank: int | None
-    extension: Extension | None = None
+    kv_delta: KVDelta | None = None
     backup: Proposal | None = None
 
 

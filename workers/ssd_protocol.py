@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from saguaro_ray.algorithms.ngram import ngram_guess
-from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Extension, LookupResult, NextRound, Proposal, ProposalSource, SeqStep
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, KVDelta, LookupResult, NextRound, Proposal, ProposalSource, SeqStep
 
 
 def clip(p: Proposal, n: int) -> Proposal:
@@ -42,7 +42,7 @@ def build_items(
     saguaro_c: float,
     shard: int,
     num_shards: int,
-    deltas: Sequence[Extension | None],
+    deltas: Sequence[KVDelta | None],
 ) -> list[BuildItem]:
     """The build one draft (``shard`` of ``num_shards``) runs while the target
     verifies ``proposals``: per sequence its step, the proposal's tokens (a
@@ -128,7 +128,7 @@ class Served:
 
     hit: Proposal | None
     owner: int | None
-    delta: Extension | None
+    delta: KVDelta | None
     rank: int | None
     backup: Proposal | None
 
@@ -145,6 +145,6 @@ def read_answers(answers: Sequence[Sequence[LookupResult]], at: Sequence[int]) -
             rank = r.rank if rank is None else rank
             backup = backup or r.backup
             if hit is None and r.proposal is not None:
-                hit, owner, delta = r.proposal, d, r.extension
+                hit, owner, delta = r.proposal, d, r.kv_delta
         out.append(Served(hit, owner, delta, rank, backup))
     return out

@@ -57,7 +57,7 @@ class LocalEngine:
         logic = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
         self.workers = {
             # build_ahead None: off in process (see EngineConfig.build_ahead)
-            role: InProcessWorker(role, logic[role_kind(role)](r), follow_up=config.build_ahead is True)
+            role: InProcessWorker(role, logic[role_kind(role)](r), after_reply=config.build_ahead is True)
             for role, r in runners.items()
         }
         self.eos_ids = models.eos_ids

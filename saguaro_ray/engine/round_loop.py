@@ -156,16 +156,16 @@ class RoundLoop:
         rec: RoundRecord,
         rule: str = "exact",
         tau: float = 0.0,
-        then: dict[str, Any] | None = None,
+        forward: dict[str, Any] | None = None,
     ) -> RetryingCall:
         """Send the verification of ``proposals`` (``rule``/``tau``: PyramidSD's
-        stage 2); ``then`` (first attempt only) is the call the target places
+        stage 2); ``forward`` (first attempt only) is the call the target places
         on the drafts when it is done (SSD's lookups)."""
         div = self.spec.div
 
         def args(full: bool) -> tuple:
             items = [VerifyItem(self.step(s, full), local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)]
-            return (items,) if then is None or full else (items, then)
+            return (items,) if forward is None or full else (items, forward)
 
         call = RetryingCall(self.target, "verify", args)
         rec.sent = time.perf_counter()

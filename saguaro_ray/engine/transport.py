@@ -34,16 +34,16 @@ class WorkerHandle(Protocol):
 class InProcessWorker:
     """Runs a worker-logic object's methods on its own thread, in call order.
 
-    With ``follow_up``, a logic's ``follow_up()`` (see ``DraftLogic.follow_up``)
+    With ``after_reply``, a logic's ``after_reply()`` (see ``DraftLogic.after_reply``)
     names work to run once a call has been answered; it is queued on the
     worker's thread before the answer is released, so it runs ahead of any
     later call."""
 
-    def __init__(self, name: str, logic: Any, follow_up: bool = False) -> None:
+    def __init__(self, name: str, logic: Any, after_reply: bool = False) -> None:
         self.name = name
         self.logic = logic
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"saguaro-{name}")
-        self._follow_up = getattr(logic, "follow_up", None) if follow_up else None
+        self._after_reply = getattr(logic, "after_reply", None) if after_reply else None
 
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
         fn = getattr(self.logic, method)
@@ -52,7 +52,7 @@ class InProcessWorker:
             start = time.perf_counter()
             value = fn(*args)
             timed = Timed.since(value, start)
-            work = self._follow_up() if self._follow_up is not None else None
+            work = self._after_reply() if self._after_reply is not None else None
             if work is not None:
                 try:
                     self._pool.submit(work)

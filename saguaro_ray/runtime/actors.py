@@ -42,7 +42,7 @@ from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
 from saguaro_ray.runtime.restart_budget import RestartBudget
-from saguaro_ray.runtime.routing import RoutedLogic
+from saguaro_ray.runtime.routing import ActorLogic
 from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.runtime.target_group import TargetGroupHandle, connect_worker, restart_worker, worker_info
 from saguaro_ray.workers.checkpoint import Checkpoint
@@ -119,11 +119,11 @@ class WorkerActor:
         self.logic = _LOGIC[kind](self._make_runner(model, config))
         node = ray.util.get_node_ip_address()
         # tensors to and from peers live on the device the model runs on
-        self.routed = RoutedLogic(self.logic, key, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
+        self.routed = ActorLogic(self.logic, key, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
         # the work a draft starts after answering (build_ahead None: on through Ray)
-        follow_up = self.routed.follow_up if config.build_ahead is not False else None
-        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, follow_up=follow_up)
+        after_reply = self.routed.after_reply if config.build_ahead is not False else None
+        self.server = CommandServer(self.routed, _METHODS[kind], key, host=host, name=role, ready=self.routed.ready, after_reply=after_reply)
 
     def _make_runner(self, model: ModelRef, config: EngineConfig) -> Any:
         """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""

@@ -1,6 +1,6 @@
 """Which tensors of a worker call travel over the data plane, and to whom.
 
-:class:`RoutedLogic` is what a worker actor's :class:`CommandServer` serves:
+:class:`ActorLogic` is what a worker actor's :class:`CommandServer` serves:
 the worker logic's own methods, unchanged, with the tensors moved around
 them. A proposal's q rows (T > 0) leave a draft over the data plane straight
 for the worker that verifies them — the target, or the qualifier in
@@ -9,13 +9,13 @@ coordinator; a hit's KV delta goes from the owning draft to its peers the
 same way (:class:`KVDeltaRef`). On the receiving side, references in a call's
 arguments are fetched before the logic runs.
 
-A verification may carry a ``then``: the SSD round's cache lookup, which
+A verification may carry a ``forward``: the SSD round's cache lookup, which
 this worker places on each draft's command socket (:class:`CallForwarder`)
 with the real outcomes as soon as verification ends, instead of the
 coordinator doing it after the result has reached it — the drafts answer the
 coordinator directly.
 
-Until :meth:`RoutedLogic.join_data_plane` succeeds (or when the engine runs
+Until :meth:`ActorLogic.join_data_plane` succeeds (or when the engine runs
 without a data plane) tensors simply ride the frames. A reference that cannot
 be fetched raises :class:`TransferLost`; the round loop then re-sends the call
 self-contained.
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 RECV_TIMEOUT_S = 10.0  # a reference's tensor must arrive within this, or the call is re-sent without it
 
 
-class RoutedLogic:
+class ActorLogic:
     """A worker's logic object behind the data plane (see the module doc)."""
 
     def __init__(
@@ -80,16 +80,16 @@ class RoutedLogic:
         return offload_q(value, self.plane, self.q_dst)
 
     def ready(self, method: str, args: list) -> bool:
-        """Can this call run now? Not an SSD lookup that overtook the build it
-        looks into (a lookup the target forwarded; see :class:`CommandServer`)."""
-        if method == "lookup" and len(args) >= 3 and hasattr(self.logic, "awaits_build"):
-            return not self.logic.awaits_build(args[2])
-        return True
+        """Can this call run now? The logic decides, if it has a say (a call
+        forwarded by a peer may overtake the one it depends on; see
+        :class:`CommandServer`); this side knows no method's arguments."""
+        ready = getattr(self.logic, "ready", None)
+        return True if ready is None else ready(method, args)
 
-    def follow_up(self) -> Any:
+    def after_reply(self) -> Any:
         """The work the logic has left to do after the call just answered (or None)."""
-        follow_up = getattr(self.logic, "follow_up", None)
-        return follow_up() if follow_up is not None else None
+        after_reply = getattr(self.logic, "after_reply", None)
+        return after_reply() if after_reply is not None else None
 
     # --------------------------------------------------------- the protocol
     def prefill(self, steps: Any) -> Any:
@@ -98,21 +98,21 @@ class RoutedLogic:
     def release(self, seq_ids: Any) -> Any:
         return self.logic.release(seq_ids)
 
-    def verify(self, items: Any, then: dict[str, Any] | None = None) -> Any:
-        """Verify; with ``then`` = ``{"method", "args", "to": [address, ...]}``
+    def verify(self, items: Any, forward: dict[str, Any] | None = None) -> Any:
+        """Verify; with ``forward`` = ``{"method", "args", "to": [address, ...]}``
         (each from :meth:`CommandClient.address_for`) also send
         ``method(keys, *args)`` to each listed worker, ``keys`` being the
         outcomes' lookup keys."""
         outcomes = self.logic.verify(self._in(items))
-        if then is not None:
+        if forward is not None:
             if self.forwarder is None:
                 raise ValueError("this worker cannot forward calls (it has no forwarder)")
-            args = [[o.key for o in outcomes], *then["args"]]
-            for address in then["to"]:
+            args = [[o.key for o in outcomes], *forward["args"]]
+            for address in forward["to"]:
                 try:
-                    self.forwarder.call(address, then["method"], args)
+                    self.forwarder.call(address, forward["method"], args)
                 except ControlError as e:  # the verification stands; that draft's lookup is lost (degradable)
-                    log.warning("could not place %s: %s", then["method"], e)
+                    log.warning("could not place %s: %s", forward["method"], e)
         return outcomes
 
     def qualify(self, items: Any) -> Any:

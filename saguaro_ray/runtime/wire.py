@@ -50,7 +50,7 @@ from saguaro_ray.config import SamplingParams
 
 # the frame errors and their reasons live in saguaro_ray.errors; the codec re-exports them
 from saguaro_ray.errors import BAD_MAC, BAD_TENSOR, MALFORMED, MISADDRESSED, REASONS, REPLAYED, UNKNOWN_TYPE, BadFrame, EncodeError  # noqa: F401
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, SeqStep, Timed, VerifyItem
+from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Outcome, Proposal, SeqStep, Timed, VerifyItem
 
 __all__ = [
     "BadFrame",
@@ -122,7 +122,7 @@ def registered_types() -> dict[str, type]:
     return dict(_BY_NAME)
 
 
-for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, BuildItem, Extension, LookupResult, NextRound, Outcome, Timed):
+for _cls in (SamplingParams, SeqStep, Proposal, VerifyItem, BuildItem, KVDelta, LookupResult, NextRound, Outcome, Timed):
     register(_cls)
 
 

@@ -32,7 +32,7 @@ from saguaro_ray.engine.calls import Forwarded, RetryingCall
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.timeline import RoundRecord, Span, round_components
 from saguaro_ray.engine.transport import WorkerHandle
-from saguaro_ray.workers.messages import BuildItem, Extension, LookupResult, NextRound, Outcome, Proposal, ProposalSource, SeqStep, Timed
+from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Outcome, Proposal, ProposalSource, SeqStep, Timed
 
 if TYPE_CHECKING:
     from saguaro_ray.engine.round_loop import RoundLoop
@@ -69,10 +69,10 @@ class _Lookups:
 
 @dataclass
 class _PlacedLookups:
-    """The lookups the target places when verification ends: ``then`` rides the
+    """The lookups the target places when verification ends: ``forward`` rides the
     verification call, ``calls`` are the calls registered at the drafts."""
 
-    then: dict[str, object]
+    forward: dict[str, object]
     calls: list[Forwarded]
 
 
@@ -93,7 +93,7 @@ class SSDStrategy:
         self.backup_stats = BackupStats()
         self._verify_seconds = 1.0  # latest verification time, the unit of relative latencies
         # the KV delta of each sequence's latest hit, and the draft that served it
-        self._deltas: dict[int, tuple[WorkerHandle, Extension]] = {}
+        self._deltas: dict[int, tuple[WorkerHandle, KVDelta]] = {}
 
     # -------------------------------------------------------------- round
     def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
@@ -118,13 +118,13 @@ class SSDStrategy:
         steps = [loop.step(s) for s in running]  # what this round's build items say (not re-sent)
         plans = self._plans(running, proposals, ks, kind) if len(builders) == 1 else None
         placed = self._place_lookups(builders, share, rec.index, plans)
-        then = None if placed is None else placed.then
+        forward = None if placed is None else placed.forward
         # whichever of the two has been taking longer is sent first
         if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
             calls_b = self._send_builds(running, proposals, ks, builders, rec)
-            call_v = loop.verify(running, proposals, rec, then=then)
+            call_v = loop.verify(running, proposals, rec, forward=forward)
         else:
-            call_v = loop.verify(running, proposals, rec, then=then)
+            call_v = loop.verify(running, proposals, rec, forward=forward)
             calls_b = self._send_builds(running, proposals, ks, builders, rec)
         outcomes = loop.verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)  # type: ignore[index]
@@ -216,7 +216,7 @@ class SSDStrategy:
 
     def _place_lookups(self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None) -> _PlacedLookups | None:
         """The lookups the target places itself when verification ends: the
-        ``then`` of the verification call and the calls registered at each
+        ``forward`` of the verification call and the calls registered at each
         draft (None: the transport cannot, or no draft is building)."""
         if self.loop.forward is None or not lookers:
             return None
@@ -330,7 +330,7 @@ class SSDStrategy:
         qs = [p.q for _, res in answers for r in res for p in (r.proposal, r.backup) if p is not None and id(p) not in kept]
         loop.discard([loop.target], qs)
         for d, res in answers:
-            kvs = [r.extension.kv for r in res if r.extension is not None and id(r.extension) not in kept]
+            kvs = [r.kv_delta.kv for r in res if r.kv_delta is not None and id(r.kv_delta) not in kept]
             loop.discard([x for x in loop.drafts.up() if x is not d], kvs)
 
     # ------------------------------------------------------------ fan-out

@@ -70,9 +70,9 @@ class CommandServer(SocketOwner):
     answering its own entry through this ROUTER to the named client (see
     :meth:`CommandClient.expect`), in order with its other calls.
 
-    After each answer the server runs the work ``follow_up()`` names, if any,
+    After each answer the server runs the work ``after_reply()`` names, if any,
     before it reads the next call (a draft starts the next round's build as
-    soon as its lookup is answered; see ``DraftLogic.follow_up``).
+    soon as its lookup is answered; see ``DraftLogic.after_reply``).
 
     A call that ``ready(method, args)`` says cannot run yet waits, up to
     ``max_defer_s``, while later calls run, and runs as soon as one of them
@@ -99,12 +99,12 @@ class CommandServer(SocketOwner):
         max_frame_bytes: int | None = DEFAULT_MAX_FRAME_BYTES,
         ready: Callable[[str, list], bool] | None = None,
         max_defer_s: float = 0.5,
-        follow_up: Callable[[], Callable[[], None] | None] | None = None,
+        after_reply: Callable[[], Callable[[], None] | None] | None = None,
     ) -> None:
         self.name = name
         self._target = target
         self._ready = ready
-        self._follow_up = follow_up
+        self._after_reply = after_reply
         self._max_defer_s = max_defer_s
         self._deferred: deque[tuple[float, str, list, Callable[[], None]]] = deque()  # server thread only
         self._deferred_calls = 0
@@ -207,11 +207,11 @@ class CommandServer(SocketOwner):
 
     def _serve_call(self, ident: bytes, cid: int, method: str, args: list) -> None:
         """Execute a call and answer ``ident`` now, or hold it until it is ready;
-        then run the work the answer left to do (``follow_up``)."""
+        then run the work the answer left to do (``after_reply``)."""
 
         def run() -> None:
             self._reply(ident, cid, self._execute(cid, method, args), method)
-            work = self._follow_up() if self._follow_up is not None else None
+            work = self._after_reply() if self._after_reply is not None else None
             if work is not None:
                 try:
                     work()

@@ -2,7 +2,7 @@
 
 A worker call's arguments are nested lists, tuples, dicts and message
 dataclasses; the big tensors in them sit in two places only —
-``Proposal.q`` and ``Extension.kv``. The sender's transport replaces those
+``Proposal.q`` and ``KVDelta.kv``. The sender's transport replaces those
 by references before the frame goes out (:func:`offload_q`,
 :func:`offload_kv`), and the receiver's transport replaces the references
 by tensors before the call runs (:func:`resolve`), so neither the worker
@@ -22,14 +22,14 @@ from saguaro_ray.runtime.data_plane.dtypes import dtype_name
 from saguaro_ray.runtime.data_plane.group import DataPlane
 from saguaro_ray.runtime.data_plane.kv_pack import send_kv, unpack_kv
 from saguaro_ray.runtime.data_plane.refs import KVDeltaRef, Resolver, TensorRef
-from saguaro_ray.workers.messages import Extension, Proposal
+from saguaro_ray.workers.messages import KVDelta, Proposal
 
 
 def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """Rebuild ``value`` with ``leaf`` applied to every Proposal / Extension
+    """Rebuild ``value`` with ``leaf`` applied to every Proposal / KVDelta
     inside lists, tuples, dicts and dataclasses. Copies only what changes:
     the caller's objects are never mutated (a retry passes them again)."""
-    if isinstance(value, (Proposal, Extension)):
+    if isinstance(value, (Proposal, KVDelta)):
         return leaf(value)
     t = type(value)
     if t is list or t is tuple:
@@ -90,12 +90,12 @@ def offload_q(value: Any, plane: DataPlane, dst: int) -> Any:
 
 
 def offload_kv(value: Any, plane: DataPlane, dsts: Iterable[int]) -> Any:
-    """``value`` with every ``Extension.kv`` (per-layer (K, V) list) replaced
+    """``value`` with every ``KVDelta.kv`` (per-layer (K, V) list) replaced
     by a :class:`KVDeltaRef` sent to each rank in ``dsts``. With no other
     rank to send to, ``value`` is returned as is (the tensors, if anyone
     needs them, ride the control frame)."""
     dsts = [d for d in dsts if d != plane.rank]
-    exts = {id(e): e for e in _collect(value, Extension) if isinstance(e.kv, (list, tuple)) and e.kv}
+    exts = {id(e): e for e in _collect(value, KVDelta) if isinstance(e.kv, (list, tuple)) and e.kv}
     if not exts or not dsts:
         return value
     refs = {i: send_kv(plane, e.kv, dsts) for i, e in exts.items()}
@@ -104,7 +104,7 @@ def offload_kv(value: Any, plane: DataPlane, dsts: Iterable[int]) -> Any:
 
 def resolve(value: Any, plane: DataPlane, timeout_s: float) -> Any:
     """``value`` with every :class:`TensorRef` in a ``Proposal.q`` and every
-    :class:`KVDeltaRef` in an ``Extension.kv`` replaced by the tensors they
+    :class:`KVDeltaRef` in an ``KVDelta.kv`` replaced by the tensors they
     describe (fresh tensors on ``plane.device``). Every receive is posted
     before any is awaited; all must arrive within ``timeout_s`` in total, or
     :class:`TransferLost`. Resolving the same references again (a retried
@@ -128,7 +128,7 @@ def resolve(value: Any, plane: DataPlane, timeout_s: float) -> Any:
     def leaf(x: Any) -> Any:
         if isinstance(x, Proposal) and isinstance(x.q, TensorRef):
             return dataclasses.replace(x, q=res.tensor(x.q))
-        if isinstance(x, Extension) and isinstance(x.kv, KVDeltaRef):
+        if isinstance(x, KVDelta) and isinstance(x.kv, KVDeltaRef):
             return dataclasses.replace(x, kv=unpack_kv(res.kv(x.kv)))
         return x
 
