@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from saguaro_ray.jobs.load_test import LoadOptions, resource_problems
+from saguaro_ray.jobs.load_report import resource_problems
+from saguaro_ray.jobs.load_test import LoadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
