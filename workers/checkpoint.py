@@ -132,26 +132,29 @@ def _hf_to_ours(cfg: DecoderConfig, plan: ShardPlan) -> dict[str, _Dest]:
         table["lm_head.weight"] = _Dest("lm_head.weight", vocab_rows, 0, *vocab_src)
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for proj, rows, rng in fused_qkv:
-            table[f"{src}self_attn.{proj}.weight"] = _Dest(f"{dst}attn.qkv.weight", rows, 0, *rng)
-            if cfg.qkv_bias:
-                table[f"{src}self_attn.{proj}.bias"] = _Dest(f"{dst}attn.qkv.bias", rows, 0, *rng)
+        _fuse(table, f"{src}self_attn.", f"{dst}attn.qkv", fused_qkv, cfg.qkv_bias)
         table[f"{src}self_attn.o_proj.weight"] = _Dest(f"{dst}attn.o.weight", None, 1, *q_src)
         if cfg.o_bias:
             table[f"{src}self_attn.o_proj.bias"] = _Dest(f"{dst}attn.o.bias")
         if cfg.qk_norm:
             table[f"{src}self_attn.q_norm.weight"] = _Dest(f"{dst}attn.q_norm.weight")
             table[f"{src}self_attn.k_norm.weight"] = _Dest(f"{dst}attn.k_norm.weight")
-        for proj, rows, rng in fused_gate_up:
-            table[f"{src}mlp.{proj}.weight"] = _Dest(f"{dst}mlp.gate_up.weight", rows, 0, *rng)
-            if cfg.mlp_bias:
-                table[f"{src}mlp.{proj}.bias"] = _Dest(f"{dst}mlp.gate_up.bias", rows, 0, *rng)
+        _fuse(table, f"{src}mlp.", f"{dst}mlp.gate_up", fused_gate_up, cfg.mlp_bias)
         table[f"{src}mlp.down_proj.weight"] = _Dest(f"{dst}mlp.down.weight", None, 1, *inter_src)
         if cfg.mlp_bias:
             table[f"{src}mlp.down_proj.bias"] = _Dest(f"{dst}mlp.down.bias")
         table[f"{src}input_layernorm.weight"] = _Dest(f"{dst}input_norm.weight")
         table[f"{src}post_attention_layernorm.weight"] = _Dest(f"{dst}post_norm.weight")
     return table
+
+
+def _fuse(table: dict[str, _Dest], src: str, dst: str, parts: Any, bias: bool) -> None:
+    """Map the checkpoint's separate projections ``src{proj}.weight`` (and
+    ``.bias``) onto their row ranges of our fused ``dst.weight``."""
+    for proj, rows, rng in parts:
+        table[f"{src}{proj}.weight"] = _Dest(f"{dst}.weight", rows, 0, *rng)
+        if bias:
+            table[f"{src}{proj}.bias"] = _Dest(f"{dst}.bias", rows, 0, *rng)
 
 
 def _read(f: Any, name: str, dest: _Dest, where: Path) -> torch.Tensor:

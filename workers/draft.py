@@ -25,6 +25,10 @@ draft keeps no copy of the round loop's state: :func:`ssd_protocol.resolve`
 reads the plan at the outcome, with the step and proposal of the build item
 this draft got for the round.
 
+The three stay one module (~430 lines): they share one runner and its KV,
+the speculation cache and the state of the build in progress, which a lookup
+reads and the next build continues.
+
 Every sampled token records the exact law it was drawn from (Saguaro-rescaled
 when C < 1). Random draws come from the draft stream of (seed, output
 position), so a hit and a neural backup propose the same tokens for the same
