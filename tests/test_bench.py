@@ -43,6 +43,24 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert "tok/s" in proc.stdout
 
 
+def test_step_costs_cover_only_the_models_the_benched_modes_run(zoo_tiny):
+    """`--modes ar` with the default `--draft` (zoo:small/draft) built the whole
+    small family to time a draft no mode runs."""
+    from saguaro_ray.bench.run import BenchArgs, _benched_models
+
+    args = BenchArgs(
+        target=str(zoo_tiny / "target"), draft="zoo:small/draft", qualifier="zoo:small/qualifier", modes=["ar", "hf-ar"],
+        num_drafts=[1], prompts="code", max_tokens=8, batch_sizes=[1], temperatures=[0.0], repeats=1,
+    )
+    assert _benched_models(args) == {"target": str(zoo_tiny / "target")}
+    args.modes = ["ar", "ssd"]
+    assert _benched_models(args) == {"target": str(zoo_tiny / "target"), "draft": "zoo:small/draft"}
+    args.modes = ["pyramid"]
+    assert set(_benched_models(args)) == {"target", "draft", "qualifier"}
+    args.modes = ["hf-assisted"]
+    assert set(_benched_models(args)) == {"target", "draft"}
+
+
 def test_text_prompts_come_from_heldout_docstrings(zoo_tiny):
     from saguaro_ray.prompt_sets import load_prompts
     from saguaro_ray.zoo import heldout_texts

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
 from saguaro_ray.bench.peers import PEER_MODES, PeerRunner
+from saguaro_ray.model_set import model_roles
 from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.prompt_sets import load_prompts
@@ -165,14 +166,24 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         for i, runtime in enumerate(args.runtimes):
             group = [(m, nd) for rt, m, nd in plan if rt == runtime] + [(m, 1) for m in peers if i == 0]
             runs += _run_group(args, group, runtime, prompts, bar)
-    models = {"target": args.target, "draft": args.draft} | ({"qualifier": args.qualifier} if args.qualifier else {})
     return {
         "machine": machine_info(args.threads),
-        "step_costs_ms": step_costs({k: v for k, v in models.items() if v}, threads=args.threads, dtype=args.dtype),
+        "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
         "results": summarise(runs),
         "timeline_sample": timeline_sample(runs),
     }
+
+
+def _benched_models(args: BenchArgs) -> dict[str, str]:
+    """Role → model of what the benched modes run: the step costs are measured
+    for those alone (a default ``--draft`` that no mode runs is never resolved,
+    so ``--modes ar`` does not build the zoo family it names)."""
+    roles = {"target"} | {r for m in args.modes if m not in PEER_MODES for r in model_roles(SpeculationConfig(mode=m))}
+    if "hf-assisted" in args.modes:
+        roles.add("draft")
+    given = {"target": args.target, "draft": args.draft, "qualifier": args.qualifier}
+    return {r: given[r] for r in ("target", "draft", "qualifier") if r in roles and given[r]}
 
 
 def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
