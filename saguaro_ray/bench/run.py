@@ -16,7 +16,7 @@ from typing import Any, Callable
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
 from saguaro_ray.bench.peers import PEER_MODES, PeerRunner
-from saguaro_ray.model_set import model_roles
+from saguaro_ray.model_set import needed_specs
 from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.prompt_sets import load_prompts
@@ -176,14 +176,16 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
 
 
 def _benched_models(args: BenchArgs) -> dict[str, str]:
-    """Role → model of what the benched modes run: the step costs are measured
-    for those alone (a default ``--draft`` that no mode runs is never resolved,
-    so ``--modes ar`` does not build the zoo family it names)."""
-    roles = {"target"} | {r for m in args.modes if m not in PEER_MODES for r in model_roles(SpeculationConfig(mode=m))}
-    if "hf-assisted" in args.modes:
-        roles.add("draft")
-    given = {"target": args.target, "draft": args.draft, "qualifier": args.qualifier}
-    return {r: given[r] for r in ("target", "draft", "qualifier") if r in roles and given[r]}
+    """Role → model of what the benched modes run (the one rule,
+    :func:`~saguaro_ray.model_set.needed_specs`, plus the draft hf-assisted
+    runs): the step costs are measured for those alone, so a default
+    ``--draft`` that no mode runs is never resolved (``--modes ar`` does not
+    build the zoo family it names)."""
+    engine_specs = [SpeculationConfig(mode=m) for m in args.modes if m not in PEER_MODES]
+    models = {"target": args.target, **needed_specs(engine_specs, args.target, args.draft, args.qualifier)}
+    if "hf-assisted" in args.modes and args.draft:
+        models["draft"] = args.draft
+    return models
 
 
 def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
