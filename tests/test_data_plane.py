@@ -34,7 +34,6 @@ from saguaro_ray.runtime.data_plane import (
     offload_q,
     recv_kv,
     resolve,
-    resolve_q,
     send_kv,
 )
 from saguaro_ray.runtime.wire import FrameCodec, new_key
@@ -145,8 +144,8 @@ def job_resolve(gen: int, frame: bytes, timeout_s: float = 10.0) -> tuple[Any, A
     """Resolve a call's arguments twice (the second time as a retry would)."""
     plane = _PLANES[gen]
     args = FrameCodec(KEY).decode(frame)
-    first = resolve_q(args, plane, timeout_s)
-    again = resolve_q(args, plane, 0.2)  # the senders sent once: only the memo can answer
+    first = resolve(args, plane, timeout_s)
+    again = resolve(args, plane, 0.2)  # the senders sent once: only the memo can answer
     still_refs = all(isinstance(i.proposal.q, TensorRef) for i in args if i.proposal.q is not None)
     return (first, still_refs), again, plane.stats()
 
@@ -197,7 +196,7 @@ def job_discard(gen: int, frame: bytes) -> tuple[int, dict[str, int], Any]:
     refs = [p.q for p, _ in reply.value["pairs"] if p is not None] + [reply.value["lookups"][0].proposal.q]
     taken = discard_refs(refs + refs, plane)  # twice: taking a transfer again is a no-op
     stats = _settle(plane, "pending_recvs")
-    again = resolve_q([VerifyItem(step=_step(), proposal=Proposal(tokens=[1, 2], q=refs[0]))], plane, 0.5)
+    again = resolve([VerifyItem(step=_step(), proposal=Proposal(tokens=[1, 2], q=refs[0]))], plane, 0.5)
     return taken, stats, again[0].proposal.q
 
 

@@ -29,7 +29,7 @@ from saguaro_ray.runtime.data_plane.group import DataPlane
 from saguaro_ray.runtime.data_plane.kv_pack import pack_kv, recv_kv, send_kv, unpack_kv
 from saguaro_ray.runtime.data_plane.refs import KVDeltaRef, TensorRef
 from saguaro_ray.runtime.data_plane.store import DataPlaneStore, StoreClient
-from saguaro_ray.runtime.data_plane.walkers import discard_refs, offload_kv, offload_q, resolve, resolve_q
+from saguaro_ray.runtime.data_plane.walkers import discard_refs, offload_kv, offload_q, resolve
 
 __all__ = [
     "DataPlane",
@@ -45,7 +45,6 @@ __all__ = [
     "pack_kv",
     "recv_kv",
     "resolve",
-    "resolve_q",
     "send_kv",
     "StoreClient",
     "unpack_kv",

@@ -135,8 +135,6 @@ def resolve(value: Any, plane: DataPlane, timeout_s: float) -> Any:
     return _walk(value, leaf)
 
 
-resolve_q = resolve  # the name the worker adapters use for call arguments
-
 
 def discard_refs(refs: Iterable[TensorRef | KVDeltaRef], plane: DataPlane) -> int:
     """Take, without waiting, every transfer in ``refs`` sent to this member
