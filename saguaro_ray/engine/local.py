@@ -68,7 +68,7 @@ class LocalEngine:
             self.workers["target"],
             self.eos_ids,
             self.max_context,
-            draft=[w for role, w in self.workers.items() if role.startswith("draft")],
+            draft=[w for role, w in self.workers.items() if role_kind(role) == "draft"],
             qualifier=self.workers.get("qualifier"),
         )
         self.scheduler = Scheduler(

@@ -193,7 +193,7 @@ class CoordinatorActor:
         self._broadcaster = Broadcaster(key, host=host, name="outcomes")
         self._subscribed: set[str] = set()
         for role, c in self.clients.items():
-            if role.startswith("draft"):
+            if role_kind(role) == "draft":
                 self._subscribe(c)
         for c in self.clients.values():
             c.on_recovered = self._on_recovered
@@ -202,7 +202,7 @@ class CoordinatorActor:
             self.clients["target"],
             models.eos_ids,
             models.max_context,
-            draft=[c for role, c in self.clients.items() if role.startswith("draft")],
+            draft=[c for role, c in self.clients.items() if role_kind(role) == "draft"],
             qualifier=self.clients.get("qualifier"),
             broadcast=self._broadcast,
             forward=lambda workers, method: [w.forwarded(method) for w in workers],
@@ -232,7 +232,7 @@ class CoordinatorActor:
         # the probes block on Ray calls: off this actor's event loop
         states = await asyncio.to_thread(lambda: {role: _liveness(c) for role, c in self.clients.items()})
         gone = [role for role, s in states.items() if s == "gone"]
-        fatal = [role for role in gone if not role.startswith("draft")]
+        fatal = [role for role in gone if role_kind(role) != "draft"]
         why = ", ".join(f"{role}: {s}" for role, s in states.items())
         if fatal:
             return False, f"{', '.join(fatal)} gone for good (restarts exhausted); {why}"
@@ -271,7 +271,7 @@ class CoordinatorActor:
         """A restarted worker: rebuild the data plane, and re-join the broadcast."""
         if self._store is not None:
             self._join_data_plane()
-        if client.name.startswith("draft"):
+        if role_kind(client.name) == "draft":
             self._subscribe(client)
 
     # ----------------------------------------------------------- data plane
@@ -283,13 +283,13 @@ class CoordinatorActor:
         with self._plane_lock:
             roles = list(self.clients)
             rank = {role: i for i, role in enumerate(roles)}
-            drafts = [rank[r] for r in roles if r.startswith("draft")]
+            drafts = [rank[r] for r in roles if role_kind(r) == "draft"]
             q_dst = rank.get("qualifier", 0) if self.config.spec.mode == "pyramid" else 0
             gen = next(self._generations)
             futs: list[tuple[str, Future]] = []
             for role in roles:
                 dst = None if role == "target" else 0 if role == "qualifier" else q_dst
-                peers = [d for d in drafts if d != rank[role]] if role.startswith("draft") else []
+                peers = [d for d in drafts if d != rank[role]] if role_kind(role) == "draft" else []
                 futs.append(
                     (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers))
                 )
