@@ -80,7 +80,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from saguaro_ray.runtime.engine import Engine
 
         # bad models or requests fail here in milliseconds, before Ray starts
-        Frontend.for_models(ModelSet.from_specs(config.models), config.spec.mode).make_sequences(prompts, params, args.n)
+        Frontend.for_models(ModelSet.from_specs(config.models), config.spec).make_sequences(prompts, params, args.n)
         engine = Engine.launch(config)
         close = engine.shutdown
     try:

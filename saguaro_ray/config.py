@@ -46,7 +46,10 @@ class SamplingParams:
     token ids, its text left out). The engine checks stops after every token,
     so decoding ends in the round that meets one. ``deadline_s``: seconds the
     request may take from its submission, queueing included; past it the
-    engine aborts it (``DeadlineExceededError``).
+    engine aborts it (``DeadlineExceededError``). ``speculation``: this
+    request's :class:`Strategy` (a mode name or a dict is accepted too);
+    ``None`` leaves it to the engine's default (``auto`` unless configured
+    otherwise). It changes speed, never the output.
     """
 
     temperature: float = 1.0
@@ -58,8 +61,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     deadline_s: float | None = None
+    speculation: "Strategy | None" = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculation", Strategy.of(self.speculation))
         # a single string or any sequence is accepted; kept as a tuple (hashable, and it rides the wire as one)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or any(
@@ -104,14 +109,62 @@ class SamplingParams:
         return replace(self, seed=seed)
 
 
-MODES = ("ar", "sd", "ssd", "pyramid")
+MODES = ("ar", "sd", "ssd", "pyramid")  # the fixed strategies
+STRATEGY_MODES = ("auto", *MODES)  # what a request or an engine's default may name
+DEFAULT_MAX_K = 8  # the largest K auto (and a request) may use unless configured
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one request's sequences speculate (DESIGN §5, strategy per sequence).
+
+    ``mode``: ``auto`` (the engine picks K, SD or SSD for each sequence before
+    every round, from a cost model it fits online) or a fixed ``ar`` / ``sd`` /
+    ``ssd`` / ``pyramid``. ``k``: draft tokens per round for ``sd``/``ssd``,
+    the largest K ``auto`` may pick for this request; ``None``: the engine's.
+    Checked against what the engine allows when the request is submitted
+    (:class:`~saguaro_ray.engine.strategy_menu.StrategyMenu`).
+    """
+
+    mode: str = "auto"
+    k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in STRATEGY_MODES:
+            raise ConfigError(f"speculation.mode must be one of {', '.join(STRATEGY_MODES)}; got {self.mode!r}")
+        if self.k is not None:
+            if not _is_int(self.k) or self.k < 1:
+                raise ConfigError(f"speculation.k must be a positive integer or null, got {self.k!r}")
+            if self.mode in ("ar", "pyramid"):
+                raise ConfigError(f"speculation.k does not apply to mode {self.mode!r} (ar drafts nothing; pyramid uses the engine's lq/ld)")
+
+    @classmethod
+    def of(cls, value: "Strategy | str | dict | None") -> "Strategy | None":
+        """``value`` as a :class:`Strategy`: a mode name, a ``{"mode", "k"}`` dict, or one already."""
+        if value is None or isinstance(value, Strategy):
+            return value
+        if isinstance(value, str):
+            return cls(mode=value)
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"mode", "k"})
+            if unknown:
+                raise ConfigError(f"speculation has unknown field(s) {unknown}; valid: mode, k")
+            return cls(**value)
+        raise ConfigError(f"speculation must be a mode name or an object with mode and k, got {value!r}")
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Which decoding mode runs and how it speculates.
+    """How an engine speculates: the strategies its requests may use and their parameters.
 
-    ``k``: draft tokens per round (SD/SSD). ``fanout``: ``"auto"`` (geometric
+    ``mode``: the strategy of a request that names none — ``auto`` (the
+    default: the engine picks per sequence and round) or a fixed mode.
+    ``allow``: the strategies requests may name; empty: ``mode`` alone, or,
+    for ``auto``, every mode the engine's models can run (see
+    :func:`~saguaro_ray.model_set.allowed_modes`). One set of workers serves
+    them all in one batch. ``k``: draft tokens per round of a fixed SD/SSD
+    sequence that names no K; ``max_k`` (default: 8, or ``k`` with an
+    explicit fan-out): the largest K a request or ``auto`` may use. ``fanout``: ``"auto"`` (geometric
     allocation of ``budget`` fitted online) or an explicit tuple of K+1 counts.
     ``saguaro_c``: Saguaro sampling's down-weighting C in (0, 1] (1 = off).
     ``backup``: what serves an SSD cache miss. PyramidSD: the draft proposes
@@ -119,8 +172,10 @@ class SpeculationConfig:
     thresholds as in DESIGN §4 — any τ > 0 is lossy and needs ``allow_lossy``.
     """
 
-    mode: str = "ar"
+    mode: str = "auto"
+    allow: tuple[str, ...] = ()
     k: int = 4
+    max_k: int | None = None
     fanout: str | tuple[int, ...] = "auto"
     budget: int = 8
     saguaro_c: float = 1.0
@@ -135,29 +190,44 @@ class SpeculationConfig:
     allow_lossy: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.mode not in STRATEGY_MODES:
+            raise ConfigError(f"mode must be one of {', '.join(STRATEGY_MODES)}; got {self.mode!r}")
+        allow = (self.allow,) if isinstance(self.allow, str) else self.allow
+        if not isinstance(allow, (list, tuple)) or any(m not in STRATEGY_MODES for m in allow):
+            raise ConfigError(f"allow must list strategies among {', '.join(STRATEGY_MODES)}; got {self.allow!r}")
+        object.__setattr__(self, "allow", tuple(dict.fromkeys(allow)))
+        if self.allow and self.mode not in self.allow:
+            raise ConfigError(f"the default mode {self.mode!r} must be one of allow {list(self.allow)}")
         BackupPolicy(self.backup)  # validates the name
         for name in ("k", "budget", "lq", "ld"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_k is not None and (not _is_int(self.max_k) or self.max_k < self.k):
+            raise ConfigError(f"max_k must be an integer >= k ({self.k}), got {self.max_k!r}")
         if not 0 < self.saguaro_c <= 1:
             raise ConfigError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
         if self.fanout != "auto":
-            if not isinstance(self.fanout, tuple) or len(self.fanout) != self.k + 1 or any(
-                not isinstance(f, int) or f < 0 for f in self.fanout
-            ):
-                raise ConfigError(f"fanout must be 'auto' or {self.k + 1} non-negative integers (one per k = 0..K), got {self.fanout!r}")
+            n = self.k_max + 1
+            if not isinstance(self.fanout, tuple) or len(self.fanout) != n or any(not isinstance(f, int) or f < 0 for f in self.fanout):
+                raise ConfigError(f"fanout must be 'auto' or {n} non-negative integers (one per k = 0..max_k), got {self.fanout!r}")
         lossy = validate_pyramid(self.stage1, self.stage2, self.tau_q, self.tau_t, self.div, self.allow_lossy)
-        object.__setattr__(self, "_lossy", lossy and self.mode == "pyramid")
+        object.__setattr__(self, "_lossy", lossy and "pyramid" in self.named)
+
+    @property
+    def k_max(self) -> int:
+        """The largest K any sequence of this engine speculates with."""
+        if self.max_k is not None:
+            return self.max_k
+        return self.k if self.fanout != "auto" else max(self.k, DEFAULT_MAX_K)
+
+    @property
+    def named(self) -> tuple[str, ...]:
+        """The strategies this config names (``allow``, else ``mode``)."""
+        return self.allow or (self.mode,)
 
     @property
     def lossy(self) -> bool:
-        """True only for PyramidSD with a fuzzy stage at τ > 0."""
+        """True only when PyramidSD with a fuzzy stage at τ > 0 is allowed (its requests are lossy)."""
         return self._lossy  # type: ignore[attr-defined]
-
-    @property
-    def needs_draft(self) -> bool:
-        return self.mode in ("sd", "ssd", "pyramid")
 

@@ -1,8 +1,10 @@
 """The models an engine runs, and the facts every engine derives from them — in one place.
 
-Which models a decoding mode needs is decided here and nowhere else: the
-target always, a draft for ``sd``/``ssd``/``pyramid``, a qualifier for
-``pyramid``. A :class:`ModelSet` resolves those specs through
+Which models an engine's strategies need is decided here and nowhere else:
+the target always, a draft for ``sd``/``ssd``/``pyramid`` (and for ``auto``
+when one is given: without it ``auto`` is AR), a qualifier for ``pyramid``;
+and which strategies an engine allows follows from the same rule
+(:func:`allowed_modes`). A :class:`ModelSet` resolves those specs through
 :mod:`saguaro_ray.models.resolve` (which may build or convert a named model
 on first use — in the driver, before any worker starts), opens and validates
 every checkpoint and the target's tokenizer, refuses a draft or qualifier
@@ -30,16 +32,31 @@ if TYPE_CHECKING:
 ModelSpec = Spec | ModelRef
 
 
-def model_roles(spec: "SpeculationConfig") -> tuple[str, ...]:
-    """The model roles ``spec``'s mode runs, target first."""
-    return ("target",) + (("draft",) if spec.needs_draft else ()) + (("qualifier",) if spec.mode == "pyramid" else ())
+def allowed_modes(spec: "SpeculationConfig", has_draft: bool, has_qualifier: bool) -> tuple[str, ...]:
+    """The strategies requests to an engine of ``spec`` may name: ``allow``
+    as configured, else the default ``mode`` alone — or, for ``auto``,
+    ``auto`` and every fixed mode the given models can run."""
+    if spec.allow:
+        return spec.allow
+    if spec.mode != "auto":
+        return (spec.mode,)
+    return ("auto", "ar") + (("sd", "ssd") if has_draft else ()) + (("pyramid",) if has_draft and has_qualifier else ())
 
 
-def worker_roles(spec: "SpeculationConfig", num_drafts: int) -> list[str]:
+def model_roles(spec: "SpeculationConfig", has_draft: bool = False, has_qualifier: bool = False) -> tuple[str, ...]:
+    """The model roles an engine of ``spec`` runs, target first
+    (``has_*``: whether that model was given — ``auto`` uses a draft when
+    there is one)."""
+    allowed = allowed_modes(spec, has_draft, has_qualifier)
+    draft = bool({"sd", "ssd", "pyramid"} & set(allowed)) or ("auto" in allowed and has_draft)
+    return ("target",) + (("draft",) if draft else ()) + (("qualifier",) if "pyramid" in allowed else ())
+
+
+def worker_roles(spec: "SpeculationConfig", num_drafts: int, has_draft: bool = False, has_qualifier: bool = False) -> list[str]:
     """The distributed engine's worker roles in launch order: ``target``,
     ``draft0``..``draft{num_drafts-1}`` (SSD splits the outcome set between
     them), ``qualifier``."""
-    return [w for role in model_roles(spec) for w in ([f"draft{i}" for i in range(num_drafts)] if role == "draft" else [role])]
+    return [w for role in model_roles(spec, has_draft, has_qualifier) for w in ([f"draft{i}" for i in range(num_drafts)] if role == "draft" else [role])]
 
 
 def role_kind(role: str) -> str:
@@ -58,9 +75,10 @@ def needed_specs(
         raise ConfigError("target model is required")
     out: dict[str, ModelSpec] = {}
     for spec in modes:
-        for role in model_roles(spec):
+        for role in model_roles(spec, bool(draft), bool(qualifier)):
             if not given[role]:
-                raise ConfigError(f"mode {spec.mode!r} needs a {role} model")
+                needs = [m for m in allowed_modes(spec, bool(draft), bool(qualifier)) if m in (("pyramid",) if role == "qualifier" else ("sd", "ssd", "pyramid"))]
+                raise ConfigError(f"mode {needs[0]!r} needs a {role} model")
             out[role] = given[role]  # type: ignore[assignment]
     return {role: out[role] for role in given if role in out}
 

@@ -23,10 +23,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
-from saguaro_ray.config import SamplingParams
+from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.stops import StopChecker
+from saguaro_ray.engine.strategy_menu import StrategyMenu
 from saguaro_ray.errors import ConfigError, PromptTooLongError
 from saguaro_ray.model_set import ModelSet
 from saguaro_ray.tokenizer import IncrementalDecoder
@@ -80,19 +81,21 @@ class _Stream:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_context: int, mode: str, scheduler: Scheduler | None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_context: int, menu: StrategyMenu, scheduler: Scheduler | None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
-        self.mode = mode
+        self.menu = menu
         self.scheduler = scheduler
         self._next_id = 0
         self._id_lock = threading.Lock()
 
     @classmethod
-    def for_models(cls, models: ModelSet, mode: str, scheduler: Scheduler | None = None) -> "Frontend":
-        """The front of an engine running ``models`` (its vocabulary and context window)."""
-        return cls(models.tokenizer, models.vocab_size, models.max_context, mode, scheduler)
+    def for_models(cls, models: ModelSet, spec: SpeculationConfig, scheduler: Scheduler | None = None) -> "Frontend":
+        """The front of an engine of ``spec`` running ``models`` (its vocabulary,
+        context window and the strategies it offers)."""
+        menu = StrategyMenu.of(spec, "draft" in models.refs, "qualifier" in models.refs)
+        return cls(models.tokenizer, models.vocab_size, models.max_context, menu, scheduler)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -114,8 +117,9 @@ class Frontend:
             raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} sampling parameter sets")
         for p in plist:
             p.check_samples(n)
+        strategies = [self.menu.resolve(p.speculation) for p in plist]
         seqs = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        for i, (prompt, p, strategy) in enumerate(zip(prompts, plist, strategies)):
             ids = self.encode(prompt)
             if len(ids) + p.max_tokens > self.max_context:
                 raise PromptTooLongError(
@@ -128,7 +132,9 @@ class Frontend:
             base = p.seed if p.seed is not None else secrets.randbelow(2**31)
             for j in range(n):
                 stopper = StopChecker(self.tokenizer, p.stop, p.stop_token_ids) if p.stop or p.stop_token_ids else None
-                seqs.append(SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j, stopper=stopper))
+                seqs.append(
+                    SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j, stopper=stopper, strategy=strategy)
+                )
         return seqs
 
     def _new_id(self) -> int:
@@ -220,7 +226,7 @@ class Frontend:
         return GenerationResult(
             prompt_index=s.prompt_index,
             sample_index=s.sample_index,
-            mode=self.mode,
+            mode=s.strategy.mode,
             token_ids=list(s.output_ids),
             text=s.stopper.final_text() if s.stopper is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
             finish_reason=s.finish_reason or "length",

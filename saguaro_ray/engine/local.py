@@ -51,7 +51,7 @@ class LocalEngine:
             return ModelRunner(ckpts[role], **config.runner_options, quantize=refs[role].quantize)
 
         runners = {role: runner(role) for role in ckpts}
-        if spec.needs_draft:
+        if "draft" in ckpts:
             for i in range(1, config.num_drafts):  # further drafts: their own copy of the draft model
                 runners[f"draft{i}"] = runner("draft")
         logic = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
@@ -78,7 +78,7 @@ class LocalEngine:
             block_size=max(r.kv.block_size for r in runners.values()),
             max_queued=config.max_queued,
         )
-        self.frontend = Frontend.for_models(models, spec.mode, self.scheduler)
+        self.frontend = Frontend.for_models(models, spec, self.scheduler)
 
     @property
     def mode(self) -> str:

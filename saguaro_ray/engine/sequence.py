@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from saguaro_ray.config import SamplingParams
+from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.engine.stops import StopChecker
 
 
@@ -23,6 +23,7 @@ class SequenceState:
     finish_reason: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     stopper: StopChecker | None = None  # the request's stop strings / stop token ids, if any
+    strategy: Strategy = field(default_factory=lambda: Strategy("ar"))  # resolved by the engine's StrategyMenu
     # speculation bookkeeping (the round loop's)
     proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
     rounds: int = 0  # verification rounds, the prefill round included
@@ -30,6 +31,13 @@ class SequenceState:
     accepted_total: int = 0
     lookups: int = 0
     hits: int = 0
+    mode: str | None = None  # the fixed mode this round runs it with (auto's pick, or its strategy's)
+    k: int = 0  # ... and its K
+    chosen: dict[str, int] = field(default_factory=dict)  # rounds run per mode (the per-request ``strategy`` stat)
+    k_total: int = 0  # sum of K over its speculative rounds (mean K)
+    # per worker kind: the committed length of the last step sent to it (a draft that sat out
+    # rounds catches up from there; see RoundLoop.step)
+    fed: dict[str, int] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

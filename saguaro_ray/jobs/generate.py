@@ -147,6 +147,7 @@ def _params(args: argparse.Namespace, row: dict[str, Any]) -> Any:
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    from saguaro_ray.cli_flags import speculation_from_args
     from saguaro_ray.engine.frontend import Frontend
     from saguaro_ray.errors import ConfigError, SaguaroError
 
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     # validate every remaining prompt up front, per prompt (one bad line must not sink the job)
     params = {i: _params(args, rows[i]) for i in todo}
     handle, owned, models = _engine(args)
-    frontend = Frontend.for_models(models, args.mode)
+    frontend = Frontend.for_models(models, speculation_from_args(args))
     failures = 0
     t0 = time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -215,7 +215,7 @@ class CoordinatorActor:
             block_size=max(i["block_size"] for i in infos),
             max_queued=config.max_queued,
         )
-        self.frontend = Frontend.for_models(models, config.spec.mode, self.scheduler)
+        self.frontend = Frontend.for_models(models, config.spec, self.scheduler)
 
     async def ready(self) -> bool:
         return True

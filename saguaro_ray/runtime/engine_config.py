@@ -13,7 +13,7 @@ from typing import Any
 
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.errors import ConfigError
-from saguaro_ray.model_set import ModelSpec, needed_specs, role_kind, worker_roles
+from saguaro_ray.model_set import ModelSpec, allowed_modes, needed_specs, role_kind, worker_roles
 from saguaro_ray.models.spec import ModelRef, check_spec
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -89,10 +89,10 @@ class EngineConfig:
             check_spec(role, getattr(self, role))
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
-        if self.num_drafts > 1 and self.spec.mode != "ssd":
+        if self.num_drafts > 1 and not {"ssd", "auto"} & set(self.allowed_modes):
             # only SSD divides work between drafts (the outcome set); elsewhere
             # the extra actors would sit idle on a device of their own
-            raise ConfigError(f"num_drafts > 1 needs mode 'ssd' (mode is {self.spec.mode!r})")
+            raise ConfigError(f"num_drafts > 1 needs mode 'ssd' allowed (this engine allows {list(self.allowed_modes)})")
         if not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool) or self.target_tp < 1:
             raise ConfigError(f"target_tp must be a positive integer, got {self.target_tp!r}")
         if self.target_placement_strategy not in STRATEGIES:
@@ -130,9 +130,14 @@ class EngineConfig:
         return needed_specs([self.spec], self.target, self.draft, self.qualifier)
 
     @property
+    def allowed_modes(self) -> tuple[str, ...]:
+        """The strategies this engine's requests may name (see :func:`~saguaro_ray.model_set.allowed_modes`)."""
+        return allowed_modes(self.spec, self.draft is not None, self.qualifier is not None)
+
+    @property
     def roles(self) -> list[str]:
         """Worker roles in launch order: target, draft0..draftD-1, qualifier."""
-        return worker_roles(self.spec, self.num_drafts)
+        return worker_roles(self.spec, self.num_drafts, self.draft is not None, self.qualifier is not None)
 
     @property
     def num_worker_actors(self) -> int:
