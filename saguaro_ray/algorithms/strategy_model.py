@@ -83,7 +83,7 @@ import logging
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
@@ -102,13 +102,13 @@ ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 
 # acceptance priors per bucket (a moderately good draft, worse as sampling spreads) and the
-# pseudo-observations they are worth; an SSD miss's backup is unknown (fast or neural): 0.3
+# pseudo-observations they are worth
 _ACCEPT_PRIOR = (0.7, 0.6, 0.5, 0.4)
-_MISS_PRIOR = 0.3
 _HIT_PRIOR = 0.5
-_PRIOR_WEIGHT = 4.0  # bucket pooled rate ← prior; position rate ← pooled rate; hit rate ← prior
+_PRIOR_WEIGHT = 4.0  # bucket pooled rate ← prior; hit rate ← prior
+_POSITION_WEIGHT = 16.0  # a position's rate ← the pooled rate (a draft's conditional rate varies slowly along K)
 _SEQ_WEIGHT = 8.0  # a sequence's own rate ← its bucket's
-_RATE_STEPS = 20  # a sequence's rate is quantised to 1/20 for grouping
+_RATE_STEPS = 10  # a sequence's rate is quantised to 1/10 for grouping
 _ALPHA_MAX = 0.99
 _DRAFT_STEP_PRIOR = 0.2  # an unmeasured draft step costs this share of a verification of as many tokens
 _SSD_EXPOSED_PRIOR = 0.1  # unmeasured SSD exposure: this share of the verification intercept
@@ -299,14 +299,15 @@ class _Acceptance:
     was last seen while nothing new arrives (only the evidence fades, which is
     what exploration reads), instead of sliding back to the prior."""
 
-    def __init__(self, max_k: int, prior: float) -> None:
-        self.prior = prior
+    def __init__(self, max_k: int, prior: "float | _Acceptance") -> None:
+        self.prior = prior  # a rate, or the table whose pooled rate is this one's prior
         self.prior_weight = _PRIOR_WEIGHT
         self.tested = [0.0] * max_k
         self.accepted = [0.0] * max_k
 
     def age(self) -> None:
-        self.prior_weight *= ACCEPT_DECAY
+        if not isinstance(self.prior, _Acceptance):  # a live parent stays as firm as it is
+            self.prior_weight *= ACCEPT_DECAY
         for j in range(len(self.tested)):
             self.tested[j] *= ACCEPT_DECAY
             self.accepted[j] *= ACCEPT_DECAY
@@ -319,11 +320,12 @@ class _Acceptance:
                 self.accepted[j] += 1.0
 
     def pooled(self) -> float:
-        return (sum(self.accepted) + self.prior_weight * self.prior) / (sum(self.tested) + self.prior_weight)
+        prior = self.prior.pooled() if isinstance(self.prior, _Acceptance) else self.prior
+        return (sum(self.accepted) + self.prior_weight * prior) / (sum(self.tested) + self.prior_weight)
 
     def alphas(self) -> list[float]:
         r = self.pooled()
-        return [min(_ALPHA_MAX, (a + _PRIOR_WEIGHT * r) / (t + _PRIOR_WEIGHT)) for a, t in zip(self.accepted, self.tested)]
+        return [min(_ALPHA_MAX, (a + _POSITION_WEIGHT * r) / (t + _POSITION_WEIGHT)) for a, t in zip(self.accepted, self.tested)]
 
     def upper(self) -> list[float]:
         """Optimistic per-position rates: :data:`UPPER_Z` standard errors above the estimate."""
@@ -377,19 +379,21 @@ def _expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[
     return out
 
 
-@dataclass
 class _Load:
     """A round's totals as the cost model sees them: the fixed sequences' part, then a candidate's."""
 
-    n: int = 0
-    tokens: int = 0
-    e: float = 0.0  # expected emitted tokens (switch costs included)
-    n_sd: int = 0
-    steps: int = 0  # the SD group's largest K: its sequential draft steps
-    n_ssd: int = 0
-    ssd_k: int = 0  # the SSD group's largest K: a neural backup's sequential steps
-    log_hit: float = 0.0  # log P(every SSD sequence hits)
-    miss_k: float = 0.0  # expected Σ K over the SSD sequences that miss
+    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.tokens = 0
+        self.e = 0.0  # expected emitted tokens (switch costs included)
+        self.n_sd = 0
+        self.steps = 0  # the SD group's largest K: its sequential draft steps
+        self.n_ssd = 0
+        self.ssd_k = 0  # the SSD group's largest K: a neural backup's sequential steps
+        self.log_hit = 0.0  # log P(every SSD sequence hits)
+        self.miss_k = 0.0  # expected Σ K over the SSD sequences that miss
 
     def add(self, count: int, mode: str, k: int, e: float, hit: float) -> None:
         self.n += count
@@ -397,15 +401,20 @@ class _Load:
         self.e += count * e
         if mode == "sd":
             self.n_sd += count
-            self.steps = max(self.steps, k)
+            if k > self.steps:
+                self.steps = k
         elif mode == "ssd":
             self.n_ssd += count
-            self.ssd_k = max(self.ssd_k, k)
+            if k > self.ssd_k:
+                self.ssd_k = k
             self.log_hit += count * math.log(min(max(hit, 1e-9), 1.0 - 1e-9))
             self.miss_k += count * (1.0 - hit) * k
 
     def copy(self) -> "_Load":
-        return replace(self)
+        out = _Load.__new__(_Load)
+        for name in _Load.__slots__:
+            setattr(out, name, getattr(self, name))
+        return out
 
 
 @dataclass
@@ -430,7 +439,7 @@ class _Costs:
 class _Group:
     """Sequences the model cannot tell apart: one choice for all of them."""
 
-    __slots__ = ("bucket", "scale", "cap", "modes", "in_ssd", "members", "seq_ids", "hit", "e_sd", "e_ssd", "leave", "opt")
+    __slots__ = ("bucket", "scale", "cap", "modes", "in_ssd", "members", "seq_ids", "hit", "e_sd", "e_ssd", "entry", "leave", "opt")
 
     def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool) -> None:
         self.bucket = bucket
@@ -443,6 +452,7 @@ class _Group:
         self.seq_ids: list[int] = []
         self.e_sd: list[float] = [1.0]  # expected tokens by K (index 0: AR), switch cost included
         self.e_ssd: list[float] = [1.0]
+        self.entry: list[float] = [0.0]  # tokens an SSD entry's forced miss costs, by K
         self.leave = 0.0  # a sequence in SSD choosing AR or SD pays this (the hysteresis band)
         self.opt: tuple[str, int] = ("ar", 0)
 
@@ -451,6 +461,16 @@ class _Group:
         if mode == "ssd":
             return self.e_ssd[k]
         return (self.e_sd[k] if mode == "sd" else 1.0) - self.leave
+
+    def excursion(self, opt: tuple[str, int]) -> float:
+        """Tokens per member that trying ``opt`` for one round costs beyond
+        :meth:`value`'s amortised switch: an entry into SSD, or the re-entry
+        after a round out of it, is paid in full."""
+        if opt[0] == "ssd" and not self.in_ssd:
+            return self.entry[opt[1]] * (1.0 - 1.0 / SWITCH_HORIZON)
+        if opt[0] != "ssd" and self.in_ssd:
+            return self.leave * (SWITCH_HORIZON - 1.0)
+        return 0.0
 
 
 class AutoPolicy:
@@ -477,9 +497,11 @@ class AutoPolicy:
         self._ssd = _EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._ctl = _EwLeastSquares(2, COST_DECAY)
         self._draft = [_Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
-        self._miss = [_Acceptance(max_k, _MISS_PRIOR) for _ in BUCKETS]  # SSD misses (the backup's proposal)
+        # SSD misses (the backup's proposal), a priori accepted like the draft: backup="auto"
+        # serves misses neurally where they are rare (small batches), which is where a prior
+        # matters; where the point-mass backup wins, misses are common and the data soon rule
+        self._miss = [_Acceptance(max_k, d) for d in self._draft]
         self._hit = [_Rate(_HIT_PRIOR) for _ in BUCKETS]
-        self._tokens_seen: dict[int, float] = {}  # decayed count of verifications by log-token bin
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
         self._held: dict[int, tuple[Choice, int]] = {}  # an exploration in progress: choice, rounds left
@@ -487,6 +509,7 @@ class AutoPolicy:
         self._chosen = 0
         self._explored = 0
         self._last_counts = {m: 0 for m in AUTO_MODES}
+        self._last_rate = 0.0  # the last round's predicted tokens/s: the search's starting λ
 
     # ------------------------------------------------------------------ learning
 
@@ -495,10 +518,6 @@ class AutoPolicy:
         self._observed += 1
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
             self._verify.add((1.0, float(costs.verify_tokens)), costs.verify_s)
-            for b in list(self._tokens_seen):
-                self._tokens_seen[b] *= COST_DECAY
-            b = _token_bin(costs.verify_tokens)
-            self._tokens_seen[b] = self._tokens_seen.get(b, 0.0) + 1.0
         if costs.draft_steps > 0 and costs.draft_batch > 0:
             self._step.add((1.0, float(costs.draft_batch)), costs.draft_s / costs.draft_steps)
         else:
@@ -663,9 +682,13 @@ class AutoPolicy:
             load.add(1, c.mode, c.k, e, hit)
         return load
 
-    def _evaluate(self, groups: list[_Group], opts: list[tuple[str, int]], base: _Load, costs: _Costs) -> tuple[float, float]:
-        """(expected tokens per second, P(every SSD sequence hits)) of the round if group i runs opts[i]."""
+    def _evaluate(
+        self, groups: list[_Group], opts: list[tuple[str, int]], base: _Load, costs: _Costs, extra: float = 0.0
+    ) -> tuple[float, float]:
+        """(expected tokens per second, P(every SSD sequence hits)) of the round if group i
+        runs opts[i] (``extra``: tokens to add, e.g. an excursion's cost)."""
         load = base.copy()
+        load.e += extra
         for g, opt in zip(groups, opts):
             load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit)
         t = costs.round_time(load)
@@ -674,11 +697,14 @@ class AutoPolicy:
     def _optimise(self, groups: list[_Group], base: _Load, costs: _Costs) -> float:
         """Sets every group's ``opt``; returns the predicted tokens per second.
 
-        For each configuration — the SD group's step count S and the SSD
-        group's largest K, Q — every group's best choice separates once the
-        ratio is linearised at λ (and P(all SSD hit) at the incumbent's); the
-        candidate is then evaluated exactly. λ and the incumbent are updated
-        until the incumbent stands (Dinkelbach)."""
+        A configuration is the SD group's step count S and the SSD group's
+        largest K, Q. For one, every group's best choice separates once the
+        ratio is linearised at λ (and P(all SSD sequences hit) at the
+        incumbent's): N − λ·T. Each candidate is then evaluated exactly; S and
+        Q are swept in turn from the incumbent's, λ ← the best ratio, until the
+        incumbent stands (Dinkelbach). Each sweep also tries the other mode
+        off: a step count held fixed would hide its own fixed cost. λ starts
+        at the last round's ratio, where it usually already is."""
         b_tok, d_step = costs.ver[1], costs.step[1]
         _, e_seq, e_any, e_miss = costs.ssd
         s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
@@ -687,56 +713,69 @@ class AutoPolicy:
         q_values = ([0] if not base.ssd_k else []) + list(range(max(1, base.ssd_k), q_max + 1))
         best_opts: list[tuple[str, int]] = [("ar", 0)] * len(groups)
         best, all_hit = self._evaluate(groups, best_opts, base, costs)
-        lam = best
+        config = (s_values[0], q_values[0])
+        lam = max(best, self._last_rate)
+        seen: set[tuple[tuple[str, int], ...]] = set()
         for _ in range(_DINKELBACH_ITERS):
             per_group = []
             for g, inc in zip(groups, best_opts):
-                ar_val = g.value(("ar", 0)) - lam * b_tok
-                sd_pref = _prefix_best([g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else [])
                 miss = 1.0 - g.hit
-                ssd_pref = _prefix_best(
-                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * miss * k) for k in range(1, g.cap + 1)] if "ssd" in g.modes else []
-                )
+                sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+                ssd = [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * miss * k) for k in range(1, g.cap + 1)] if "ssd" in g.modes else []
                 # the group's share of what it adds to P(some SSD sequence misses) if all of it runs SSD
                 c = len(g.members)
                 joined = g.hit**c
                 others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
-                per_group.append((ar_val, sd_pref, ssd_pref, lam * e_any * others * (1.0 - joined) / c))
+                any_cost = lam * e_any * others * (1.0 - joined) / c
+                per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), any_cost))
+
+            def picks(s: int, q: int) -> list[tuple[str, int]]:
+                opts = []
+                for ar_val, sd_pref, ssd_pref, any_cost in per_group:
+                    v, pick = ar_val, ("ar", 0)
+                    if s and sd_pref:
+                        sv, k = sd_pref[min(s, len(sd_pref)) - 1]
+                        if sv - lam * s * d_step > v:
+                            v, pick = sv - lam * s * d_step, ("sd", k)
+                    if q and ssd_pref:
+                        qv, k = ssd_pref[min(q, len(ssd_pref)) - 1]
+                        if qv - q * any_cost > v:
+                            pick = ("ssd", k)
+                    opts.append(pick)
+                return opts
+
             incumbent = best_opts
-            for s in s_values:
-                for q in q_values:
-                    opts = []
-                    for ar_val, sd_pref, ssd_pref, any_cost in per_group:
-                        v, pick = ar_val, ("ar", 0)
-                        if s and sd_pref:
-                            sv, k = sd_pref[min(s, len(sd_pref)) - 1]
-                            if sv - lam * s * d_step > v:
-                                v, pick = sv - lam * s * d_step, ("sd", k)
-                        if q and ssd_pref:
-                            qv, k = ssd_pref[min(q, len(ssd_pref)) - 1]
-                            if qv - q * any_cost > v:
-                                pick = ("ssd", k)
-                        opts.append(pick)
+            for sweep in range(2):  # S with Q held or off, then Q with S held or off
+                s_off, q_off = s_values[0], q_values[0]
+                if sweep == 0:
+                    configs = [(v, q) for v in s_values for q in dict.fromkeys((config[1], q_off))]
+                else:
+                    configs = [(s, v) for v in q_values for s in dict.fromkeys((config[0], s_off))]
+                for s, q in configs:
+                    opts = picks(s, q)
+                    key = tuple(opts)
+                    if key in seen:
+                        continue  # configurations that lead to the same choices: evaluated once
+                    seen.add(key)
                     r, hit = self._evaluate(groups, opts, base, costs)
                     if r > best * (1.0 + 1e-12):
-                        best, best_opts, all_hit = r, opts, hit
-            if best_opts is incumbent:
-                break
+                        best, best_opts, all_hit, config = r, opts, hit, (s, q)
+            if best_opts is incumbent and lam == best:
+                break  # λ is the incumbent's own ratio and nothing beats it
             lam = best
+            seen.clear()  # λ moved: the same choices may now come from other configurations
         for g, o in zip(groups, best_opts):
             g.opt = o
+        self._last_rate = best
         return best
 
     # ------------------------------------------------------------------ exploring
 
-    def _cost_evidence(self, mode: str, tokens: int) -> float:
-        """Recent rounds behind the costs of running ``mode`` at ``tokens``: verification
-        near that token count, and that mode's drafting."""
-        bin_ = _token_bin(tokens)
-        ev = sum(self._tokens_seen.get(b, 0.0) for b in (bin_ - 1, bin_, bin_ + 1))
+    def _cost_evidence(self, mode: str) -> float:
+        """Recent rounds behind the drafting cost of ``mode`` (AR drafts nothing)."""
         if mode == "sd":
-            return min(ev, self._step.weight)
-        return min(ev, self._ssd.weight) if mode == "ssd" else ev
+            return self._step.weight
+        return self._ssd.weight if mode == "ssd" else math.inf
 
     def _optimistic(self, g: _Group) -> _Group:
         """``g`` valued with its bucket's acceptance and hit rates at their upper bounds."""
@@ -766,25 +805,24 @@ class AutoPolicy:
         if self._explored + _ENTRY_EXPLORE_ROUNDS > self.explore * self._chosen:
             return  # wait until the budget covers any exploration, the longest included
         opts = [g.opt for g in groups]
-        tokens = base.tokens + sum(len(g.members) * (g.opt[1] + 1) for g in groups)
         optimistic: dict[int, _Group] = {}
-        candidates: list[tuple[tuple[str, int], tuple[str, int]]] = []
+        candidates: list[tuple[float, float, tuple[str, int], tuple[str, int]]] = []
         for opt in dict.fromkeys(opts):
             for alt in self._neighbours(next(g for g in groups if g.opt == opt)):
                 moved = [i for i, g in enumerate(groups) if g.opt == opt and alt in self._neighbours(g)]
                 trial = [alt if i in moved else o for i, o in enumerate(opts)]
+                cost = -sum(len(groups[i].members) * groups[i].excursion(alt) for i in moved)
                 score = 0.0
                 if alt[0] != "ar":
                     up = [optimistic.setdefault(i, self._optimistic(g)) if i in moved else g for i, g in enumerate(groups)]
-                    score = self._evaluate(up, trial, base, costs)[0]
-                new_tokens = tokens + sum(len(groups[i].members) for i in moved) * (alt[1] - opt[1])
-                if self._cost_evidence(alt[0], new_tokens) < EVIDENCE_MIN:
-                    score = max(score, self._evaluate(groups, trial, base, costs)[0] / (1.0 - EXPLORE_MARGIN))
+                    score = self._evaluate(up, trial, base, costs, cost)[0]
+                if self._cost_evidence(alt[0]) < EVIDENCE_MIN:
+                    score = max(score, self._evaluate(groups, trial, base, costs, cost)[0] / (1.0 - EXPLORE_MARGIN))
                 if score > best:
-                    candidates.append((opt, alt))
+                    candidates.append((-score, self._rng.random(), opt, alt))
         if not candidates:
             return
-        opt, alt = candidates[self._rng.randrange(len(candidates))]
+        _, _, opt, alt = min(candidates)
         moved_groups = [g for g in groups if g.opt == opt and alt in self._neighbours(g)]
         # an SSD entry is held a second round: the first is a forced miss and measures no hit rate
         rounds = _ENTRY_EXPLORE_ROUNDS if alt[0] == "ssd" and not all(g.in_ssd for g in moved_groups) else 1
@@ -834,7 +872,8 @@ def _fill_values(g: _Group, alphas: list[float], miss: list[float], hit: float) 
         g.e_sd = e_draft
     if "ssd" in g.modes:
         e_miss = _expected_tokens(miss, 1.0, g.cap)
-        switch = [hit * max(0.0, d - m) / SWITCH_HORIZON for d, m in zip(e_draft, e_miss)]
+        g.entry = [hit * max(0.0, d - m) for d, m in zip(e_draft, e_miss)]
+        switch = [x / SWITCH_HORIZON for x in g.entry]
         e_ssd = [hit * d + (1.0 - hit) * m for d, m in zip(e_draft, e_miss)]
         g.e_ssd = e_ssd if g.in_ssd else [e - s for e, s in zip(e_ssd, switch)]
         g.leave = max(switch) if g.in_ssd else 0.0
@@ -846,8 +885,3 @@ def _prefix_best(values: list[float]) -> list[tuple[float, int]]:
     for k, v in enumerate(values, start=1):
         out.append((v, k) if not out or v > out[-1][0] else out[-1])
     return out
-
-
-def _token_bin(tokens: int) -> int:
-    """Log-scale bins a factor 2^(1/4) wide: verification evidence 'near' a token count."""
-    return round(4.0 * math.log2(max(1, tokens)))
