@@ -79,6 +79,7 @@ measured verification (a draft step a fifth of a verification step).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -97,7 +98,7 @@ SWITCH_HORIZON = 8  # rounds a choice is expected to hold: the SSD switch cost i
 EXPLORE_MARGIN = 0.3  # explore a choice only if its estimate is within this share of the best
 EVIDENCE_MIN = 3.0  # fewer (decayed) rounds than this behind a cost: its estimate is uncertain
 UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
-COST_DECAY = 0.97  # per round: cost fits weigh the last ~30 rounds
+COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
 ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 
@@ -716,22 +717,28 @@ class AutoPolicy:
         config = (s_values[0], q_values[0])
         lam = max(best, self._last_rate)
         seen: set[tuple[tuple[str, int], ...]] = set()
+        # P(some SSD sequence misses) is not additive: a group is charged its share of it either
+        # as the one that joins the incumbent's SSD sequences (dear) or as one of every group
+        # that may run SSD (cheap); both kinds of candidate are generated and evaluated exactly
+        weights = [len(g.members) * -math.log(min(max(g.hit, 1e-9), 1.0 - 1e-9)) if "ssd" in g.modes else 0.0 for g in groups]
+        p_all = 1.0 - math.exp(base.log_hit - sum(weights))
         for _ in range(_DINKELBACH_ITERS):
             per_group = []
-            for g, inc in zip(groups, best_opts):
+            for g, inc, w in zip(groups, best_opts, weights):
                 miss = 1.0 - g.hit
                 sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
                 ssd = [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * miss * k) for k in range(1, g.cap + 1)] if "ssd" in g.modes else []
-                # the group's share of what it adds to P(some SSD sequence misses) if all of it runs SSD
                 c = len(g.members)
                 joined = g.hit**c
                 others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
-                any_cost = lam * e_any * others * (1.0 - joined) / c
-                per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), any_cost))
+                dear = lam * e_any * others * (1.0 - joined) / c
+                cheap = lam * e_any * p_all * w / sum(weights) / c if w else dear
+                per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
 
-            def picks(s: int, q: int) -> list[tuple[str, int]]:
+            def picks(s: int, q: int, share: int) -> list[tuple[str, int]]:
                 opts = []
-                for ar_val, sd_pref, ssd_pref, any_cost in per_group:
+                for ar_val, sd_pref, ssd_pref, any_costs in per_group:
+                    any_cost = any_costs[share]
                     v, pick = ar_val, ("ar", 0)
                     if s and sd_pref:
                         sv, k = sd_pref[min(s, len(sd_pref)) - 1]
@@ -751,8 +758,8 @@ class AutoPolicy:
                     configs = [(v, q) for v in s_values for q in dict.fromkeys((config[1], q_off))]
                 else:
                     configs = [(s, v) for v in q_values for s in dict.fromkeys((config[0], s_off))]
-                for s, q in configs:
-                    opts = picks(s, q)
+                for (s, q), share in itertools.product(configs, (0, 1)):
+                    opts = picks(s, q, share)
                     key = tuple(opts)
                     if key in seen:
                         continue  # configurations that lead to the same choices: evaluated once
