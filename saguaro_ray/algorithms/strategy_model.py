@@ -108,13 +108,16 @@ _ACCEPT_PRIOR = (0.7, 0.6, 0.5, 0.4)
 _HIT_PRIOR = 0.5
 _PRIOR_WEIGHT = 4.0  # bucket pooled rate ← prior; hit rate ← prior
 _POSITION_WEIGHT = 16.0  # a position's rate ← the pooled rate (a draft's conditional rate varies slowly along K)
-_SEQ_WEIGHT = 8.0  # a sequence's own rate ← its bucket's
-_RATE_STEPS = 10  # a sequence's rate is quantised to 1/10 for grouping
+_SEQ_WEIGHT = 32.0  # a sequence's own rate ← its bucket's
+_SCALE_STEPS = 10  # a sequence's rate relative to its bucket's is quantised to 10% for grouping
 _ALPHA_MAX = 0.99
 _DRAFT_STEP_PRIOR = 0.2  # an unmeasured draft step costs this share of a verification of as many tokens
 _SSD_EXPOSED_PRIOR = 0.1  # unmeasured SSD exposure: this share of the verification intercept
 _DINKELBACH_ITERS = 4
-_ENTRY_EXPLORE_ROUNDS = 2  # an exploration into SSD runs this many rounds (see AutoPolicy._try_explore)
+# an exploration into SSD runs past its entry (a forced miss, no hit rate) until about this many
+# lookups were seen, at most _ENTRY_EXPLORE_MAX rounds in all (see AutoPolicy._try_explore)
+_ENTRY_EXPLORE_LOOKUPS = 8
+_ENTRY_EXPLORE_MAX = 6
 _COLD_ROUNDS = 4  # rounds of the cold-start schedule (see AutoPolicy._cold_start)
 _FIT_PRIOR_WEIGHT = 0.001
 
@@ -621,7 +624,7 @@ class AutoPolicy:
         if st is None or st.tested <= 0.0:
             return 1.0
         own = (st.accepted + _SEQ_WEIGHT * pooled) / (st.tested + _SEQ_WEIGHT)
-        return max(1, round(own * _RATE_STEPS)) / _RATE_STEPS / pooled
+        return max(1, round(own / pooled * _SCALE_STEPS)) / _SCALE_STEPS
 
     def _search(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]]) -> list[Choice]:
         costs = self._costs()
@@ -809,7 +812,7 @@ class AutoPolicy:
         acceptance and hit rates, or — where its costs have thin evidence —
         within :data:`EXPLORE_MARGIN` of the best. All groups at that choice
         move: the cost fits learn from what the whole round does."""
-        if self._explored + _ENTRY_EXPLORE_ROUNDS > self.explore * self._chosen:
+        if self._explored + _ENTRY_EXPLORE_MAX > self.explore * self._chosen:
             return  # wait until the budget covers any exploration, the longest included
         opts = [g.opt for g in groups]
         optimistic: dict[int, _Group] = {}
@@ -831,8 +834,11 @@ class AutoPolicy:
             return
         _, _, opt, alt = min(candidates)
         moved_groups = [g for g in groups if g.opt == opt and alt in self._neighbours(g)]
-        # an SSD entry is held a second round: the first is a forced miss and measures no hit rate
-        rounds = _ENTRY_EXPLORE_ROUNDS if alt[0] == "ssd" and not all(g.in_ssd for g in moved_groups) else 1
+        rounds = 1
+        if alt[0] == "ssd" and not all(g.in_ssd for g in moved_groups):
+            # held past the entry (a forced miss that measures no hit rate) for enough lookups
+            lookups = sum(len(g.members) for g in moved_groups)
+            rounds = min(_ENTRY_EXPLORE_MAX, 1 + -(-_ENTRY_EXPLORE_LOOKUPS // lookups))
         log.debug("auto explores %s instead of %s for %d sequence(s)", alt, opt, sum(len(g.members) for g in moved_groups))
         self._explored += 1
         for g in moved_groups:
