@@ -9,71 +9,81 @@ per second of the round,
     Σ_i E_i(mode_i, K_i)  /  T(the whole assignment),
 
 with the batch's fixed-strategy sequences in both sums (they share the
-round). After the round :meth:`AutoPolicy.observe` feeds what it cost back.
+round). After the round :meth:`AutoPolicy.observe` fits what it cost. Fixed
+sequences are learned from as well as auto ones.
 
 What the model assumes, and why:
 
 * **Verification** costs ``a + b·tokens`` (tokens = Σ (K_i + 1) over the
-  batch). A target is memory-bound at small token counts (tokens nearly free)
-  and compute-bound past a knee; an exponentially weighted least-squares line
-  over recent rounds is the chord over the token counts actually run lately,
-  which is the range the next choice is compared within. Exploring
-  neighbouring K keeps that range around the current choice, so the chord
-  follows the knee instead of extrapolating across it.
+  batch), an exponentially weighted least-squares line over recent rounds. A
+  target is memory-bound at small token counts (tokens nearly free) and
+  compute-bound past a knee; the line is the chord over the token counts run
+  lately. Extended beyond them a convex cost's chord errs low, so a token
+  count not run lately looks cheap rather than dear: it gets chosen, and the
+  fit corrects itself — the model never locks itself out of a range.
 * **SD drafting** is on the critical path: S sequential draft steps, S = the
   largest K among the round's SD sequences (the others ride along in those
-  steps), each step costing ``c + d·n`` for n SD sequences (a small draft is
-  memory-bound too).
+  steps), each step costing ``c + d·n`` for n SD sequences.
 * **SSD drafting** hides behind verification (its whole point) except what is
-  exposed — the tree build's overrun and the backups of misses — fitted as
-  ``e0 + e1·n + e2·ΣK`` over rounds with n > 0 SSD sequences (none: 0). The
-  build's budget and fan-out are the SSD machinery's own choice; the hit rate
-  is taken per temperature bucket, independent of K and of the batch.
-* **Control plane** per round, ``c0 + c1·batch``: what the coordinator sees
-  beyond the workers' measured times (a round that emits one token per
-  sequence pays it all the same, which is what makes AR lose on a small box).
+  exposed: the tree build's overrun, ``e0 + e1·n`` for n SSD sequences, and
+  the backup of misses — a neural backup is K sequential steps of the draft
+  whenever any sequence missed, so ``e2·K_max·[a miss] + e3·ΣK_missed``,
+  predicted with P(a miss) = 1 − Π h_i and E[ΣK_missed] = Σ (1 − h_i)·K_i
+  (a batch hits only if every sequence does). Fitted over rounds with SSD
+  sequences, starting from the draft's measured step cost (a point-mass
+  backup fits its e2, e3 down to ~0). Budget and fan-out are the SSD
+  machinery's own; the hit rate h is per temperature bucket, independent of K
+  and of the batch.
+* **Control plane** per round, ``c0 + c1·batch``: the wall time beyond the
+  workers' measured times (a round that emits one token per sequence pays it
+  all the same, which is what makes AR lose on a small box).
 * **Acceptance** is conditional per position, ``α_j = P(accept j | accepted
   j−1)``, per temperature bucket (T = 0, (0, 0.5], (0.5, 1], > 1: the draft's
   agreement with the target falls as sampling spreads), from exponentially
-  decayed counts shrunk towards the bucket's pooled rate (a position never
-  tested gets the pooled rate: the conditional rate varies slowly with the
-  position). Expected emitted tokens of K speculated: ``1 + Σ_{i≤K} Π_{j≤i}
+  decayed counts shrunk towards the bucket's pooled rate (the conditional
+  rate varies slowly along K, and a position never tested gets the pooled
+  rate). Expected emitted tokens of K speculated: ``1 + Σ_{i≤K} Π_{j≤i}
   α_j``. A sequence's own pooled rate, shrunk towards its bucket's with the
-  weight of a few observations (a young sequence is its bucket), scales the
+  weight of 32 observations (a young sequence is its bucket), scales the
   bucket's curve: prompts differ in how predictable they are, while the
   per-position shape is the draft's. An SSD hit's speculation was drafted
   from the true outcome by the same draft, so it is accepted like SD; a miss
-  is served by the backup, whose acceptance has its own table:
-  ``E_ssd = h·E_hit + (1 − h)·E_miss``.
+  is served by the backup, whose acceptance has its own table, shrunk towards
+  the draft's (``backup="auto"`` serves misses neurally where they are rare,
+  which is where the prior matters): ``E_ssd = h·E_hit + (1 − h)·E_miss``.
+  Priors age with the data, so an estimate keeps what was last seen while a
+  mode is not run; only its evidence fades.
 * **Switching into or out of SSD costs**: entering has no cache for the first
-  round (a forced miss, the backup's E instead of SSD's), leaving drops the
+  round (a forced miss: the backup's E instead of SSD's), leaving drops the
   cached speculation (coming back pays the entry again). Either switch is
-  charged ``(E_ssd − E_miss) / H`` tokens, H = :data:`SWITCH_HORIZON` rounds,
-  the span a choice is expected to hold — a hysteresis band that keeps a
-  sequence near the SD/SSD boundary from flapping every round.
+  charged ``h·(E_hit − E_miss) / H`` tokens, H = :data:`SWITCH_HORIZON`
+  rounds, the span a choice is expected to hold — a hysteresis band that
+  keeps a sequence near the SD/SSD boundary from flapping every round.
 
 **Search.** Sequences alike for the model (same bucket, quantised own rate,
-K cap, allowed modes, whether in SSD) form one group and get one choice; for
-fixed (a) SD step count S and (b) SSD on or off, every group's best choice
-separates once the ratio is linearised at its current value λ (Dinkelbach:
-maximise N − λ·T, then λ ← N/T); each of those at most 2·(max_k + 1)
-configurations is then evaluated exactly and the best ratio kept, a few λ
-iterations in all. Nothing is searched per sequence, so a round's choice for
-64 sequences costs well under a millisecond.
+K cap, allowed modes, whether in SSD) form one group and get one choice. For
+a configuration — the SD step count S and the SSD group's largest K, Q —
+every group's best choice separates once the ratio is linearised at its
+current value λ (Dinkelbach: maximise N − λ·T, then λ ← N/T); candidates
+from sweeps of S and of Q are evaluated exactly and the best kept. Nothing is
+searched per sequence: a choice for 64 sequences takes well under a
+millisecond when they fall into a few groups.
 
 **Exploration** is bounded: at most ``explore`` of the rounds chosen (counted
-in :meth:`AutoPolicy.snapshot`) switch one group to a neighbouring choice (K
-± 1, SD ⇄ SSD, AR ⇄ K = 1) whose evidence is thin (few recent observations
-of that position's acceptance, of that mode's cost, or of verification near
-that token count) and whose estimate is within :data:`EXPLORE_MARGIN` of the
-best — a choice the data already rules out is not tried again until its
-evidence has decayed. Without it a K never run would be judged forever by the
-prior. It is deterministic given ``seed``.
+in :meth:`AutoPolicy.snapshot`) try a neighbouring choice (K ± 1, SD ⇄ SSD,
+AR → K = 1) for every group at one choice, if that choice could beat the
+best: valued with acceptance and hit rates :data:`UPPER_Z` standard errors
+up, or — where its drafting cost rests on under :data:`EVIDENCE_MIN` recent
+rounds — within :data:`EXPLORE_MARGIN` of the best; an excursion out of or
+into SSD is charged its full switch cost. The most promising is tried; an
+SSD entry is held until a few lookups were seen (its first round measures no
+hit rate). Without it a K or mode not run lately would be judged forever by
+stale numbers. Deterministic given ``seed``.
 
-**Cold start**: before any round has been observed the model has no time
-scale, so a sequence starts at SD (else SSD) with K = ``max_k // 2`` — a
-round that measures the draft's step cost and acceptance, the inputs every
-speculative choice needs; unobserved costs are then priors relative to the
+**Cold start**: before the model has a time scale, one round of SD at half
+a middle K (the draft's step cost), then SSD at the middle K (an entry and
+steady rounds: exposure and hit rate, and a second token count for the
+verification line); afterwards unmeasured costs are priors relative to the
 measured verification (a draft step a fifth of a verification step).
 """
 
@@ -95,7 +105,7 @@ AUTO_MODES = ("ar", "sd", "ssd")  # the fixed modes auto chooses among
 RESULT_MODES = (*AUTO_MODES, "pyramid")  # what a finished round may report (fixed requests included)
 BUCKETS = ("t=0", "t<=0.5", "t<=1", "t>1")
 SWITCH_HORIZON = 8  # rounds a choice is expected to hold: the SSD switch cost is spread over them
-EXPLORE_MARGIN = 0.3  # explore a choice only if its estimate is within this share of the best
+EXPLORE_MARGIN = 0.3  # a choice whose drafting cost is uncertain is explored within this share of the best
 EVIDENCE_MIN = 3.0  # fewer (decayed) rounds than this behind a cost: its estimate is uncertain
 UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
@@ -182,21 +192,17 @@ class SeqResult:
 
 @dataclass(frozen=True)
 class RoundCosts:
-    """One finished round, in seconds (see the field notes of the brief this
-    mirrors): verification of ``verify_tokens`` for ``batch`` sequences,
-    ``draft_steps`` sequential SD draft steps over ``draft_batch`` sequences,
-    the SSD drafting of ``ssd_batch`` sequences not hidden behind verification,
-    and the round's wall time as the coordinator saw it."""
+    """One finished round, times in seconds."""
 
-    batch: int
-    verify_tokens: int
-    verify_s: float
-    draft_steps: int
-    draft_batch: int
-    draft_s: float
-    ssd_batch: int
-    ssd_exposed_s: float
-    wall_s: float
+    batch: int  # sequences verified
+    verify_tokens: int  # tokens the target scored: Σ (proposed + 1)
+    verify_s: float  # the target's verification time
+    draft_steps: int  # sequential draft steps before verification (the SD group's largest K; 0: none)
+    draft_batch: int  # sequences in those steps
+    draft_s: float  # their time (0.0 when none)
+    ssd_batch: int  # SSD sequences this round
+    ssd_exposed_s: float  # SSD drafting not hidden behind verification (build overrun + miss backups)
+    wall_s: float  # the whole round as the coordinator saw it
     seqs: tuple[SeqResult, ...]
 
 
@@ -278,7 +284,7 @@ class _EwLeastSquares:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting for the tiny (n <= 3) normal equations."""
+    """Gaussian elimination with partial pivoting for the tiny (n <= 4) normal equations."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for c in range(n):
@@ -583,10 +589,13 @@ class AutoPolicy:
     def choose(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]] = ()) -> list[Choice]:
         """One Choice per ``auto`` sequence (same order). ``fixed``: the batch's other
         sequences with the strategy their request fixed — they share the round's time."""
-        self._chosen += 1
-        if self._observed < _COLD_ROUNDS or self._verify.theta is None:
+        if not auto:  # nothing to choose: not a round of the exploration budget either
+            choices: list[Choice] = []
+        elif self._observed < _COLD_ROUNDS or self._verify.theta is None:
+            self._chosen += 1
             choices = [self._cold_start(v) for v in auto]
         else:
+            self._chosen += 1
             choices = self._search(auto, fixed)
         counts = {m: 0 for m in AUTO_MODES}
         for c in choices:
@@ -724,7 +733,8 @@ class AutoPolicy:
         # as the one that joins the incumbent's SSD sequences (dear) or as one of every group
         # that may run SSD (cheap); both kinds of candidate are generated and evaluated exactly
         weights = [len(g.members) * -math.log(min(max(g.hit, 1e-9), 1.0 - 1e-9)) if "ssd" in g.modes else 0.0 for g in groups]
-        p_all = 1.0 - math.exp(base.log_hit - sum(weights))
+        total_weight = sum(weights)
+        p_all = 1.0 - math.exp(base.log_hit - total_weight)
         for _ in range(_DINKELBACH_ITERS):
             per_group = []
             for g, inc, w in zip(groups, best_opts, weights):
@@ -735,7 +745,7 @@ class AutoPolicy:
                 joined = g.hit**c
                 others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
                 dear = lam * e_any * others * (1.0 - joined) / c
-                cheap = lam * e_any * p_all * w / sum(weights) / c if w else dear
+                cheap = lam * e_any * p_all * w / total_weight / c if w else dear
                 per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
 
             def picks(s: int, q: int, share: int) -> list[tuple[str, int]]:
@@ -798,12 +808,11 @@ class AutoPolicy:
         mode, k = g.opt
         if mode == "ar":
             return [(m, 1) for m in ("sd", "ssd") if m in g.modes and g.cap >= 1]
+        # (AR is no neighbour: nothing in its estimate is uncertain but the verification line)
         out = [(mode, kk) for kk in (k - 1, k + 1) if 1 <= kk <= g.cap]
         other = "ssd" if mode == "sd" else "sd"
         if other in g.modes:
             out.append((other, k))
-        if k == 1:
-            out.append(("ar", 0))
         return out
 
     def _try_explore(self, groups: list[_Group], base: _Load, costs: _Costs, best: float) -> None:
@@ -822,10 +831,11 @@ class AutoPolicy:
                 moved = [i for i, g in enumerate(groups) if g.opt == opt and alt in self._neighbours(g)]
                 trial = [alt if i in moved else o for i, o in enumerate(opts)]
                 cost = -sum(len(groups[i].members) * groups[i].excursion(alt) for i in moved)
-                score = 0.0
-                if alt[0] != "ar":
-                    up = [optimistic.setdefault(i, self._optimistic(g)) if i in moved else g for i, g in enumerate(groups)]
-                    score = self._evaluate(up, trial, base, costs, cost)[0]
+                for i in moved:
+                    if i not in optimistic:
+                        optimistic[i] = self._optimistic(groups[i])
+                up = [optimistic[i] if i in moved else g for i, g in enumerate(groups)]
+                score = self._evaluate(up, trial, base, costs, cost)[0]
                 if self._cost_evidence(alt[0]) < EVIDENCE_MIN:
                     score = max(score, self._evaluate(groups, trial, base, costs, cost)[0] / (1.0 - EXPLORE_MARGIN))
                 if score > best:
