@@ -537,11 +537,12 @@ class AutoPolicy:
             missed = [r.proposed for r in ssd if r.hit is False]
             k_max = max(r.proposed for r in ssd)
             x = (1.0, float(costs.ssd_batch), float(k_max if missed else 0), float(sum(missed)))
-            self._ssd.add(x, max(0.0, costs.ssd_exposed_s), self._ssd_prior(x, costs.ssd_exposed_s))
+            self._ssd.add(x, _clamp_time(costs.ssd_exposed_s), self._ssd_prior(x, costs.ssd_exposed_s))
         else:
             self._ssd.decay_only()
         control = costs.wall_s - costs.verify_s - costs.draft_s - costs.ssd_exposed_s
-        self._ctl.add((1.0, float(costs.batch)), max(0.0, control))
+        if costs.batch > 0:
+            self._ctl.add((1.0, float(costs.batch)), _clamp_time(control))
         for table in (*self._draft, *self._miss):
             table.age()
         for rate in self._hit:
@@ -900,6 +901,12 @@ def _fill_values(g: _Group, alphas: list[float], miss: list[float], hit: float) 
         e_ssd = [hit * d + (1.0 - hit) * m for d, m in zip(e_draft, e_miss)]
         g.e_ssd = e_ssd if g.in_ssd else [e - s for e, s in zip(e_ssd, switch)]
         g.leave = max(switch) if g.in_ssd else 0.0
+
+
+def _clamp_time(seconds: float) -> float:
+    """A measured residual time, at least 0 (clocks overlap by a little); NaN stays NaN so
+    the fit skips it."""
+    return max(0.0, seconds) if seconds == seconds else seconds
 
 
 def _prefix_best(values: list[float]) -> list[tuple[float, int]]:
