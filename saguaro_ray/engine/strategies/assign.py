@@ -54,7 +54,7 @@ class Assigner:
             modes = loop.menu.auto_modes if loop.draft_up else ("ar",)
             views = [SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode) for s in auto]
             fixed = [
-                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], (picks[s.seq_id][0],), s.mode), Choice(*picks[s.seq_id]))
+                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode), Choice(*picks[s.seq_id]))
                 for s in running
                 if s.seq_id in picks
             ]
