@@ -20,7 +20,7 @@ def __getattr__(name: str):  # Ray is imported only when the distributed engine 
         from saguaro_ray.runtime.engine_config import EngineConfig
 
         return EngineConfig
-    if name in ("SamplingParams", "SpeculationConfig"):
+    if name in ("SamplingParams", "SpeculationConfig", "Strategy"):
         from saguaro_ray import config
 
         return getattr(config, name)
@@ -32,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "SamplingParams",
     "SpeculationConfig",
+    "Strategy",
     "connect",
     "ConfigError",
     "PromptTooLongError",

