@@ -22,8 +22,10 @@ What the model assumes, and why:
   count not run lately looks cheap rather than dear: it gets chosen, and the
   fit corrects itself — the model never locks itself out of a range.
 * **SD drafting** is on the critical path: S sequential draft steps, S = the
-  largest K among the round's SD sequences (the others ride along in those
-  steps), each step costing ``c + d·n`` for n SD sequences.
+  largest K among the round's SD (and PyramidSD) sequences (the others ride
+  along in those steps), ``r + S·(c + d·n)`` for n drafted sequences — r the
+  round's own part (the draft first catches up with the tokens just
+  accepted).
 * **SSD drafting** hides behind verification (its whole point) except what is
   exposed: the tree build's overrun, ``e0 + e1·n`` for n SSD sequences, and
   the backup of misses — a neural backup is K sequential steps of the draft
@@ -34,9 +36,12 @@ What the model assumes, and why:
   backup fits its e2, e3 down to ~0). Budget and fan-out are the SSD
   machinery's own; the hit rate h is per temperature bucket, independent of K
   and of the batch.
-* **Control plane** per round, ``c0 + c1·batch``: the wall time beyond the
-  workers' measured times (a round that emits one token per sequence pays it
-  all the same, which is what makes AR lose on a small box).
+* **Control plane**: the wall time beyond the workers' measured times, ``c0 +
+  c1·batch + [drafting]·(c2 + c3·S) + [SSD]·c4`` — measured on the engine, a
+  round that drafts costs the coordinator far more than one that does not
+  (draft calls per step, proposals to route, SSD lookups), and a round that
+  emits one token per sequence pays c0 all the same. The cold start runs one
+  round of each kind so the intercepts are told apart.
 * **Acceptance** is conditional per position, ``α_j = P(accept j | accepted
   j−1)``, per temperature bucket (T = 0, (0, 0.5], (0.5, 1], > 1: the draft's
   agreement with the target falls as sampling spreads), from exponentially
@@ -71,7 +76,7 @@ millisecond when they fall into a few groups.
 
 **Exploration** is bounded: at most ``explore`` of the rounds chosen (counted
 in :meth:`AutoPolicy.snapshot`) try a neighbouring choice (K ± 1, SD ⇄ SSD,
-AR → K = 1) for every group at one choice, if that choice could beat the
+AR ⇄ K = 1) for every group at one choice, if that choice could beat the
 best: valued with acceptance and hit rates :data:`UPPER_Z` standard errors
 up, or — where its drafting cost rests on under :data:`EVIDENCE_MIN` recent
 rounds — within :data:`EXPLORE_MARGIN` of the best; an excursion out of or
@@ -80,11 +85,11 @@ SSD entry is held until a few lookups were seen (its first round measures no
 hit rate). Without it a K or mode not run lately would be judged forever by
 stale numbers. Deterministic given ``seed``.
 
-**Cold start**: before the model has a time scale, one round of SD at half
-a middle K (the draft's step cost), then SSD at the middle K (an entry and
-steady rounds: exposure and hit rate, and a second token count for the
-verification line); afterwards unmeasured costs are priors relative to the
-measured verification (a draft step a fifth of a verification step).
+**Cold start**: before the model has a time scale, a round of AR (the
+control plane of a round that drafts nothing), one of SD at half a middle K
+(the draft's costs), then SSD at the middle K (an entry and steady rounds:
+exposure and hit rate); afterwards unmeasured costs are priors relative to
+the measured verification (a draft step a fifth of a verification step).
 """
 
 from __future__ import annotations
@@ -103,8 +108,9 @@ log = logging.getLogger(__name__)
 
 AUTO_MODES = ("ar", "sd", "ssd")  # the fixed modes auto chooses among
 RESULT_MODES = (*AUTO_MODES, "pyramid")  # what a finished round may report (fixed requests included)
+_SEQUENTIAL = ("sd", "pyramid")  # modes drafted step by step before verification
 BUCKETS = ("t=0", "t<=0.5", "t<=1", "t>1")
-SWITCH_HORIZON = 8  # rounds a choice is expected to hold: the SSD switch cost is spread over them
+SWITCH_HORIZON = 16  # rounds a choice is expected to hold: the SSD switch cost is spread over them
 EXPLORE_MARGIN = 0.3  # a choice whose drafting cost is uncertain is explored within this share of the best
 EVIDENCE_MIN = 3.0  # fewer (decayed) rounds than this behind a cost: its estimate is uncertain
 UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
@@ -128,7 +134,7 @@ _DINKELBACH_ITERS = 4
 # lookups were seen, at most _ENTRY_EXPLORE_MAX rounds in all (see AutoPolicy._try_explore)
 _ENTRY_EXPLORE_LOOKUPS = 8
 _ENTRY_EXPLORE_MAX = 6
-_COLD_ROUNDS = 4  # rounds of the cold-start schedule (see AutoPolicy._cold_start)
+_COLD_START = ("ar", "sd", "ssd", "ssd", "ssd")  # the first rounds' modes (see AutoPolicy._cold_start)
 _FIT_PRIOR_WEIGHT = 0.001
 
 
@@ -212,9 +218,10 @@ class _EwLeastSquares:
     needs no time scale: given, or that observation split between the
     intercept and the features) only as firmly as :data:`_FIT_PRIOR_WEIGHT` of an
     observation: enough to settle a direction the data leave open (every
-    round at one token count), too little to pull against a real spread. Slopes are kept
-    non-negative: a cost never falls as its load grows, and a negative slope
-    fitted from noise would send the search to the largest load."""
+    round at one token count), too little to pull against a real spread. Every
+    coefficient is kept non-negative (each is a cost): a negative slope fitted
+    from noise would send the search to the largest load, a negative intercept
+    make the loads it was not fitted on look free."""
 
     def __init__(self, n: int, decay: float, intercept_share: float = 0.8) -> None:
         self.n = n
@@ -277,10 +284,10 @@ class _EwLeastSquares:
             )
             for i, v in zip(free, sol):
                 theta[i] = v
-            negative = [i for i in free[1:] if theta[i] < 0.0]
+            negative = [i for i in free if theta[i] < 0.0]
             if not negative:
                 return theta
-            free = [i for i in free if i not in negative]  # fix those slopes at 0 and refit the rest
+            free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
@@ -409,7 +416,7 @@ class _Load:
         self.n += count
         self.tokens += count * (k + 1)
         self.e += count * e
-        if mode == "sd":
+        if mode in _SEQUENTIAL:
             self.n_sd += count
             if k > self.steps:
                 self.steps = k
@@ -432,14 +439,18 @@ class _Costs:
     """The fitted coefficients one choice is made with (plain floats, read once per round)."""
 
     ver: tuple[float, float]  # a, per token
-    step: tuple[float, float]  # a, per SD sequence
+    draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
     ssd: tuple[float, float, float, float]  # a, per SSD sequence, per backup step when any misses, per missed K
-    ctl: tuple[float, float]  # a, per sequence
+    ctl: tuple[float, float, float, float, float]  # a, per sequence, with drafting, per draft step, with SSD
 
     def round_time(self, load: _Load) -> float:
-        t = max(0.0, self.ctl[0] + self.ctl[1] * load.n) + max(0.0, self.ver[0] + self.ver[1] * load.tokens)
-        if load.n_sd and load.steps:
-            t += load.steps * max(0.0, self.step[0] + self.step[1] * load.n_sd)
+        sequential = bool(load.n_sd and load.steps)
+        c = self.ctl
+        ctl = c[0] + c[1] * load.n + (c[2] + c[3] * load.steps if sequential else 0.0) + (c[4] if load.n_ssd else 0.0)
+        t = max(0.0, ctl) + max(0.0, self.ver[0] + self.ver[1] * load.tokens)
+        if sequential:
+            d = self.draft
+            t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
         if load.n_ssd:
             p_any = 1.0 - math.exp(load.log_hit)
             t += max(0.0, self.ssd[0] + self.ssd[1] * load.n_ssd + self.ssd[2] * load.ssd_k * p_any + self.ssd[3] * load.miss_k)
@@ -503,14 +514,15 @@ class AutoPolicy:
         self.explore = float(explore)
         self._rng = random.Random(seed)
         self._verify = _EwLeastSquares(2, COST_DECAY)
-        self._step = _EwLeastSquares(2, COST_DECAY)
+        self._drafting = _EwLeastSquares(3, COST_DECAY)
         self._ssd = _EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
-        self._ctl = _EwLeastSquares(2, COST_DECAY)
-        self._draft = [_Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
+        self._ctl = _EwLeastSquares(5, COST_DECAY)
+        self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
+        self._accept = [_Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
         # SSD misses (the backup's proposal), a priori accepted like the draft: backup="auto"
         # serves misses neurally where they are rare (small batches), which is where a prior
         # matters; where the point-mass backup wins, misses are common and the data soon rule
-        self._miss = [_Acceptance(max_k, d) for d in self._draft]
+        self._miss = [_Acceptance(max_k, d) for d in self._accept]
         self._hit = [_Rate(_HIT_PRIOR) for _ in BUCKETS]
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
@@ -528,10 +540,11 @@ class AutoPolicy:
         self._observed += 1
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
             self._verify.add((1.0, float(costs.verify_tokens)), costs.verify_s)
-        if costs.draft_steps > 0 and costs.draft_batch > 0:
-            self._step.add((1.0, float(costs.draft_batch)), costs.draft_s / costs.draft_steps)
+        steps = costs.draft_steps if costs.draft_batch > 0 else 0
+        if steps > 0:
+            self._drafting.add((1.0, float(steps), float(steps * costs.draft_batch)), costs.draft_s)
         else:
-            self._step.decay_only()
+            self._drafting.decay_only()
         ssd = [r for r in costs.seqs if r.mode == "ssd"]
         if costs.ssd_batch > 0 and ssd:
             missed = [r.proposed for r in ssd if r.hit is False]
@@ -542,8 +555,10 @@ class AutoPolicy:
             self._ssd.decay_only()
         control = costs.wall_s - costs.verify_s - costs.draft_s - costs.ssd_exposed_s
         if costs.batch > 0:
-            self._ctl.add((1.0, float(costs.batch)), _clamp_time(control))
-        for table in (*self._draft, *self._miss):
+            x_ctl = (1.0, float(costs.batch), float(steps > 0), float(steps), float(costs.ssd_batch > 0))
+            self._ctl.add(x_ctl, _clamp_time(control))
+        self._plain = COST_DECAY * self._plain + float(steps == 0 and costs.ssd_batch == 0)
+        for table in (*self._accept, *self._miss):
             table.age()
         for rate in self._hit:
             rate.age()
@@ -571,19 +586,19 @@ class AutoPolicy:
             if not r.hit:
                 self._miss[b].add(r.proposed, accepted)
                 return
-        self._draft[b].add(r.proposed, accepted)
+        self._accept[b].add(r.proposed, accepted)
         st.tested += min(r.proposed, accepted + 1)
         st.accepted += accepted
 
     def _ssd_prior(self, x: Sequence[float], y: float) -> list[float] | None:
         """SSD exposure's prior: a neural backup is K sequential steps of the same
-        draft SD measures, so its terms start at the draft's step cost; the
+        draft SD measures, so its terms start at the draft's step costs; the
         rest of the first observation is the build's overrun."""
-        step = self._step.theta
-        if self._ssd.has_prior or step is None:
+        draft = self._drafting.theta
+        if self._ssd.has_prior or draft is None:
             return None
-        rest = max(0.0, y - step[0] * x[2] - step[1] * x[3])
-        return [0.5 * rest, 0.5 * rest / max(1.0, x[1]), step[0], step[1]]
+        rest = max(0.0, y - draft[1] * x[2] - draft[2] * x[3])
+        return [0.5 * rest, 0.5 * rest / max(1.0, x[1]), draft[1], draft[2]]
 
     # ------------------------------------------------------------------ choosing
 
@@ -592,7 +607,7 @@ class AutoPolicy:
         sequences with the strategy their request fixed — they share the round's time."""
         if not auto:  # nothing to choose: not a round of the exploration budget either
             choices: list[Choice] = []
-        elif self._observed < _COLD_ROUNDS or self._verify.theta is None:
+        elif self._observed < len(_COLD_START) or self._verify.theta is None:
             self._chosen += 1
             choices = [self._cold_start(v) for v in auto]
         else:
@@ -606,27 +621,28 @@ class AutoPolicy:
         return choices
 
     def _cold_start(self, v: SeqView) -> Choice:
-        """Before the model has a time scale: SD at half a middle K (the
-        draft's step cost), then SSD at the middle K (an entry, then steady
-        rounds: hit rate and exposure, and a second token count for
-        verification)."""
+        """Before the model has a time scale, a fixed schedule (:data:`_COLD_START`):
+        AR (verification at the batch's own token count, and the control plane
+        of a round that drafts nothing), SD at half a middle K (the draft's
+        costs), then SSD at the middle K (an entry and steady rounds: exposure
+        and hit rate). A mode the sequence may not run gives way to the other
+        speculative one, else to AR."""
         mid = max(1, self.max_k // 2)
         allowed = self.modes.intersection(v.modes)
-        order = ("sd", "ssd") if self._observed == 0 else ("ssd", "sd")
-        for mode in order:
+        want = _COLD_START[self._observed]
+        for mode in (want, "ssd" if want == "sd" else "sd") if want != "ar" else ():
             if mode in allowed and v.k_cap >= 1:
-                k = mid if mode == "ssd" else max(1, mid // 2)
-                return Choice(mode, min(k, v.k_cap))
+                return Choice(mode, min(mid if mode == "ssd" else max(1, mid // 2), v.k_cap))
         return Choice("ar", 0)
 
     def _costs(self) -> _Costs:
         ver = self._verify.theta
         assert ver is not None
         # unmeasured costs: priors relative to the measured verification
-        step = self._step.theta or [_DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
+        draft = self._drafting.theta or [0.0, _DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
         ssd = self._ssd.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, _DRAFT_STEP_PRIOR * ver[0], 0.0]
-        ctl = self._ctl.theta or [0.0, 0.0]
-        return _Costs((ver[0], ver[1]), (step[0], step[1]), (ssd[0], ssd[1], ssd[2], ssd[3]), (ctl[0], ctl[1]))
+        ctl = self._ctl.theta or [0.0] * 5
+        return _Costs((ver[0], ver[1]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3]), tuple(ctl))  # type: ignore[arg-type]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
@@ -642,7 +658,7 @@ class AutoPolicy:
 
         def curve(b: int) -> tuple[list[float], list[float], float, float]:
             if b not in curves:
-                d = self._draft[b]
+                d = self._accept[b]
                 curves[b] = (d.alphas(), self._miss[b].alphas(), d.pooled(), self._hit[b].value)
             return curves[b]
 
@@ -719,7 +735,7 @@ class AutoPolicy:
         incumbent stands (Dinkelbach). Each sweep also tries the other mode
         off: a step count held fixed would hide its own fixed cost. λ starts
         at the last round's ratio, where it usually already is."""
-        b_tok, d_step = costs.ver[1], costs.step[1]
+        b_tok, d_step = costs.ver[1], costs.draft[2]
         _, e_seq, e_any, e_miss = costs.ssd
         s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
         q_max = max([g.cap for g in groups if "ssd" in g.modes] + [base.ssd_k])
@@ -793,27 +809,29 @@ class AutoPolicy:
     # ------------------------------------------------------------------ exploring
 
     def _cost_evidence(self, mode: str) -> float:
-        """Recent rounds behind the drafting cost of ``mode`` (AR drafts nothing)."""
+        """Recent rounds behind what ``mode`` costs beyond verification: its
+        drafting, or for AR the control plane of a round that drafts nothing."""
         if mode == "sd":
-            return self._step.weight
-        return self._ssd.weight if mode == "ssd" else math.inf
+            return self._drafting.weight
+        return self._ssd.weight if mode == "ssd" else self._plain
 
     def _optimistic(self, g: _Group) -> _Group:
         """``g`` valued with its bucket's acceptance and hit rates at their upper bounds."""
         up = _Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd)
         up.members = g.members
-        _fill_values(up, self._draft[g.bucket].upper(), self._miss[g.bucket].upper(), self._hit[g.bucket].upper())
+        _fill_values(up, self._accept[g.bucket].upper(), self._miss[g.bucket].upper(), self._hit[g.bucket].upper())
         return up
 
     def _neighbours(self, g: _Group) -> list[tuple[str, int]]:
         mode, k = g.opt
         if mode == "ar":
             return [(m, 1) for m in ("sd", "ssd") if m in g.modes and g.cap >= 1]
-        # (AR is no neighbour: nothing in its estimate is uncertain but the verification line)
         out = [(mode, kk) for kk in (k - 1, k + 1) if 1 <= kk <= g.cap]
         other = "ssd" if mode == "sd" else "sd"
         if other in g.modes:
             out.append((other, k))
+        if k == 1:
+            out.append(("ar", 0))
         return out
 
     def _try_explore(self, groups: list[_Group], base: _Load, costs: _Costs, best: float) -> None:
@@ -871,12 +889,12 @@ class AutoPolicy:
             "rounds_chosen": self._chosen,
             "rounds_explored": self._explored,
             "verify_s": coef(self._verify, ("a", "per_token")),
-            "draft_step_s": coef(self._step, ("a", "per_seq")),
+            "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
             "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k")),
-            "control_s": coef(self._ctl, ("a", "per_seq")),
+            "control_s": coef(self._ctl, ("a", "per_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {
                 name: {
-                    "draft": [round(a, 4) for a in self._draft[b].alphas()],
+                    "draft": [round(a, 4) for a in self._accept[b].alphas()],
                     "miss": [round(a, 4) for a in self._miss[b].alphas()],
                     "hit_rate": round(self._hit[b].value, 4),
                 }
