@@ -78,9 +78,10 @@ millisecond when they fall into a few groups.
 in :meth:`AutoPolicy.snapshot`) try a neighbouring choice (K ± 1, SD ⇄ SSD,
 AR ⇄ K = 1) for every group at one choice, if that choice could beat the
 best: valued with acceptance and hit rates :data:`UPPER_Z` standard errors
-up, or — where its drafting cost rests on under :data:`EVIDENCE_MIN` recent
-rounds — within :data:`EXPLORE_MARGIN` of the best; an excursion out of or
-into SSD is charged its full switch cost. The most promising is tried; an
+up (if they hold, the choice is kept: its switch is amortised as any), or —
+where its drafting cost rests on under :data:`EVIDENCE_MIN` recent rounds —
+within :data:`EXPLORE_MARGIN` of the best, charged a one-round excursion's
+full switch cost. The most promising is tried; an
 SSD entry is held until a few lookups were seen (its first round measures no
 hit rate). Without it a K or mode not run lately would be judged forever by
 stale numbers. Deterministic given ``seed``.
@@ -136,6 +137,7 @@ _ENTRY_EXPLORE_LOOKUPS = 8
 _ENTRY_EXPLORE_MAX = 6
 _COLD_START = ("ar", "sd", "ssd", "ssd", "ssd")  # the first rounds' modes (see AutoPolicy._cold_start)
 _FIT_PRIOR_WEIGHT = 0.001
+_REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
 
 
 def temperature_bucket(temperature: float) -> int:
@@ -531,7 +533,9 @@ class AutoPolicy:
         self._chosen = 0
         self._explored = 0
         self._last_counts = {m: 0 for m in AUTO_MODES}
-        self._last_rate = 0.0  # the last round's predicted tokens/s: the search's starting λ
+        self._last_rate = 0.0  # the last search's predicted tokens/s: the next one's starting λ
+        # the last search's batch shape, how many more rounds its choice may stand, and that choice
+        self._reuse: tuple[Any, int, list[tuple[str, int]]] = (None, 0, [])
 
     # ------------------------------------------------------------------ learning
 
@@ -653,7 +657,6 @@ class AutoPolicy:
         return max(1, round(own / pooled * _SCALE_STEPS)) / _SCALE_STEPS
 
     def _search(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]]) -> list[Choice]:
-        costs = self._costs()
         curves: dict[int, tuple[list[float], list[float], float, float]] = {}
 
         def curve(b: int) -> tuple[list[float], list[float], float, float]:
@@ -674,23 +677,34 @@ class AutoPolicy:
                 held.append((v, hold[0]))
                 continue
             b = temperature_bucket(v.temperature)
-            alphas, miss, pooled, hit = curve(b)
-            scale = self._seq_scale(v.seq_id, pooled)
+            scale = self._seq_scale(v.seq_id, curve(b)[2])
             key = (b, scale, cap, modes, v.current == "ssd")
             g = groups.get(key)
             if g is None:
                 g = groups[key] = _Group(b, scale, cap, modes, v.current == "ssd")
-                _fill_values(g, alphas, miss, hit)
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
         self._age_holds()
-        base = self._fixed_load((*fixed, *held), curve)
+        fixed_all = (*fixed, *held)
         glist = list(groups.values())
-        best = self._optimise(glist, base, costs)
-        if held:
-            self._explored += 1
-        elif self.explore:
-            self._try_explore(glist, base, costs, best)
+        shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
+        if not held and shape == self._reuse[0] and self._reuse[1] > 0:
+            # the batch looks as it did a round ago: its choice stands (estimates move slowly)
+            self._reuse = (shape, self._reuse[1] - 1, self._reuse[2])
+            for g, opt in zip(glist, self._reuse[2]):
+                g.opt = opt
+        else:
+            for g in glist:
+                alphas, miss, _, hit = curve(g.bucket)
+                _fill_values(g, alphas, miss, hit)
+            costs = self._costs()
+            base = self._fixed_load(fixed_all, curve)
+            best = self._optimise(glist, base, costs)
+            self._reuse = (shape, _REUSE_ROUNDS, [g.opt for g in glist])
+            if held:
+                self._explored += 1
+            elif self.explore:
+                self._try_explore(glist, base, costs, best)
         for g in glist:
             c = Choice(*g.opt)
             for i in g.members:
@@ -853,8 +867,10 @@ class AutoPolicy:
                 for i in moved:
                     if i not in optimistic:
                         optimistic[i] = self._optimistic(groups[i])
+                # optimistic rates: if they hold, the choice is kept, so its switch is amortised
+                # as in any choice; a check of thin cost evidence is one round out, paid in full
                 up = [optimistic[i] if i in moved else g for i, g in enumerate(groups)]
-                score = self._evaluate(up, trial, base, costs, cost)[0]
+                score = self._evaluate(up, trial, base, costs)[0]
                 if self._cost_evidence(alt[0]) < EVIDENCE_MIN:
                     score = max(score, self._evaluate(groups, trial, base, costs, cost)[0] / (1.0 - EXPLORE_MARGIN))
                 if score > best:
