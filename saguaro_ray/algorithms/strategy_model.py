@@ -187,15 +187,14 @@ class Choice:
 @dataclass(frozen=True)
 class SeqResult:
     """One sequence in a finished round: ``proposed`` draft tokens verified (0
-    for AR), ``accepted`` of them; ``hit``: an SSD lookup's outcome (None: not
-    SSD, or the sequence finished)."""
+    for AR), ``accepted`` of them; ``hit``: its SSD lookup's outcome."""
 
     seq_id: int
     temperature: float
     mode: str
     proposed: int
     accepted: int
-    hit: bool | None
+    hit: bool | None  # None: not SSD, no lookup (an SSD entry), or the sequence finished
 
 
 @dataclass(frozen=True)
@@ -551,7 +550,7 @@ class AutoPolicy:
             self._drafting.decay_only()
         ssd = [r for r in costs.seqs if r.mode == "ssd"]
         if costs.ssd_batch > 0 and ssd:
-            missed = [r.proposed for r in ssd if r.hit is False]
+            missed = [r.proposed for r in ssd if self._missed(r)]
             k_max = max(r.proposed for r in ssd)
             x = (1.0, float(costs.ssd_batch), float(k_max if missed else 0), float(sum(missed)))
             self._ssd.add(x, _clamp_time(costs.ssd_exposed_s), self._ssd_prior(x, costs.ssd_exposed_s))
@@ -583,16 +582,22 @@ class AutoPolicy:
         b = temperature_bucket(r.temperature)
         accepted = max(0, min(r.accepted, r.proposed))
         if r.mode == "ssd":
-            if r.hit is None:
+            entering = r.seq_id in self._entering
+            if r.hit is None and not entering:
                 return  # it finished: its count may be cut short, and hit or miss is unknown
-            if r.seq_id not in self._entering:  # an entry round's miss is forced, not the cache's rate
-                self._hit[b].add(r.hit)
-            if not r.hit:
+            if not entering:  # an entry round's miss is forced (with or without a lookup), not the cache's rate
+                self._hit[b].add(bool(r.hit))
+            if self._missed(r):
                 self._miss[b].add(r.proposed, accepted)
                 return
         self._accept[b].add(r.proposed, accepted)
         st.tested += min(r.proposed, accepted + 1)
         st.accepted += accepted
+
+    def _missed(self, r: SeqResult) -> bool:
+        """An SSD sequence's proposal came from the backup: its lookup missed, or it
+        just entered SSD (no cache yet; the engine may report no lookup at all)."""
+        return r.hit is False or (r.hit is None and r.seq_id in self._entering)
 
     def _ssd_prior(self, x: Sequence[float], y: float) -> list[float] | None:
         """SSD exposure's prior: a neural backup is K sequential steps of the same
