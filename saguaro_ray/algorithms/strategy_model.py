@@ -87,10 +87,11 @@ hit rate). Without it a K or mode not run lately would be judged forever by
 stale numbers. Deterministic given ``seed``.
 
 **Cold start**: before the model has a time scale, a round of AR (the
-control plane of a round that drafts nothing), one of SD at half a middle K
-(the draft's costs), then SSD at the middle K (an entry and steady rounds:
-exposure and hit rate); afterwards unmeasured costs are priors relative to
-the measured verification (a draft step a fifth of a verification step).
+control plane of a round that drafts nothing), two of SD at K = max_k/4 and
+max_k/2 (the draft's per-round and per-step costs), then three of SSD at
+max_k/2 (an entry and steady rounds: exposure and hit rate); afterwards
+unmeasured costs are priors relative to the measured verification (a draft
+step a fifth of a verification step).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ _DINKELBACH_ITERS = 4
 # lookups were seen, at most _ENTRY_EXPLORE_MAX rounds in all (see AutoPolicy._try_explore)
 _ENTRY_EXPLORE_LOOKUPS = 8
 _ENTRY_EXPLORE_MAX = 6
-_COLD_START = ("ar", "sd", "ssd", "ssd", "ssd")  # the first rounds' modes (see AutoPolicy._cold_start)
+# the first rounds' (mode, K as a share of max_k) (see AutoPolicy._cold_start)
+_COLD_START = (("ar", 0.0), ("sd", 0.25), ("sd", 0.5), ("ssd", 0.5), ("ssd", 0.5), ("ssd", 0.5))
 _FIT_PRIOR_WEIGHT = 0.001
 _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
 
@@ -632,16 +634,16 @@ class AutoPolicy:
     def _cold_start(self, v: SeqView) -> Choice:
         """Before the model has a time scale, a fixed schedule (:data:`_COLD_START`):
         AR (verification at the batch's own token count, and the control plane
-        of a round that drafts nothing), SD at half a middle K (the draft's
-        costs), then SSD at the middle K (an entry and steady rounds: exposure
-        and hit rate). A mode the sequence may not run gives way to the other
-        speculative one, else to AR."""
-        mid = max(1, self.max_k // 2)
+        of a round that drafts nothing), SD at two K (the draft's per-round and
+        per-step costs told apart), then SSD (an entry and steady rounds:
+        exposure and hit rate). A mode the sequence may not run gives way to
+        the other speculative one, else to AR."""
+        want, share = _COLD_START[self._observed]
         allowed = self.modes.intersection(v.modes)
-        want = _COLD_START[self._observed]
+        k = min(v.k_cap, max(1, round(share * self.max_k)))
         for mode in (want, "ssd" if want == "sd" else "sd") if want != "ar" else ():
             if mode in allowed and v.k_cap >= 1:
-                return Choice(mode, min(mid if mode == "ssd" else max(1, mid // 2), v.k_cap))
+                return Choice(mode, k)
         return Choice("ar", 0)
 
     def _costs(self) -> _Costs:
@@ -859,11 +861,13 @@ class AutoPolicy:
         acceptance and hit rates, or — where its costs have thin evidence —
         within :data:`EXPLORE_MARGIN` of the best. All groups at that choice
         move: the cost fits learn from what the whole round does."""
-        if self._explored + _ENTRY_EXPLORE_MAX > self.explore * self._chosen:
-            return  # wait until the budget covers any exploration, the longest included
+        if self._explored + 1 > self.explore * self._chosen:
+            return
         opts = [g.opt for g in groups]
         optimistic: dict[int, _Group] = {}
-        candidates: list[tuple[float, float, tuple[str, int], tuple[str, int]]] = []
+        # (kind, -score, tie-break, from, to): optimistic candidates rank before blind cost
+        # checks, whose inflated score is no estimate to compare with theirs
+        candidates: list[tuple[int, float, float, tuple[str, int], tuple[str, int]]] = []
         for opt in dict.fromkeys(opts):
             for alt in self._neighbours(next(g for g in groups if g.opt == opt)):
                 moved = [i for i, g in enumerate(groups) if g.opt == opt and alt in self._neighbours(g)]
@@ -876,19 +880,23 @@ class AutoPolicy:
                 # as in any choice; a check of thin cost evidence is one round out, paid in full
                 up = [optimistic[i] if i in moved else g for i, g in enumerate(groups)]
                 score = self._evaluate(up, trial, base, costs)[0]
-                if self._cost_evidence(alt[0]) < EVIDENCE_MIN:
-                    score = max(score, self._evaluate(groups, trial, base, costs, cost)[0] / (1.0 - EXPLORE_MARGIN))
                 if score > best:
-                    candidates.append((-score, self._rng.random(), opt, alt))
+                    candidates.append((0, -score, self._rng.random(), opt, alt))
+                elif self._cost_evidence(alt[0]) < EVIDENCE_MIN:
+                    score = self._evaluate(groups, trial, base, costs, cost)[0]
+                    if score > (1.0 - EXPLORE_MARGIN) * best:
+                        candidates.append((1, -score, self._rng.random(), opt, alt))
         if not candidates:
             return
-        _, _, opt, alt = min(candidates)
+        _, _, _, opt, alt = min(candidates)
         moved_groups = [g for g in groups if g.opt == opt and alt in self._neighbours(g)]
         rounds = 1
         if alt[0] == "ssd" and not all(g.in_ssd for g in moved_groups):
             # held past the entry (a forced miss that measures no hit rate) for enough lookups
             lookups = sum(len(g.members) for g in moved_groups)
             rounds = min(_ENTRY_EXPLORE_MAX, 1 + -(-_ENTRY_EXPLORE_LOOKUPS // lookups))
+        if self._explored + rounds > self.explore * self._chosen:
+            return  # the most promising waits until the budget covers all its rounds
         log.debug("auto explores %s instead of %s for %d sequence(s)", alt, opt, sum(len(g.members) for g in moved_groups))
         self._explored += 1
         for g in moved_groups:
