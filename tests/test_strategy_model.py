@@ -420,6 +420,7 @@ def test_snapshot_is_json_and_names_the_fitted_model():
     # what it learned tracks the truth: T = 0 accepts 0.85 per position, T = 0.7 0.55
     assert snap["acceptance"]["t=0"]["draft"][0] > snap["acceptance"]["t<=1"]["draft"][0]
     assert sum(snap["last_choice"].values()) == 4
+    assert snap["predicted_tokens_per_s"] > 0
 
 
 def test_verify_fit_recovers_the_truths_line():

@@ -77,14 +77,18 @@ millisecond when they fall into a few groups.
 **Exploration** is bounded: at most ``explore`` of the rounds chosen (counted
 in :meth:`AutoPolicy.snapshot`) try a neighbouring choice (K ± 1, SD ⇄ SSD,
 AR ⇄ K = 1) for every group at one choice, if that choice could beat the
-best: valued with acceptance and hit rates :data:`UPPER_Z` standard errors
-up (if they hold, the choice is kept: its switch is amortised as any), or —
-where its drafting cost rests on under :data:`EVIDENCE_MIN` recent rounds —
-within :data:`EXPLORE_MARGIN` of the best, charged a one-round excursion's
-full switch cost. The most promising is tried; an
-SSD entry is held until a few lookups were seen (its first round measures no
-hit rate). Without it a K or mode not run lately would be judged forever by
-stale numbers. Deterministic given ``seed``.
+best valued with acceptance and hit rates :data:`UPPER_Z` standard errors up
+(if they hold, the choice is kept: its switch is amortised as any); failing
+any such, a blind check of a mode whose cost beyond verification (drafting,
+or AR's control plane) rests on under :data:`EVIDENCE_MIN` recent rounds, if
+within :data:`EXPLORE_MARGIN` of the best after a one-round excursion's full
+switch cost. The most promising is tried; an SSD entry is held until a few
+lookups were seen (its first round measures no hit rate). Without it a K or
+mode not run lately would be judged forever by stale numbers. Deterministic
+given ``seed``. A batch whose shape (groups and their sizes, fixed
+sequences) is unchanged keeps its choice for :data:`_REUSE_ROUNDS` more
+rounds before the next search: estimates move slowly, and a search costs a
+fifth of a tiny model's AR round.
 
 **Cold start**: before the model has a time scale, a round of AR (the
 control plane of a round that drafts nothing), two of SD at K = max_k/4 and
@@ -856,11 +860,9 @@ class AutoPolicy:
         return out
 
     def _try_explore(self, groups: list[_Group], base: _Load, costs: _Costs, best: float) -> None:
-        """Maybe move every group at one choice to a neighbouring choice that
-        could beat the best (module docstring): its value with optimistic
-        acceptance and hit rates, or — where its costs have thin evidence —
-        within :data:`EXPLORE_MARGIN` of the best. All groups at that choice
-        move: the cost fits learn from what the whole round does."""
+        """Maybe move every group at one choice to a neighbouring choice
+        (module docstring: which, and when). All groups at that choice move:
+        the cost fits learn from what the whole round does."""
         if self._explored + 1 > self.explore * self._chosen:
             return
         opts = [g.opt for g in groups]
@@ -930,6 +932,7 @@ class AutoPolicy:
                 for b, name in enumerate(BUCKETS)
             },
             "last_choice": dict(self._last_counts),
+            "predicted_tokens_per_s": self._last_rate,  # what the last search expected of its choice
         }
 
 
