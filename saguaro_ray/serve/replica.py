@@ -156,7 +156,9 @@ class ReplicaCore:
     async def _resources(self, fresh: dict[str, Any] | None) -> dict[str, Any]:
         """What a leak would grow, read now: this replica's Python threads and
         the engine's samples queued or running (``fresh``: the coordinator's
-        metrics) and each worker's free KV blocks and Python threads. The
+        metrics) and each worker's pid, free KV blocks and Python threads
+        (when this replica launched the engine: an attached engine's workers
+        belong to whoever launched it, and are not listed). The
         engine or its workers not answering within ``ENGINE_PROBE_S`` are
         None: the snapshot itself never hangs. A load test compares it before
         and after (``saguaro_ray.jobs.load_test``)."""
@@ -167,6 +169,7 @@ class ReplicaCore:
             infos = None
         workers = None if infos is None else {
             role: {
+                "pid": i["pid"],  # the process to read memory of (one per worker actor; a sharded target's rank 0)
                 "free_kv_blocks": i["free_kv_blocks"],
                 "kv_blocks": i["kv_tokens"] // i["block_size"],
                 "python_threads": i["python_threads"],
