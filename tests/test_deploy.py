@@ -244,6 +244,13 @@ def test_cli_rejects_bad_configs(tmp_path):
     )
     with pytest.raises(ConfigError, match="application 'a'.*needs a draft"):
         validate_app_args(load_serve_config(bad_args))
+    old_engines = tmp_path / "engines.yaml"
+    old_engines.write_text(
+        "applications:\n  - name: a\n    route_prefix: /\n    import_path: saguaro_ray.serve:build_app\n"
+        "    args: {target: t, engines: [{mode: ar}]}\n"
+    )
+    with pytest.raises(ConfigError, match="application 'a'.*`engines` was replaced by `speculation`"):
+        validate_app_args(load_serve_config(old_engines))
     with pytest.raises(ConfigError, match="cannot read"):
         load_serve_config(tmp_path / "missing.yaml")
     res = subprocess.run(

@@ -653,6 +653,7 @@ def test_a_dead_engine_answers_503_and_health_says_so(held):
 
 def test_metrics_recorded(server, client, ray_cluster):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"speculation": "ar"})
     list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True))
     assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}).status_code == 400
     assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT}, key=None).status_code == 401
@@ -660,7 +661,7 @@ def test_metrics_recorded(server, client, ray_cluster):
     for name in (
         "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_time_to_first_token_s",
         "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted", "saguaro_serve_cache_hit_rate",
-        "saguaro_serve_dropped_frames", "saguaro_serve_ongoing_requests",
+        "saguaro_serve_dropped_frames", "saguaro_serve_ongoing_requests", "saguaro_serve_rounds", "saguaro_serve_mean_k",
     ):  # fmt: skip
         assert name in snap["metrics"]
     counters = snap["counters"]
@@ -673,7 +674,8 @@ def test_metrics_recorded(server, client, ray_cluster):
         assert hist[name]["count"] > 0, name
     assert any(k.startswith("dropped_frames{role=") for k in snap["gauges"])
     # tagged by the request's strategy (the default here), not by an engine
-    assert any(k.startswith("requests{route=completions,strategy=ssd,status=200") for k in counters)
+    for strategy in ("ssd", "ar"):
+        assert counters[f"requests{{route=completions,strategy={strategy},status=200}}"] >= 1
     assert snap["gauges"]["ongoing_requests"] == 0  # every request above released its slot
 
     # and Ray exports them for Prometheus (bounded wait: metrics are pushed every second here)
