@@ -94,7 +94,7 @@ def test_cli_generate_json(zoo_tiny, tmp_path, runtime):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(r["mode"] == "ar" and 1 <= len(r["token_ids"]) <= 8 for r in rows)
+    assert all(r["mode"] == "auto" and 1 <= len(r["token_ids"]) <= 8 for r in rows)  # the default strategy
 
 
 def test_cli_runtimes_agree(zoo_tiny, tmp_path):

@@ -6,8 +6,8 @@ template — the plain fallback is tested on a template-less tokenizer). The
 application holds ONE engine, *attached by name* to an engine this module
 launches itself (so the test can ask that very engine directly through its
 :class:`EngineHandle` and compare), allowing several strategies: a request
-names ``ar``, ``sd``, ``ssd`` or none, and every one of them runs on that
-engine's one target worker. At temperature 0 each must give the handle's text
+names ``ar``, ``sd``, ``ssd`` or none (``auto``, the default), and every one
+of them runs on that engine's one target worker. At temperature 0 each must give the handle's text
 token for token (DESIGN §4, §6). API keys are on, so every client call
 carries one. The pure helpers (chat template fallback, stop strings, config
 validation) are tested without Ray at the bottom.
@@ -43,7 +43,7 @@ MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user",
 TIMEOUT_S = 120.0
 LONG = " ".join(f"w{i}" for i in range(3000))
 # the deployment's strategies: one engine serves every one of them
-SPECULATION = {"mode": "ssd", "allow": ["ssd", "sd", "ar"], "k": 3, "max_k": 4, "budget": 4}
+SPECULATION = {"mode": "auto", "allow": ["auto", "ssd", "sd", "ar"], "k": 3, "max_k": 4, "budget": 4}
 
 
 def bounded(fn: Callable[..., Any], *args: Any, timeout: float = TIMEOUT_S, **kwargs: Any) -> Any:
@@ -186,7 +186,7 @@ def test_health_and_models(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     info = models.data[0].saguaro
-    assert (info["default_mode"], info["allowed_modes"], info["k"], info["max_k"]) == ("ssd", ["ssd", "sd", "ar"], 3, 4)
+    assert (info["default_mode"], info["allowed_modes"], info["k"], info["max_k"]) == ("auto", ["auto", "ssd", "sd", "ar"], 3, 4)
     assert info["attached"] is True and info["max_context"] == 2048
 
 
@@ -202,18 +202,30 @@ def live_worker_pids() -> set[int]:
 
 def test_every_strategy_runs_on_one_engine_with_one_target_worker(client, handle):
     """Requests naming ``ar``, ``sd``, ``ssd`` (an object, or the shorthand
-    string) and none are all answered by the one engine, each with the
-    target's greedy text, and the whole cluster holds one target worker (runs
-    before ``held`` starts an engine of its own)."""
+    string) and none (``auto``) are all answered by the one engine — at
+    once, so their sequences share rounds — each with the target's greedy
+    text and the rounds its own strategy ran; and the whole cluster holds one
+    target worker (runs before ``held`` starts an engine of its own)."""
     [ref] = handle.generate([PROMPT], greedy(12))
-    asked = [("ar", {"mode": "ar"}), ("sd", {"mode": "sd", "k": 2}), ("ssd", "ssd"), ("ssd", None)]
-    for mode, speculation in asked:
-        extra = {"ignore_eos": True} | ({} if speculation is None else {"speculation": speculation})
-        resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra)
+    asked = [("ar", {"mode": "ar"}), ("sd", {"mode": "sd", "k": 2}), ("ssd", "ssd"), ("auto", None)]
+    calls = []
+    with ThreadPoolExecutor(len(asked)) as pool:
+        for mode, speculation in asked:
+            extra = {"ignore_eos": True} | ({} if speculation is None else {"speculation": speculation})
+            calls.append(pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra))
+    for (mode, speculation), call in zip(asked, calls):
+        resp = call.result(timeout=TIMEOUT_S)
         assert resp.choices[0].text == ref.text, speculation
         ext = resp.model_extra["saguaro"]
-        assert (ext["mode"], ext["default_mode"]) == (mode, "ssd"), speculation
-        assert ext["k"] == {"ar": None, "sd": 2, "ssd": 3}[mode]
+        assert (ext["mode"], ext["default_mode"]) == (mode, "auto"), speculation
+        assert ext["k"] == {"ar": None, "sd": 2, "ssd": 3, "auto": 4}[mode]  # auto: the largest K it may pick
+        assert 1 <= sum(ext["strategy"].values()) <= ext["rounds"]  # (rounds counts the prefill too)
+        ran = set(ext["strategy"])
+        assert ran <= {"ar", "sd", "ssd"} if mode == "auto" else ran == {mode}, ext
+        if mode == "ar":
+            assert ext["mean_k"] is None
+        elif mode != "auto":
+            assert 0 < ext["mean_k"] <= ext["k"]
     roles = {info["pid"]: role for role, info in handle.worker_info().items()}
     assert sorted(roles.values()) == ["draft0", "target"]
     assert live_worker_pids() == set(roles)  # no other worker anywhere: one target copy
@@ -221,7 +233,7 @@ def test_every_strategy_runs_on_one_engine_with_one_target_worker(client, handle
 
 def test_completion_equals_engine_output(client, handle, tokenizer):
     [ref] = handle.generate([PROMPT], greedy(16))
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, "speculation": "ssd"})
     [choice] = resp.choices
     assert choice.text == ref.text
     assert choice.finish_reason == "length"
@@ -229,7 +241,7 @@ def test_completion_equals_engine_output(client, handle, tokenizer):
     assert resp.usage.completion_tokens == 16
     assert resp.usage.total_tokens == ref.prompt_tokens + 16
     ext = resp.model_extra["saguaro"]
-    assert ext["mode"] == "ssd" and ext["k"] == 3 and ext["default_mode"] == "ssd"
+    assert ext["mode"] == "ssd" and ext["k"] == 3 and ext["default_mode"] == "auto" and set(ext["strategy"]) == {"ssd"}
     assert ext["rounds"] >= 1 and ext["mean_accepted"] is not None and 0 <= ext["cache_hit_rate"] <= 1
     assert ext["lossy"] is False
     # another strategy, named per request, decodes the same tokens (exactness at T = 0)
@@ -258,7 +270,7 @@ def test_chat_equals_engine_output(client, handle, tokenizer):
     assert choice.message.role == "assistant"
     assert choice.message.content == ref.text
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 12
-    assert resp.model_extra["saguaro"]["mode"] == "ssd"
+    assert resp.model_extra["saguaro"]["mode"] == "auto"
 
 
 def test_streaming_completion_and_chat(client, handle, tokenizer):
@@ -278,8 +290,8 @@ def test_streaming_completion_and_chat(client, handle, tokenizer):
     assert final_stats["rounds"] >= 1 and set(final_stats) == {"rounds", "strategy", "mean_k", "mean_accepted", "cache_hit_rate", "lossy"}
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == ref.prompt_tokens
     summary = chunks[-1].model_extra["saguaro"]  # the include_usage chunk: the request's strategy, the rounds aggregated
-    assert (summary["mode"], summary["k"], summary["default_mode"]) == ("ssd", 3, "ssd")
-    assert summary["rounds"] == final_stats["rounds"]
+    assert (summary["mode"], summary["k"], summary["default_mode"]) == ("auto", 4, "auto")
+    assert summary["rounds"] == final_stats["rounds"] and summary["strategy"] == final_stats["strategy"]
     assert len({c.id for c in chunks}) == 1
 
     ids = chat_prompt_ids(tokenizer, MESSAGES)
@@ -420,8 +432,6 @@ def test_invalid_requests_are_400_with_openai_shape(server, client, tokenizer):
     assert "at most 4" in err["message"]  # the deployment's max_k
     err = assert_openai_error(raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "speculation": "pyramid"}), 400, "speculation.mode")
     assert "qualifier" in err["message"]
-    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": "auto"}), 400, "speculation.mode")
-    assert "not allowed" in err["message"] and "ssd, sd, ar" in err["message"]
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "ar", "k": 2}}), 400, "speculation.k")
     err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "sd", "budget": 2}}), 400, "speculation")
     assert "unknown field" in err["message"]
@@ -621,6 +631,18 @@ def test_a_non_ascii_bearer_token_gets_401_not_500(server):
     assert resp.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_strategies_the_deployment_does_not_allow_are_400_naming_the_field(held):
+    """The ``held`` deployment allows AR alone (no draft): ``auto`` is not
+    allowed, ``sd`` has no draft to run — each a 400 naming
+    ``speculation.mode``, and the deployment still serves what it allows."""
+    base = held.base + "/v1/completions"
+    for speculation, needle in (("auto", "not allowed by this engine; allowed: ar"), ({"mode": "sd"}, "needs a draft")):
+        resp = httpx.post(base, json={**HELD_BODY, "speculation": speculation}, timeout=TIMEOUT_S)
+        assert needle in assert_openai_error(resp, 400, "speculation.mode")["message"]
+    ok = httpx.post(base, json={**HELD_BODY, "speculation": "ar"}, timeout=TIMEOUT_S)
+    assert ok.status_code == 200 and ok.json()["saguaro"]["mode"] == "ar"
+
+
 def test_a_dead_engine_answers_503_and_health_says_so(held):
     """Restarts exhausted (max_restarts=0, the target killed), then the
     coordinator killed: /health is 503 naming why, requests are 503
@@ -653,7 +675,8 @@ def test_a_dead_engine_answers_503_and_health_says_so(held):
 
 def test_metrics_recorded(server, client, ray_cluster):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"speculation": "ar"})
+    for speculation in ("ar", "ssd", {"mode": "sd", "k": 2}):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"speculation": speculation})
     list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True))
     assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}).status_code == 400
     assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT}, key=None).status_code == 401
@@ -670,12 +693,14 @@ def test_metrics_recorded(server, client, ray_cluster):
     assert any(k.startswith("requests{") and "status=400" in k for k in counters)
     assert any(k.startswith("requests{") and "status=401" in k for k in counters)
     hist = snap["histograms"]
-    for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "cache_hit_rate", "request_latency_s"):
+    for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "mean_k", "cache_hit_rate", "request_latency_s"):
         assert hist[name]["count"] > 0, name
     assert any(k.startswith("dropped_frames{role=") for k in snap["gauges"])
-    # tagged by the request's strategy (the default here), not by an engine
-    for strategy in ("ssd", "ar"):
+    # tagged by the request's strategy (auto: the default), not by an engine; rounds by the mode each ran
+    for strategy in ("auto", "ar", "ssd", "sd"):
         assert counters[f"requests{{route=completions,strategy={strategy},status=200}}"] >= 1
+    for strategy in ("ar", "ssd", "sd"):
+        assert counters[f"rounds{{strategy={strategy},mode={strategy}}}"] >= 1
     assert snap["gauges"]["ongoing_requests"] == 0  # every request above released its slot
 
     # and Ray exports them for Prometheus (bounded wait: metrics are pushed every second here)

@@ -270,3 +270,38 @@ def test_each_replica_app_answers_with_its_own_replica():
         "requests{route=completions,strategy=-,status=400}": 1.0,
         "requests_total": 2.0,
     }
+
+
+def test_invalid_strategies_are_400_naming_the_field_before_any_work():
+    """A request's strategy is checked by the engine's own ``StrategyMenu``
+    before it takes an admission slot (no engine call is made here: the
+    replica has none): a mode the deployment does not allow or cannot run,
+    a K past ``max_k``, a K where none applies, an unknown field — each an
+    OpenAI 400 whose ``param`` names the field."""
+    from saguaro_ray.serve.app import build_api
+    from saguaro_ray.serve.auth import APIKeys
+    from saguaro_ray.serve.config import parse_config
+    from saguaro_ray.serve.metrics import ServeMetrics
+    from saguaro_ray.serve.replica import ReplicaCore, ServedEngine
+
+    core = ReplicaCore()
+    core.cfg = parse_config({"target": "unused", "model_name": "m"})
+    core.keys, core.metrics, core.admission = APIKeys(core.cfg), ServeMetrics("edge-strategies"), Admission(4)
+    menu = StrategyMenu.of(SpeculationConfig(mode="ssd", allow=("ssd", "ar"), k=3, max_k=4), has_draft=True, has_qualifier=False)
+    core.engine = ServedEngine(handle=None, owned=True, frontend=Frontend(None, 10, 2048, menu, None), prompt_bytes=10**6)
+    client = TestClient(build_api(core))
+    for speculation, param, needle in (
+        ("sd", "speculation.mode", "'sd' is not allowed by this engine; allowed: ssd, ar"),
+        ("pyramid", "speculation.mode", "needs a qualifier"),
+        ("warp", "speculation.mode", "must be one of"),
+        ({"mode": "ssd", "k": 5}, "speculation.k", "at most 4"),
+        ({"mode": "ar", "k": 2}, "speculation.k", "does not apply"),
+        ({"mode": "ssd", "budget": 2}, "speculation", "unknown field"),
+        (["ssd"], "speculation", "must be a mode name or an object"),
+    ):
+        for route, body in (("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            resp = client.post(route, json={"model": "m", "max_tokens": 2, "speculation": speculation, **body})
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert (err["param"], err["type"]) == (param, "invalid_request_error") and needle in err["message"], (speculation, err)
+    assert core.admission.active == 0 and core.metrics.snapshot()["counters"]["requests_total"] == 14

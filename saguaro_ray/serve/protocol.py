@@ -148,7 +148,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # extension
-    speculation: dict[str, Any] | str | None = None  # extension: the request's strategy ({"mode", "k"} or a mode name)
+    # extension: the request's strategy ({"mode", "k"} or a mode name), checked by Strategy.of (its messages name the field)
+    speculation: Any = None
     timeout: float | None = None  # extension: seconds before the request fails with 504 (capped by the deployment)
     # accepted, but only at their neutral values
     logprobs: Any = None
