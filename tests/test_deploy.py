@@ -237,18 +237,15 @@ def test_cli_rejects_bad_configs(tmp_path):
     bad_schema.write_text("applications:\n  - name: x\n    import_path: 42x\n    route_prefix: nope\n")
     with pytest.raises(ConfigError, match="invalid Serve config"):
         load_serve_config(bad_schema)
-    bad_args = tmp_path / "args.yaml"
-    bad_args.write_text(
-        "applications:\n  - name: a\n    route_prefix: /\n    import_path: saguaro_ray.serve:build_app\n"
-        "    args: {target: t, speculation: {mode: ssd}}\n"
-    )
+    def app_config(name: str, args: str) -> Path:
+        path = tmp_path / name
+        path.write_text(f"applications:\n  - name: a\n    route_prefix: /\n    import_path: saguaro_ray.serve:build_app\n    args: {args}\n")
+        return path
+
+    bad_args = app_config("args.yaml", "{target: t, speculation: {mode: ssd}}")
     with pytest.raises(ConfigError, match="application 'a'.*needs a draft"):
         validate_app_args(load_serve_config(bad_args))
-    old_engines = tmp_path / "engines.yaml"
-    old_engines.write_text(
-        "applications:\n  - name: a\n    route_prefix: /\n    import_path: saguaro_ray.serve:build_app\n"
-        "    args: {target: t, engines: [{mode: ar}]}\n"
-    )
+    old_engines = app_config("engines.yaml", "{target: t, engines: [{mode: ar}]}")
     with pytest.raises(ConfigError, match="application 'a'.*`engines` was replaced by `speculation`"):
         validate_app_args(load_serve_config(old_engines))
     with pytest.raises(ConfigError, match="cannot read"):
