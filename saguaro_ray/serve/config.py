@@ -26,7 +26,9 @@ by the engine's :class:`~saguaro_ray.engine.strategy_menu.StrategyMenu`.
 fields; ``target_tp`` there shards the target over that many devices.
 ``connect`` names a detached engine started elsewhere with
 ``EngineConfig(name=...)`` (in ``namespace``): the replica attaches to it
-instead of launching one, and never stops it.
+instead of launching one, and never stops it; give ``speculation`` the
+strategies that engine allows (the replica checks requests against it, the
+engine then against its own).
 """
 
 from __future__ import annotations
