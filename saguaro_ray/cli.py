@@ -24,14 +24,12 @@ from saguaro_ray.cli_flags import (
     sampling_from_args,
     speculation_from_args,
 )
-from saguaro_ray.config import MODES
 from saguaro_ray.errors import ConfigError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--target", required=True, help=f"target model: {MODEL_FORMS}")
-    p.add_argument("--mode", default="ar", choices=MODES, help="decoding mode")
     p.add_argument("--draft", default=None, help=f"draft model (sd, ssd, pyramid): the same forms, {SELF_FORMS}")
     p.add_argument("--qualifier", default=None, help=f"qualifier model (pyramid): the same forms, {SELF_FORMS}")
     src = p.add_mutually_exclusive_group(required=True)

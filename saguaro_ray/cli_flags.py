@@ -57,9 +57,19 @@ def run_command(prog: str, command: "Callable[[], int]") -> int:
         return 130
 
 
+def _mode_list(text: str) -> tuple[str, ...]:
+    """``--allow ar,sd,ssd`` as a tuple (checked by :class:`SpeculationConfig`)."""
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
 def add_speculation_args(group: argparse._ActionsContainer) -> None:
-    """The speculation flags read by :func:`speculation_from_args` (``--mode`` is the caller's)."""
+    """The speculation flags read by :func:`speculation_from_args`."""
+    from saguaro_ray.config import STRATEGY_MODES
+
+    group.add_argument("--mode", default="auto", choices=STRATEGY_MODES, help="strategy: auto (the engine picks K, SD or SSD per sequence and round) or a fixed mode")
+    group.add_argument("--allow", type=_mode_list, default=(), help="comma-separated strategies requests may name (default: --mode alone; for auto, every mode the models run)")
     group.add_argument("--k", type=int, default=4, help="draft tokens per round (sd, ssd)")
+    group.add_argument("--max-k", type=int, default=None, help="the largest K auto or a request may use (default 8, or --k with an explicit --fan-out)")
     group.add_argument("--fan-out", default="auto", help="'auto' or K+1 comma-separated counts (ssd)")
     group.add_argument("--budget", type=int, default=8, help="speculations cached per sequence (ssd, auto fan-out)")
     group.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling down-weighting C in (0, 1]")
@@ -103,14 +113,16 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":
-    """The ``--mode``/speculation flags as a validated :class:`SpeculationConfig`."""
+    """The speculation flags as a validated :class:`SpeculationConfig`."""
     from saguaro_ray.algorithms.fanout import parse_fanout
     from saguaro_ray.config import SpeculationConfig
 
-    fanout = parse_fanout(args.fan_out, args.k)
+    fanout = parse_fanout(args.fan_out, args.max_k or args.k)  # one count per K up to the largest
     return SpeculationConfig(
         mode=args.mode,
+        allow=args.allow,
         k=args.k,
+        max_k=args.max_k,
         fanout=fanout if fanout == "auto" else tuple(fanout),
         budget=args.budget,
         saguaro_c=args.saguaro_c,

@@ -81,24 +81,23 @@ def test_serve_configs_validate(path):
     apps = check_serve_config(raw, str(path))
     assert raw["http_options"]["host"] == "127.0.0.1" and raw["http_options"]["port"] == 8000
     for app, cfg in apps:
-        for entry in cfg.engines:
-            cfg.engine_config(entry)  # every engine's EngineConfig is valid
+        assert "engines" not in app.args  # one engine per model: the strategies it allows instead
+        ec = cfg.engine_config()  # its EngineConfig is valid
+        assert ec.roles.count("target") == 1  # one target copy serves every strategy
         if cfg.api_keys_env:  # keys come from the environment, documented in the file
             assert cfg.api_keys_env in path.read_text()
 
 
 def test_zoo_cpu_config_fits_two_cores():
-    """`serve run` starts Ray with one logical CPU per core: the replica and every
+    """`serve run` starts Ray with one logical CPU per core: the replica and the
     engine's placement group must fit in 2 CPUs together."""
     [(_, cfg)] = check_serve_config(load(DEPLOY / "serve" / "zoo-cpu.yaml"), "zoo-cpu")
     assert cfg.target == "zoo:tiny/target" and cfg.draft == "zoo:tiny/draft"
-    total = cfg.ray_actor_options.get("num_cpus", 1) * cfg.num_replicas
-    for entry in cfg.engines:
-        ec = cfg.engine_config(entry)
-        assert ec.device == "cpu"
-        total += cfg.num_replicas * (ec.coordinator_cpus + ec.worker_cpus * ec.num_worker_actors)
+    ec = cfg.engine_config()
+    assert ec.device == "cpu"
+    total = cfg.num_replicas * (cfg.ray_actor_options.get("num_cpus", 1) + ec.coordinator_cpus + ec.worker_cpus * ec.num_worker_actors)
     assert total <= 2.0, total
-    assert {e.spec().mode for e in cfg.engines} >= {"ar", "sd", "ssd"}
+    assert set(ec.allowed_modes) >= {"auto", "ar", "sd", "ssd"}
 
 
 def test_large_model_configs():
@@ -106,12 +105,14 @@ def test_large_model_configs():
     assert "Llama-3.1-70B-Instruct" in llama.target and "Llama-3.2-1B-Instruct" in llama.draft
     assert llama.engine_options["target_tp"] == 4 and llama.engine_options["device"] == "cuda"
     assert llama.engine_options["gpus_per_worker"] == 1
-    ec = llama.engine_config(llama.engines[0])
+    ec = llama.engine_config()
     assert (ec.target_tp, ec.target_placement_strategy) == (4, "STRICT_PACK")
+    assert set(ec.allowed_modes) >= {"ar", "sd", "ssd"}
     [(_, qwen)] = check_serve_config(load(DEPLOY / "serve" / "qwen3-32b.yaml"), "qwen")
     assert "Qwen3-32B" in qwen.target and "Qwen3-0.6B" in qwen.draft
     assert qwen.engine_options["device"] == "cuda"
-    assert all(qwen.engine_config(e).target_tp == 2 for e in qwen.engines)
+    qec = qwen.engine_config()
+    assert qec.target_tp == 2 and qec.spec.mode == "ssd" and "ar" in qec.allowed_modes
 
 
 # ------------------------------------------------------------------ cluster launcher
@@ -177,10 +178,9 @@ def test_kuberay_rayservice_points_at_our_app():
     apps = check_serve_config(serve_config, "rayservice serveConfigV2")
     custom = _check_ray_cluster_spec(m["spec"]["rayClusterConfig"], "rayservice")
     for _, cfg in apps:
-        for entry in cfg.engines:
-            ec = cfg.engine_config(entry)
-            wanted = {k for res in ec.resources.values() for k in res}
-            assert wanted <= custom, f"engine asks for {wanted}, the cluster offers {custom}"
+        ec = cfg.engine_config()
+        wanted = {k for res in ec.resources.values() for k in res}
+        assert wanted <= custom, f"engine asks for {wanted}, the cluster offers {custom}"
         if cfg.api_keys_env:  # every pod that may host the replica gets the variable
             text = m["spec"]["serveConfigV2"] + json.dumps(m["spec"]["rayClusterConfig"])
             assert text.count(cfg.api_keys_env) >= 2
@@ -237,13 +237,17 @@ def test_cli_rejects_bad_configs(tmp_path):
     bad_schema.write_text("applications:\n  - name: x\n    import_path: 42x\n    route_prefix: nope\n")
     with pytest.raises(ConfigError, match="invalid Serve config"):
         load_serve_config(bad_schema)
-    bad_args = tmp_path / "args.yaml"
-    bad_args.write_text(
-        "applications:\n  - name: a\n    route_prefix: /\n    import_path: saguaro_ray.serve:build_app\n"
-        "    args: {target: t, engines: [{mode: ssd}]}\n"
-    )
+    def app_config(name: str, args: str) -> Path:
+        path = tmp_path / name
+        path.write_text(f"applications:\n  - name: a\n    route_prefix: /\n    import_path: saguaro_ray.serve:build_app\n    args: {args}\n")
+        return path
+
+    bad_args = app_config("args.yaml", "{target: t, speculation: {mode: ssd}}")
     with pytest.raises(ConfigError, match="application 'a'.*needs a draft"):
         validate_app_args(load_serve_config(bad_args))
+    old_engines = app_config("engines.yaml", "{target: t, engines: [{mode: ar}]}")
+    with pytest.raises(ConfigError, match="application 'a'.*`engines` was replaced by `speculation`"):
+        validate_app_args(load_serve_config(old_engines))
     with pytest.raises(ConfigError, match="cannot read"):
         load_serve_config(tmp_path / "missing.yaml")
     res = subprocess.run(
@@ -299,7 +303,7 @@ def test_cli_serve_runs_a_config_until_ctrl_c(tmp_path, stop):
                 "name": "cli-test",
                 "route_prefix": "/",
                 "import_path": "saguaro_ray.serve:build_app",
-                "args": {"model_name": "tiny", "target": str(ckpt), "engines": [{"mode": "ar"}], "engine_options": {"worker_cpus": 0.25}},
+                "args": {"model_name": "tiny", "target": str(ckpt), "speculation": {"mode": "ar"}, "engine_options": {"worker_cpus": 0.25}},
             }
         ],
     }

@@ -58,7 +58,7 @@ def test_result_fields(engine):
     d = r.to_json()
     for key in ("prompt_index", "sample_index", "mode", "token_ids", "text", "finish_reason", "stats"):
         assert key in d
-    assert d["mode"] == "ar" and d["finish_reason"] in ("length", "stop")
+    assert d["mode"] == "auto" and d["finish_reason"] in ("length", "stop")  # the default strategy: with no draft, every round AR
     assert len(d["token_ids"]) <= 5 and d["stats"]["rounds"] == len(d["token_ids"])
 
 
@@ -94,7 +94,7 @@ def test_cli_generate_json(zoo_tiny, tmp_path, runtime):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(r["mode"] == "ar" and 1 <= len(r["token_ids"]) <= 8 for r in rows)
+    assert all(r["mode"] == "auto" and 1 <= len(r["token_ids"]) <= 8 for r in rows)  # the default strategy
 
 
 def test_cli_runtimes_agree(zoo_tiny, tmp_path):
@@ -116,6 +116,8 @@ def test_cli_runtimes_agree(zoo_tiny, tmp_path):
         (["--target", "{zoo}/target", "--prompt", "x", "--max-tokens", "100000"], "context window"),
         (["--target", "{zoo}/target", "--prompts-file", "{tmp}/bad.jsonl"], "bad.jsonl:1"),
         (["--target", "{tmp}/gpt2", "--prompt", "x"], "model_type"),
+        (["--target", "{zoo}/target", "--prompt", "x", "--allow", "ar,warp"], "allow must list"),
+        (["--target", "{zoo}/target", "--prompt", "x", "--k", "6", "--max-k", "4"], "max_k must be"),
     ],
 )
 def test_cli_user_errors_exit_2_with_one_line(zoo_tiny, tmp_path, args, needle):
@@ -129,3 +131,22 @@ def test_cli_user_errors_exit_2_with_one_line(zoo_tiny, tmp_path, args, needle):
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], out.stderr
+
+
+def test_speculation_flags_are_one_definition_for_generate_and_the_job():
+    """``--mode`` (default ``auto``), ``--allow`` and ``--max-k`` mean the same
+    to ``saguaro-ray generate`` and the generate job: one flag group, one reading."""
+    from saguaro_ray.cli import build_parser as cli_parser
+    from saguaro_ray.cli_flags import speculation_from_args
+    from saguaro_ray.config import SpeculationConfig
+    from saguaro_ray.jobs.generate import build_parser as job_parser
+
+    flags = ["--mode", "ssd", "--allow", "ssd, ar,auto", "--k", "3", "--max-k", "6"]
+    cli = cli_parser().parse_args(["generate", "--target", "t", "--prompt", "x", *flags])
+    job = job_parser().parse_args(["--input", "i", "--output", "o", "--target", "t", *flags])
+    want = SpeculationConfig(mode="ssd", allow=("ssd", "ar", "auto"), k=3, max_k=6)
+    assert speculation_from_args(cli) == speculation_from_args(job) == want
+    default = speculation_from_args(cli_parser().parse_args(["generate", "--target", "t", "--prompt", "x"]))
+    assert (default.mode, default.allow, default.k_max) == ("auto", (), 8)
+    fixed = cli_parser().parse_args(["generate", "--target", "t", "--prompt", "x", "--k", "2", "--max-k", "3", "--fan-out", "1,2,1,1"])
+    assert speculation_from_args(fixed).fanout == (1, 2, 1, 1)  # one count per K up to max_k

@@ -219,7 +219,7 @@ def test_rays_own_serve_run_starts_our_config(cluster, ckpt, tmp_path):
                 "name": "serve-run",
                 "route_prefix": "/",
                 "import_path": "saguaro_ray.serve:build_app",
-                "args": {"model_name": "tiny", "target": ckpt, "engines": [{"mode": "ar"}], "engine_options": {"worker_cpus": 0.25}},
+                "args": {"model_name": "tiny", "target": ckpt, "speculation": {"mode": "ar"}, "engine_options": {"worker_cpus": 0.25}},
             }
         ],
     }
@@ -265,7 +265,7 @@ def test_cli_serve_detach_leaves_the_app_on_the_cluster(cluster, ckpt, tmp_path)
                 "name": "detached",
                 "route_prefix": "/",
                 "import_path": "saguaro_ray.serve:build_app",
-                "args": {"model_name": "tiny", "target": ckpt, "engines": [{"mode": "ar"}], "engine_options": {"worker_cpus": 0.25}},
+                "args": {"model_name": "tiny", "target": ckpt, "speculation": {"mode": "ar"}, "engine_options": {"worker_cpus": 0.25}},
             }
         ],
     }

@@ -2,11 +2,11 @@
 
 Issue 20's target is 64 streaming clients for 2 minutes, 10 % hanging up
 mid-stream and 5 % sending poison; here the same code path runs 16 clients
-for 20 s on the zoo CPU deployment (``deploy/serve/zoo-cpu.yaml``: SSD, SD
-and AR engines) through the very command a user runs, and the test reads its
+for 20 s on the zoo CPU deployment (``deploy/serve/zoo-cpu.yaml``: one
+engine; requests name auto, AR, SD and SSD) through the very command a user runs, and the test reads its
 JSON report: no error for any well-behaved client, every T = 0 output equal
 to its single-request reference, every poison refused with a 4xx OpenAI
-error, every hang-up seen by the server and aborted (the engines idle
+error, every hang-up seen by the server and aborted (the engine idle
 afterwards), every KV pool full and no thread more than at the baseline.
 No timings are asserted. The report's own checks are tested without a
 server at the bottom.
@@ -48,7 +48,7 @@ def test_well_behaved_clients_get_no_errors_and_exact_outputs(report):
     assert report["errors"]["good"] == {}, report["error_examples"]
     exact = report["exact"]
     assert exact["t0_checked"] > 0 and exact["t0_exact"] == exact["t0_checked"], exact["mismatches"]
-    assert report["references"]["engines_disagree"] == []
+    assert report["references"]["strategies_disagree"] == []
     assert report["latency_s"]["ttft"]["count"] > 0 and report["latency_s"]["itl"]["count"] > 0
 
 
@@ -65,9 +65,9 @@ def test_hung_up_streams_are_aborted_and_resources_return(report):
     assert hang["hung_up"] > 0 and report["errors"]["disconnect"] == {}
     assert hang["server_499"] == hang["hung_up"]  # the replica saw each client leave
     assert report["resources"]["problems"] == []
-    for engine in report["resources"]["after"]["engines"].values():
-        assert engine["active"] == engine["queued"] == 0
-        assert all(w["free_kv_blocks"] == w["kv_blocks"] for w in engine["workers"].values())
+    engine = report["resources"]["after"]["engine"]
+    assert engine["active"] == engine["queued"] == 0
+    assert all(w["free_kv_blocks"] == w["kv_blocks"] for w in engine["workers"].values())
     assert report["ok"] and report["returncode"] == 0, report["stdout"]
 
 
@@ -80,7 +80,7 @@ def _resources(threads: int, free: int, active: int = 0, pool: int = 2) -> dict:
         "python_threads": 3 + pool,
         "thread_kinds": {"MainThread": 1, "loop": 2, "ThreadPoolExecutor-0": pool},
         "ongoing_requests": 0,
-        "engines": {"ssd": {"active": active, "queued": 0, "workers": {"draft0": worker}}},
+        "engine": {"active": active, "queued": 0, "workers": {"draft0": worker}},
     }
 
 
@@ -88,18 +88,18 @@ def test_resource_problems_name_what_did_not_return():
     base = _resources(4, 8)
     assert resource_problems(_resources(4, 8), base) == []
     assert resource_problems(_resources(3, 8), base) == []  # fewer threads is fine
-    assert resource_problems(_resources(6, 8), base) == ["engine ssd draft0: threads 4 -> 6 ({'waiter': '3 -> 5'})"]
+    assert resource_problems(_resources(6, 8), base) == ["engine draft0: threads 4 -> 6 ({'waiter': '3 -> 5'})"]
     silent = _resources(4, 8)
-    silent["engines"]["ssd"]["workers"] = None  # a snapshot whose workers did not answer in time
-    assert resource_problems(silent, base) == ["engine ssd did not answer"]
+    silent["engine"]["workers"] = None  # a snapshot whose workers did not answer in time
+    assert resource_problems(silent, base) == ["engine did not answer"]
     assert resource_problems(_resources(4, 8, pool=5), base) == []  # a pool's workers start on demand, up to its bound
     leak = _resources(4, 8)
     leak["python_threads"] += 1
     leak["thread_kinds"]["ThreadPoolExecutor-1"] = 1  # a new pool is not a pool growing
     assert resource_problems(leak, base) == ["replica threads 5 -> 6 ({'ThreadPoolExecutor-1': '0 -> 1'})"]
     assert resource_problems(_resources(4, 7, active=1), base) == [
-        "engine ssd: 1 samples active, 0 queued",
-        "engine ssd draft0: 7 of 8 KV blocks free",
+        "engine: 1 samples active, 0 queued",
+        "engine draft0: 7 of 8 KV blocks free",
     ]
 
 
@@ -117,3 +117,21 @@ def test_cli_refuses_impossible_fractions_without_starting_anything():
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert res.returncode == 2 and "none well-behaved" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_good_requests_name_every_strategy_and_references_agree_across_them():
+    """The clients name each strategy the deployment allows (its one engine
+    runs them all), and a T = 0 reference that differs between two strategies
+    is reported."""
+    from saguaro_ray.jobs.load_clients import good_specs
+    from saguaro_ray.jobs.load_report import disagreements
+
+    specs = good_specs(["auto", "ar", "ssd"])
+    assert {s.strategy for s in specs} == {"auto", "ar", "ssd"}
+    assert {s.body("m", True)["speculation"] for s in specs} == {"auto", "ar", "ssd"}
+    greedy = [s for s in specs if s.temperature == 0 and s.text == specs[0].text and s.route == specs[0].route]
+    refs = {s: {0: ("same", "length")} for s in greedy}
+    assert disagreements(refs) == []
+    refs[greedy[1]] = {0: ("other", "length")}
+    [line] = disagreements(refs)
+    assert "'ar'" in line and "'other'" in line

@@ -3,13 +3,14 @@
 One local Ray instance and one Serve application serve the whole module, on
 the built-in tiny model family (``zoo:tiny``; its tokenizer has a chat
 template — the plain fallback is tested on a template-less tokenizer). The
-application holds two engines: ``ssd`` *attached by name* to an engine this
-module launches itself (so the test can ask that very engine directly through
-its :class:`EngineHandle` and compare), and ``ar`` launched by the replica. At
-temperature 0 both must give the handle's text token for token (DESIGN §4, §6).
-API keys are on, so every client call carries one. The pure helpers (chat
-template fallback, stop strings, config validation, request routing) are
-tested without Ray at the bottom.
+application holds ONE engine, *attached by name* to an engine this module
+launches itself (so the test can ask that very engine directly through its
+:class:`EngineHandle` and compare), allowing several strategies: a request
+names ``ar``, ``sd``, ``ssd`` or none (``auto``, the default), and every one
+of them runs on that engine's one target worker. At temperature 0 each must give the handle's text
+token for token (DESIGN §4, §6). API keys are on, so every client call
+carries one. The pure helpers (chat template fallback, stop strings, config
+validation) are tested without Ray at the bottom.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ PROMPT = "def add(a, b):\n    return"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
 TIMEOUT_S = 120.0
 LONG = " ".join(f"w{i}" for i in range(3000))
+# the deployment's strategies: one engine serves every one of them
+SPECULATION = {"mode": "auto", "allow": ["auto", "ssd", "sd", "ar"], "k": 3, "max_k": 4, "budget": 4}
 
 
 def bounded(fn: Callable[..., Any], *args: Any, timeout: float = TIMEOUT_S, **kwargs: Any) -> Any:
@@ -88,8 +91,9 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def handle(ray_cluster, models):
-    """A named SSD engine: the Serve app attaches to it, the tests ask it directly."""
+    """The named engine: the Serve app attaches to it, the tests ask it directly."""
     from saguaro_ray import Engine, EngineConfig
+    from saguaro_ray.serve.config import speculation_config
 
     name = f"serve-test-{uuid.uuid4().hex[:8]}"
     h = bounded(
@@ -97,7 +101,7 @@ def handle(ray_cluster, models):
         EngineConfig(
             target=models["target"],
             draft=models["draft"],
-            spec=SpeculationConfig(mode="ssd", k=3, budget=4),
+            spec=speculation_config(SPECULATION),
             worker_cpus=0.25,
             name=name,
         ),
@@ -122,10 +126,8 @@ def server(ray_cluster, models, handle):
             "model_name": MODEL,
             "target": models["target"],
             "draft": models["draft"],
-            "engines": [
-                {"name": "ssd", "mode": "ssd", "k": 3, "budget": 4, "connect": handle.name},
-                {"mode": "ar"},
-            ],
+            "speculation": SPECULATION,
+            "connect": handle.name,
             "engine_options": {"worker_cpus": 0.25},
             "api_keys": [KEY],
             "max_n": 4,
@@ -180,16 +182,58 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = "
 def test_health_and_models(server, client):
     health = httpx.get(server + "/health", timeout=TIMEOUT_S)  # no key needed
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "engines": {"ssd": "ok", "ar": "ok"}}
+    assert health.json() == {"status": "ok", "engine": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    engines = models.data[0].saguaro["engines"]
-    assert [(e["name"], e["mode"], e["attached"]) for e in engines] == [("ssd", "ssd", True), ("ar", "ar", False)]
+    info = models.data[0].saguaro
+    assert (info["default_mode"], info["allowed_modes"], info["k"], info["max_k"]) == ("auto", ["auto", "ssd", "sd", "ar"], 3, 4)
+    assert info["attached"] is True and info["max_context"] == 2048
+
+
+def live_worker_pids() -> set[int]:
+    """The pids of every live worker actor of this Ray cluster (the GCS actor
+    table: the public state API, ``ray.util.state``, needs the dashboard,
+    which this cluster runs without)."""
+    import ray._private.state
+
+    workers = ("WorkerActor", "TargetLeaderActor")
+    return {a["Pid"] for a in ray._private.state.actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] in workers}
+
+
+def test_every_strategy_runs_on_one_engine_with_one_target_worker(client, handle):
+    """Requests naming ``ar``, ``sd``, ``ssd`` (an object, or the shorthand
+    string) and none (``auto``) are all answered by the one engine — at
+    once, so their sequences share rounds — each with the target's greedy
+    text and the rounds its own strategy ran; and the whole cluster holds one
+    target worker (runs before ``held`` starts an engine of its own)."""
+    [ref] = handle.generate([PROMPT], greedy(12))
+    asked = [("ar", {"mode": "ar"}), ("sd", {"mode": "sd", "k": 2}), ("ssd", "ssd"), ("auto", None)]
+    calls = []
+    with ThreadPoolExecutor(len(asked)) as pool:
+        for mode, speculation in asked:
+            extra = {"ignore_eos": True} | ({} if speculation is None else {"speculation": speculation})
+            calls.append(pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra))
+    for (mode, speculation), call in zip(asked, calls):
+        resp = call.result(timeout=TIMEOUT_S)
+        assert resp.choices[0].text == ref.text, speculation
+        ext = resp.model_extra["saguaro"]
+        assert (ext["mode"], ext["default_mode"]) == (mode, "auto"), speculation
+        assert ext["k"] == {"ar": None, "sd": 2, "ssd": 3, "auto": 4}[mode]  # auto: the largest K it may pick
+        assert 1 <= sum(ext["strategy"].values()) <= ext["rounds"]  # (rounds counts the prefill too)
+        ran = set(ext["strategy"])
+        assert ran <= {"ar", "sd", "ssd"} if mode == "auto" else ran == {mode}, ext
+        if mode == "ar":
+            assert ext["mean_k"] is None
+        elif mode != "auto":
+            assert 0 < ext["mean_k"] <= ext["k"]
+    roles = {info["pid"]: role for role, info in handle.worker_info().items()}
+    assert sorted(roles.values()) == ["draft0", "target"]
+    assert live_worker_pids() == set(roles)  # no other worker anywhere: one target copy
 
 
 def test_completion_equals_engine_output(client, handle, tokenizer):
     [ref] = handle.generate([PROMPT], greedy(16))
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, "speculation": "ssd"})
     [choice] = resp.choices
     assert choice.text == ref.text
     assert choice.finish_reason == "length"
@@ -197,10 +241,10 @@ def test_completion_equals_engine_output(client, handle, tokenizer):
     assert resp.usage.completion_tokens == 16
     assert resp.usage.total_tokens == ref.prompt_tokens + 16
     ext = resp.model_extra["saguaro"]
-    assert ext["engine"] == "ssd" and ext["mode"] == "ssd" and ext["k"] == 3
+    assert ext["mode"] == "ssd" and ext["k"] == 3 and ext["default_mode"] == "auto" and set(ext["strategy"]) == {"ssd"}
     assert ext["rounds"] >= 1 and ext["mean_accepted"] is not None and 0 <= ext["cache_hit_rate"] <= 1
     assert ext["lossy"] is False
-    # the other engine, picked per request, decodes the same tokens (exactness at T = 0)
+    # another strategy, named per request, decodes the same tokens (exactness at T = 0)
     ar = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, "speculation": {"mode": "ar"}}
     )
@@ -226,7 +270,7 @@ def test_chat_equals_engine_output(client, handle, tokenizer):
     assert choice.message.role == "assistant"
     assert choice.message.content == ref.text
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 12
-    assert resp.model_extra["saguaro"]["mode"] == "ssd"
+    assert resp.model_extra["saguaro"]["mode"] == "auto"
 
 
 def test_streaming_completion_and_chat(client, handle, tokenizer):
@@ -243,8 +287,11 @@ def test_streaming_completion_and_chat(client, handle, tokenizer):
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     final_stats = text_chunks[-1].choices[0].model_extra["saguaro"]  # our stats ride on the last chunk
-    assert final_stats["rounds"] >= 1 and set(final_stats) == {"rounds", "mean_accepted", "cache_hit_rate", "lossy"}
+    assert final_stats["rounds"] >= 1 and set(final_stats) == {"rounds", "strategy", "mean_k", "mean_accepted", "cache_hit_rate", "lossy"}
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == ref.prompt_tokens
+    summary = chunks[-1].model_extra["saguaro"]  # the include_usage chunk: the request's strategy, the rounds aggregated
+    assert (summary["mode"], summary["k"], summary["default_mode"]) == ("auto", 4, "auto")
+    assert summary["rounds"] == final_stats["rounds"] and summary["strategy"] == final_stats["strategy"]
     assert len({c.id for c in chunks}) == 1
 
     ids = chat_prompt_ids(tokenizer, MESSAGES)
@@ -379,10 +426,15 @@ def test_invalid_requests_are_400_with_openai_shape(server, client, tokenizer):
     assert err["code"] == "context_length_exceeded"
     err = assert_openai_error(raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}), 400, "messages")
     assert err["code"] == "context_length_exceeded"
-    assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "warp"}}), 400, "speculation")
-    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "ssd", "k": 7}}), 400, "speculation")
-    assert "available" in err["message"]
-    assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "sd"}}), 400, "speculation")
+    # strategies the deployment cannot run: the field is named
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "warp"}}), 400, "speculation.mode")
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "ssd", "k": 7}}), 400, "speculation.k")
+    assert "at most 4" in err["message"]  # the deployment's max_k
+    err = assert_openai_error(raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "speculation": "pyramid"}), 400, "speculation.mode")
+    assert "qualifier" in err["message"]
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "ar", "k": 2}}), 400, "speculation.k")
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**base, "speculation": {"mode": "sd", "budget": 2}}), 400, "speculation")
+    assert "unknown field" in err["message"]
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "n": 99}), 400, "n")
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "top_p": 0}), 400, "top_p")
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "logprobs": 2}), 400, "logprobs")
@@ -427,6 +479,9 @@ POISON = [
     ({"prompt": [PROMPT] * 3, "n": 2}, "prompt"),  # 6 samples > max_n
     ({"stop": ["x" * 5000]}, "stop"),
     ({"timeout": -1}, "timeout"),
+    ({"speculation": {"mode": "ssd", "k": 2**64}}, "speculation.k"),
+    ({"speculation": "pyramid"}, "speculation.mode"),
+    ({"speculation": {"engine": "ssd"}}, "speculation"),
 ]
 
 
@@ -454,10 +509,11 @@ def test_poison_next_to_running_streams_leaves_them_unchanged(server, client, ha
     prompts = [PROMPT, "x = 1", "import os"]
     refs = handle.generate(prompts, greedy(1800))
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.5}
+    strategies = [{}, {"speculation": "ar"}, {"speculation": {"mode": "sd", "k": 2}}]  # neighbours in one batch, each its own
     with ExitStack() as stack:
         streams = [
-            open_stream(stack, server, {"model": MODEL, "prompt": p, "max_tokens": 1800, "temperature": 0, "ignore_eos": True})
-            for p in prompts
+            open_stream(stack, server, {"model": MODEL, "prompt": p, "max_tokens": 1800, "temperature": 0, "ignore_eos": True, **strategy})
+            for p, strategy in zip(prompts, strategies)
         ]
         for poison, param in POISON:
             for stream in (False, True):
@@ -503,9 +559,10 @@ def held(ray_cluster, models, server):
     from saguaro_ray.serve import build_app
 
     name = f"held-{uuid.uuid4().hex[:8]}"
-    h = bounded(Engine.launch, EngineConfig(target=models["target"], worker_cpus=0.25, name=name, max_restarts=0))
+    spec = SpeculationConfig(mode="ar")
+    h = bounded(Engine.launch, EngineConfig(target=models["target"], spec=spec, worker_cpus=0.25, name=name, max_restarts=0))
     app = build_app(
-        {"model_name": "held", "target": models["target"], "engines": [{"mode": "ar", "connect": name}], "max_ongoing_requests": HELD_LIMIT}
+        {"model_name": "held", "target": models["target"], "speculation": {"mode": "ar"}, "connect": name, "max_ongoing_requests": HELD_LIMIT}
     )
     bounded(serve.run, app, name="held", route_prefix="/held", blocking=False, timeout=300)
     h.base = server + "/held"
@@ -574,6 +631,18 @@ def test_a_non_ascii_bearer_token_gets_401_not_500(server):
     assert resp.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_strategies_the_deployment_does_not_allow_are_400_naming_the_field(held):
+    """The ``held`` deployment allows AR alone (no draft): ``auto`` is not
+    allowed, ``sd`` has no draft to run — each a 400 naming
+    ``speculation.mode``, and the deployment still serves what it allows."""
+    base = held.base + "/v1/completions"
+    for speculation, needle in (("auto", "not allowed by this engine; allowed: ar"), ({"mode": "sd"}, "needs a draft")):
+        resp = httpx.post(base, json={**HELD_BODY, "speculation": speculation}, timeout=TIMEOUT_S)
+        assert needle in assert_openai_error(resp, 400, "speculation.mode")["message"]
+    ok = httpx.post(base, json={**HELD_BODY, "speculation": "ar"}, timeout=TIMEOUT_S)
+    assert ok.status_code == 200 and ok.json()["saguaro"]["mode"] == "ar"
+
+
 def test_a_dead_engine_answers_503_and_health_says_so(held):
     """Restarts exhausted (max_restarts=0, the target killed), then the
     coordinator killed: /health is 503 naming why, requests are 503
@@ -582,7 +651,7 @@ def test_a_dead_engine_answers_503_and_health_says_so(held):
     import ray
 
     base = held.base
-    assert httpx.get(base + "/health", timeout=TIMEOUT_S).json() == {"status": "ok", "engines": {"ar": "ok"}}
+    assert httpx.get(base + "/health", timeout=TIMEOUT_S).json() == {"status": "ok", "engine": "ok"}
     assert httpx.post(base + "/v1/completions", json=HELD_BODY, timeout=TIMEOUT_S).status_code == 200
     os.kill(held.worker_info()["target"]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -590,14 +659,14 @@ def test_a_dead_engine_answers_503_and_health_says_so(held):
         assert time.monotonic() < deadline, "/health still says ok"
         time.sleep(0.5)
     assert health.status_code == 503 and health.json()["status"] == "unhealthy"
-    assert "target gone for good" in health.json()["engines"]["ar"]
+    assert "target gone for good" in health.json()["engine"]
     assert held.health()[0] is False
     resp = httpx.post(base + "/v1/completions", json=HELD_BODY, timeout=TIMEOUT_S)
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["type"] == "server_error" and resp.json()["error"]["code"] == "engine_unavailable"
     ray.kill(held.coordinator, no_restart=True)
     health = httpx.get(base + "/health", timeout=TIMEOUT_S)
-    assert health.status_code == 503 and "coordinator unreachable" in health.json()["engines"]["ar"]
+    assert health.status_code == 503 and "coordinator unreachable" in health.json()["engine"]
     assert held.health() == (False, "coordinator unreachable (ActorDiedError)")
 
 
@@ -606,6 +675,8 @@ def test_a_dead_engine_answers_503_and_health_says_so(held):
 
 def test_metrics_recorded(server, client, ray_cluster):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    for speculation in ("ar", "ssd", {"mode": "sd", "k": 2}):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"speculation": speculation})
     list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True))
     assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}).status_code == 400
     assert raw_post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT}, key=None).status_code == 401
@@ -613,7 +684,7 @@ def test_metrics_recorded(server, client, ray_cluster):
     for name in (
         "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_time_to_first_token_s",
         "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted", "saguaro_serve_cache_hit_rate",
-        "saguaro_serve_dropped_frames", "saguaro_serve_ongoing_requests",
+        "saguaro_serve_dropped_frames", "saguaro_serve_ongoing_requests", "saguaro_serve_rounds", "saguaro_serve_mean_k",
     ):  # fmt: skip
         assert name in snap["metrics"]
     counters = snap["counters"]
@@ -622,9 +693,14 @@ def test_metrics_recorded(server, client, ray_cluster):
     assert any(k.startswith("requests{") and "status=400" in k for k in counters)
     assert any(k.startswith("requests{") and "status=401" in k for k in counters)
     hist = snap["histograms"]
-    for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "cache_hit_rate", "request_latency_s"):
+    for name in ("time_to_first_token_s", "inter_token_latency_s", "mean_accepted", "mean_k", "cache_hit_rate", "request_latency_s"):
         assert hist[name]["count"] > 0, name
-    assert any(k.startswith("dropped_frames{engine=ssd") for k in snap["gauges"])
+    assert any(k.startswith("dropped_frames{role=") for k in snap["gauges"])
+    # tagged by the request's strategy (auto: the default), not by an engine; rounds by the mode each ran
+    for strategy in ("auto", "ar", "ssd", "sd"):
+        assert counters[f"requests{{route=completions,strategy={strategy},status=200}}"] >= 1
+    for strategy in ("ar", "ssd", "sd"):
+        assert counters[f"rounds{{strategy={strategy},mode={strategy}}}"] >= 1
     assert snap["gauges"]["ongoing_requests"] == 0  # every request above released its slot
 
     # and Ray exports them for Prometheus (bounded wait: metrics are pushed every second here)
@@ -666,32 +742,26 @@ def test_tokenizer_without_template_uses_the_fallback(tmp_path):
     assert chat_prompt_ids(tok, [{"role": "user", "content": "hi"}]) == ids
 
 
-def test_config_validation_and_routing():
-    cfg = parse_config(
-        {
-            "target": "zoo:tiny/target",
-            "draft": "zoo:tiny/draft",
-            "engines": [{"mode": "ssd", "k": 4}, {"mode": "ar"}, {"name": "sd6", "mode": "sd", "k": 6}],
-        }
-    )
+def test_config_validation():
+    cfg = parse_config({"target": "zoo:tiny/target", "draft": "zoo:tiny/draft", "speculation": {"mode": "ssd", "allow": ["ssd", "ar"], "k": 4, "fanout": [1, 2, 2, 1, 1]}})
     assert isinstance(cfg, ServeAppConfig)
-    assert cfg.match(None).name == "ssd"
-    assert cfg.match({"mode": "sd", "k": 6}).name == "sd6"
-    assert cfg.match({"engine": "ar"}).name == "ar"
-    assert cfg.match({"mode": "ssd", "k": 4, "budget": 8}).name == "ssd"
-    for bad in ({"mode": "ssd", "k": 5}, {"mode": "pyramid"}, {"mode": "nope"}, {"kk": 1}, {"engine": "missing"}):
-        with pytest.raises(ConfigError):
-            cfg.match(bad)
-    ec = cfg.engine_config(cfg.engines[0])
-    assert ec.spec.mode == "ssd" and ec.spec.k == 4 and ec.draft == "zoo:tiny/draft"
-    assert cfg.engine_config(cfg.engines[1]).draft is None
+    ec = cfg.engine_config()
+    assert ec.spec == SpeculationConfig(mode="ssd", allow=("ssd", "ar"), k=4, fanout=(1, 2, 2, 1, 1))  # YAML lists become its tuples
+    assert ec.draft == "zoo:tiny/draft" and ec.allowed_modes == ("ssd", "ar")
+    # no speculation block: auto, and every strategy the given models run; a draft no strategy runs is left out
+    assert parse_config({"target": "t", "draft": "d"}).engine_config().allowed_modes == ("auto", "ar", "sd", "ssd")
+    assert parse_config({"target": "t", "draft": "d", "speculation": {"mode": "ar"}}).engine_config().draft is None
     for bad_cfg, needle in (
-        ({"target": "t", "engines": [{"mode": "ssd"}]}, "needs a draft"),
-        ({"target": "t", "engines": [{"mode": "ar", "k": 0}]}, "k must be"),
-        ({"target": "t", "engines": [{"mode": "ar"}, {"mode": "ar"}]}, "unique"),
+        ({"target": "t", "speculation": {"mode": "ssd"}}, "needs a draft"),
+        ({"target": "t", "draft": "d", "speculation": {"mode": "ssd", "allow": ["sd"]}}, "speculation: the default mode 'ssd' must be one of allow"),
+        ({"target": "t", "speculation": {"allow": ["warp"]}}, "speculation: allow must list"),
+        ({"target": "t", "speculation": {"k": 0}}, "speculation: k must be"),
+        ({"target": "t", "speculation": {"k": 4, "max_k": 2}}, "speculation: max_k must be"),
+        ({"target": "t", "speculation": {"mode": "ar", "name": "x"}}, r"speculation: unknown field\(s\) \['name'\]"),
         ({"target": "t", "engine_options": {"gpus": 1}}, "unknown engine option"),
         ({"target": "t", "engine_options": {"worker_cpus": -1}}, "worker_cpus"),
         ({"target": "t", "engine_options": {"target_tp": 0}}, "target_tp"),
+        ({"target": "t", "engine_options": {"name": "x"}}, "unknown engine option"),
         ({"target": "t", "bogus": 1}, "bogus"),
         ({}, "target"),
     ):
@@ -699,12 +769,20 @@ def test_config_validation_and_routing():
             parse_config(bad_cfg)
 
 
+def test_a_config_with_engines_is_refused_naming_what_replaced_it():
+    """The engine-per-mode list is gone (each entry was a target copy): one
+    line says what to write instead, with nothing half-read."""
+    old = {"target": "t", "draft": "d", "engines": [{"mode": "ssd", "k": 4}, {"mode": "ar"}]}
+    with pytest.raises(ConfigError) as info:
+        parse_config(old)
+    message = str(info.value)
+    assert "\n" not in message and "`engines` was replaced by `speculation`" in message and "connect" in message
+
+
 def test_target_tp_is_passed_to_the_engine():
     cfg = parse_config({"target": "t", "engine_options": {"target_tp": 4, "device": "cuda"}})
-    assert cfg.launch_config(cfg.engines[0]).target_tp == 4
-    per_engine = parse_config({"target": "t", "engines": [{"mode": "ar", "options": {"target_tp": 2}}]})
-    assert per_engine.launch_config(per_engine.engines[0]).target_tp == 2
-    assert parse_config({"target": "t"}).launch_config(cfg.engines[0]).target_tp == 1
+    assert cfg.launch_config().target_tp == 4
+    assert parse_config({"target": "t"}).launch_config().target_tp == 1
 
 
 def test_api_keys_from_config_and_environment(monkeypatch):

@@ -19,13 +19,16 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from saguaro_ray.algorithms.sampling import process_logits
-from saguaro_ray.config import INT64_MAX, SamplingParams
+from saguaro_ray.config import INT64_MAX, SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine.frontend import Frontend
+from saguaro_ray.engine.strategy_menu import StrategyMenu
 from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import ConfigError, OutOfKVBlocksError
 from saguaro_ray.runtime.wire import EncodeError, pack_payload, unpack_payload
 from saguaro_ray.serve.limits import Admission, BodyLimit, check_prompt_bytes, max_token_bytes, prompt_byte_limit
 from saguaro_ray.serve.protocol import APIError, CompletionRequest, api_error_from
+
+AR_MENU = StrategyMenu.of(SpeculationConfig(mode="ar"), has_draft=False, has_qualifier=False)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +68,7 @@ def test_seed_plus_n_must_fit():
         SamplingParams(seed=INT64_MAX).check_samples(2)
     with pytest.raises(ConfigError, match="^n must"):
         SamplingParams().check_samples(0)
-    frontend = Frontend(None, 32, 64, "ar", None)  # the Python API refuses it too, before any work
+    frontend = Frontend(None, 32, 64, AR_MENU, None)  # the Python API refuses it too, before any work
     with pytest.raises(ConfigError, match="^seed must"):
         frontend.make_sequences([[1, 2]], SamplingParams(seed=INT64_MAX - 2, max_tokens=4), 4)
     seqs = frontend.make_sequences([[1, 2]], SamplingParams(seed=INT64_MAX - 3, max_tokens=4), 4)
@@ -200,7 +203,7 @@ def test_prompts_are_tokenised_off_the_event_loop(zoo_tiny):
             assert loop_ran.wait(60), "the event loop was blocked while the tokenizer worked"
             return real.encode(text, **kwargs)
 
-    engine = ServedEngine(entry=None, handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, "ar", None), mode="ar", k=None, prompt_bytes=10**6)
+    engine = ServedEngine(handle=None, owned=False, frontend=Frontend(WaitsForTheLoop(), len(real), 2048, AR_MENU, None), prompt_bytes=10**6)
 
     async def main() -> list[int]:
         task = asyncio.ensure_future(validate_prompts(engine, ["def f(x):"], SamplingParams(max_tokens=4), "prompt"))
@@ -218,24 +221,22 @@ def test_a_stream_closed_while_its_events_wait_counts_as_the_client_leaving():
     seen as 499)."""
     import asyncio
     import time
-    from types import SimpleNamespace
 
     from saguaro_ray.engine.frontend import StreamChunk
     from saguaro_ray.serve.metrics import ServeMetrics
     from saguaro_ray.serve.streaming import sse_events
 
     metrics = ServeMetrics("edge-test")
-    engine = SimpleNamespace(entry=SimpleNamespace(name="ar"), mode="ar", k=None)
     body = CompletionRequest(model="m", prompt="x", stream=True)
     first = (0, StreamChunk(token_ids=[7], text="a"))
 
     async def main() -> None:
-        events = sse_events(metrics, "completions", body, engine, asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
+        events = sse_events(metrics, "completions", body, Strategy("ar"), "ar", asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
         assert (await events.__anext__()).startswith("data: ")
         await events.aclose()  # what the response does with it once its send failed
 
     asyncio.run(main())
-    assert metrics.snapshot()["counters"] == {"requests{route=completions,engine=ar,status=499}": 1.0, "requests_total": 1.0}
+    assert metrics.snapshot()["counters"] == {"requests{route=completions,strategy=ar,status=499}": 1.0, "requests_total": 1.0}
 
 
 def test_each_replica_app_answers_with_its_own_replica():
@@ -246,15 +247,15 @@ def test_each_replica_app_answers_with_its_own_replica():
     from saguaro_ray.serve.auth import APIKeys
     from saguaro_ray.serve.config import parse_config
     from saguaro_ray.serve.metrics import ServeMetrics
-    from saguaro_ray.serve.replica import ReplicaCore
+    from saguaro_ray.serve.replica import ReplicaCore, ServedEngine
 
     def replica(name: str, keys: list[str], max_body_bytes: int) -> ReplicaCore:
-        core = ReplicaCore()  # not started: no engines, the routes' checks run before any
+        core = ReplicaCore()  # not started: no engine runs, the routes' checks run before any
         core.cfg = parse_config({"target": "unused", "model_name": name, "api_keys": keys, "max_body_bytes": max_body_bytes})
         core.keys = APIKeys(core.cfg)
         core.metrics = ServeMetrics(name)
         core.admission = Admission(core.cfg.max_ongoing_requests)
-        core.engines = {}
+        core.engine = ServedEngine(handle=None, owned=True, frontend=Frontend(None, 10, 2048, AR_MENU, None), prompt_bytes=10**6)
         return core
 
     locked, open_ = replica("locked", ["sk-a"], 100), replica("open", [], 10**6)
@@ -263,9 +264,44 @@ def test_each_replica_app_answers_with_its_own_replica():
     assert open_client.get("/v1/models").json()["data"][0]["id"] == "open"
     assert locked_client.post("/v1/completions", content=b"x" * 200).status_code == 413  # over 100 bytes
     assert open_client.post("/v1/completions", content=b"x" * 200).status_code == 400  # parsed: not JSON
-    assert locked.metrics.snapshot()["counters"] == {"requests{route=other,engine=-,status=401}": 1.0, "requests_total": 1.0}
+    assert locked.metrics.snapshot()["counters"] == {"requests{route=other,strategy=-,status=401}": 1.0, "requests_total": 1.0}
     assert open_.metrics.snapshot()["counters"] == {
-        "requests{route=models,engine=-,status=200}": 1.0,
-        "requests{route=completions,engine=-,status=400}": 1.0,
+        "requests{route=models,strategy=-,status=200}": 1.0,
+        "requests{route=completions,strategy=-,status=400}": 1.0,
         "requests_total": 2.0,
     }
+
+
+def test_invalid_strategies_are_400_naming_the_field_before_any_work():
+    """A request's strategy is checked by the engine's own ``StrategyMenu``
+    before it takes an admission slot (no engine call is made here: the
+    replica has none): a mode the deployment does not allow or cannot run,
+    a K past ``max_k``, a K where none applies, an unknown field — each an
+    OpenAI 400 whose ``param`` names the field."""
+    from saguaro_ray.serve.app import build_api
+    from saguaro_ray.serve.auth import APIKeys
+    from saguaro_ray.serve.config import parse_config
+    from saguaro_ray.serve.metrics import ServeMetrics
+    from saguaro_ray.serve.replica import ReplicaCore, ServedEngine
+
+    core = ReplicaCore()
+    core.cfg = parse_config({"target": "unused", "model_name": "m"})
+    core.keys, core.metrics, core.admission = APIKeys(core.cfg), ServeMetrics("edge-strategies"), Admission(4)
+    menu = StrategyMenu.of(SpeculationConfig(mode="ssd", allow=("ssd", "ar"), k=3, max_k=4), has_draft=True, has_qualifier=False)
+    core.engine = ServedEngine(handle=None, owned=True, frontend=Frontend(None, 10, 2048, menu, None), prompt_bytes=10**6)
+    client = TestClient(build_api(core))
+    for speculation, param, needle in (
+        ("sd", "speculation.mode", "'sd' is not allowed by this engine; allowed: ssd, ar"),
+        ("pyramid", "speculation.mode", "needs a qualifier"),
+        ("warp", "speculation.mode", "must be one of"),
+        ({"mode": "ssd", "k": 5}, "speculation.k", "at most 4"),
+        ({"mode": "ar", "k": 2}, "speculation.k", "does not apply"),
+        ({"mode": "ssd", "budget": 2}, "speculation", "unknown field"),
+        (["ssd"], "speculation", "must be a mode name or an object"),
+    ):
+        for route, body in (("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            resp = client.post(route, json={"model": "m", "max_tokens": 2, "speculation": speculation, **body})
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert (err["param"], err["type"]) == (param, "invalid_request_error") and needle in err["message"], (speculation, err)
+    assert core.admission.active == 0 and core.metrics.snapshot()["counters"]["requests_total"] == 14

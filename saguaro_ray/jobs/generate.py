@@ -51,7 +51,6 @@ _WAIT_S = 600.0  # longest wait for one prompt's results before the job gives up
 
 def build_parser() -> argparse.ArgumentParser:
     from saguaro_ray.cli_flags import MODEL_FORMS, SELF_FORMS, add_engine_args, add_sampling_args, add_speculation_args
-    from saguaro_ray.config import MODES
 
     p = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.generate", description="batch generation from JSONL (resumable)")
     p.add_argument("--input", required=True, help="JSONL, one {\"prompt\": ...} object a line")
@@ -64,7 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--namespace", default="saguaro-ray", help="namespace of the --connect engine")
     add_sampling_args(p.add_argument_group("sampling"))
     spec = p.add_argument_group("speculation (same flags as `saguaro-ray generate`)")
-    spec.add_argument("--mode", default="ar", choices=MODES)
     add_speculation_args(spec)
     rt = p.add_argument_group("runtime")
     add_engine_args(rt)

@@ -2,7 +2,8 @@
 kind sends, and what it records.
 
 Three kinds share one server. A *good* client streams ordinary requests —
-both routes, every engine, mostly T = 0 (whose text must equal the
+both routes, every strategy the deployment allows (all on its one engine,
+in one batch), mostly T = 0 (whose text must equal the
 single-request reference), some seeded T > 0 — and must never see an error.
 A *disconnecting* client asks for a long stream and hangs up after a few
 chunks: the server must abort the work (the engine's KV comes back) without
@@ -34,7 +35,7 @@ class Spec:
     """One well-formed request: the body's fields, without ``stream``."""
 
     route: str  # "completions" | "chat"
-    engine: str
+    strategy: str  # the mode its `speculation` names
     text: str  # the prompt, or the user message
     max_tokens: int
     temperature: float
@@ -50,7 +51,7 @@ class Spec:
             "temperature": self.temperature,
             "n": self.n,
             "ignore_eos": self.ignore_eos,
-            "speculation": {"engine": self.engine},
+            "speculation": self.strategy,
             "stream": stream,
         }
         if self.route == "chat":
@@ -70,8 +71,8 @@ class Spec:
         return "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
 
 
-def good_specs(engines: list[str]) -> list[Spec]:
-    """The well-behaved requests: every base request on every engine, at T = 0
+def good_specs(strategies: list[str]) -> list[Spec]:
+    """The well-behaved requests: every base request with every strategy, at T = 0
     (``n`` 1 or 2: at T = 0 both samples are the reference) and seeded T > 0."""
     bases = []
     for i, text in enumerate(PROMPTS):
@@ -80,17 +81,17 @@ def good_specs(engines: list[str]) -> list[Spec]:
         bases.append(("chat", text, (16, 32)[i % 2], STOP if i % 2 == 0 else None, i == 1))
     specs = []
     for j, (route, text, max_tokens, stop, ignore_eos) in enumerate(bases):
-        for engine in engines:
-            specs.append(Spec(route, engine, text, max_tokens, 0.0, n=1 + j % 2, stop=stop, ignore_eos=ignore_eos))
-            specs.append(Spec(route, engine, text, max_tokens, 0.8, seed=1000 + j, stop=stop, ignore_eos=ignore_eos))
+        for strategy in strategies:
+            specs.append(Spec(route, strategy, text, max_tokens, 0.0, n=1 + j % 2, stop=stop, ignore_eos=ignore_eos))
+            specs.append(Spec(route, strategy, text, max_tokens, 0.8, seed=1000 + j, stop=stop, ignore_eos=ignore_eos))
     return specs
 
 
-def disconnect_spec(rng: random.Random, engines: list[str]) -> Spec:
+def disconnect_spec(rng: random.Random, strategies: list[str]) -> Spec:
     """A long stream (whoever hangs up on it leaves most of it undecoded)."""
     return Spec(
         rng.choice(("completions", "chat")),
-        rng.choice(engines),
+        rng.choice(strategies),
         rng.choice(PROMPTS),
         768,
         rng.choice((0.0, 0.8)),
@@ -110,7 +111,7 @@ class Poison:
     headers: dict[str, str | bytes] = field(default_factory=dict)
 
 
-def poisons(model: str, engines: list[str], api_key: str | None, max_body_bytes: int) -> list[Poison]:
+def poisons(model: str, max_k: int, api_key: str | None, max_body_bytes: int) -> list[Poison]:
     """The issue's poison and its relatives. The non-ASCII bearer is poison
     only where the server checks keys (``api_key`` given)."""
 
@@ -130,7 +131,9 @@ def poisons(model: str, engines: list[str], api_key: str | None, max_body_bytes:
         Poison("body not an object", "/v1/chat/completions", b"[1, 2, 3]"),
         Poison("messages not a list", "/v1/chat/completions", json.dumps({**chat, "messages": "hi"}).encode()),
         Poison("token id out of vocab", "/v1/completions", completion(prompt=[5, 2**40])),
-        Poison("unknown engine", "/v1/completions", completion(speculation={"engine": "no-such-" + "-".join(engines)})),
+        Poison("K beyond max_k", "/v1/completions", completion(speculation={"mode": "sd", "k": max_k + 1})),
+        Poison("unknown strategy field", "/v1/completions", completion(speculation={"engine": "ssd"})),
+        Poison("unknown mode", "/v1/completions", completion(speculation="warp")),
         Poison("huge body", "/v1/completions", completion(prompt="x" * (max_body_bytes + 1024))),
     ]
     if api_key is not None:
@@ -143,7 +146,7 @@ class Outcome:
     """One request as its client saw it."""
 
     kind: str  # "good" | "disconnect" | "poison"
-    name: str  # the poison's name, else the route and engine
+    name: str  # the poison's name, else the route and strategy
     status: int | None = None
     error: str | None = None  # an error class, None when the request went as it should
     texts: dict[int, str] = field(default_factory=dict)
@@ -168,7 +171,7 @@ async def stream_request(
     client: httpx.AsyncClient, base: str, model: str, spec: Spec, headers: dict[str, str], kind: str, hang_up_after: int | None = None
 ) -> Outcome:
     """Stream ``spec``; with ``hang_up_after``, close the connection after that many content chunks."""
-    out = Outcome(kind, f"{spec.route}/{spec.engine}", spec=spec)
+    out = Outcome(kind, f"{spec.route}/{spec.strategy}", spec=spec)
     t0 = time.perf_counter()
     last: float | None = None
     chunks = 0

@@ -1,5 +1,5 @@
 """What the load test concludes from what it saw: the resource checks after
-the load (threads, KV pools, idle engines), the exact-output comparison with
+the load (threads, KV pools, an idle engine), the exact-output comparison with
 the single-request references, the server's status counts, latency quantiles,
 and the report and its one-screen summary. Pure functions of the outcomes and
 the metrics snapshots, so they are tested without a server
@@ -41,22 +41,21 @@ def resource_problems(now: dict[str, Any], baseline: dict[str, Any]) -> list[str
         problems.append(f"replica holds {now['ongoing_requests']} requests")
     if (grown := _more_threads(now, baseline)) is not None:
         problems.append(f"replica {grown}")
-    for name, eng in now["engines"].items():
-        if eng["active"] is None or eng["workers"] is None:
-            problems.append(f"engine {name} did not answer")
-            continue
-        if eng["active"] or eng["queued"]:
-            problems.append(f"engine {name}: {eng['active']} samples active, {eng['queued']} queued")
-        for role, w in eng["workers"].items():
-            if w["free_kv_blocks"] != w["kv_blocks"]:
-                problems.append(f"engine {name} {role}: {w['free_kv_blocks']} of {w['kv_blocks']} KV blocks free")
-            if (grown := _more_threads(w, baseline["engines"][name]["workers"][role])) is not None:
-                problems.append(f"engine {name} {role}: {grown}")
+    eng = now["engine"]
+    if eng["active"] is None or eng["workers"] is None:
+        return [*problems, "engine did not answer"]
+    if eng["active"] or eng["queued"]:
+        problems.append(f"engine: {eng['active']} samples active, {eng['queued']} queued")
+    for role, w in eng["workers"].items():
+        if w["free_kv_blocks"] != w["kv_blocks"]:
+            problems.append(f"engine {role}: {w['free_kv_blocks']} of {w['kv_blocks']} KV blocks free")
+        if (grown := _more_threads(w, baseline["engine"]["workers"][role])) is not None:
+            problems.append(f"engine {role}: {grown}")
     return problems
 
 
 def _server_errors(end: dict[str, Any], start: dict[str, Any]) -> dict[str, int]:
-    """The replica's 5xx answers during the load, by route, engine and status."""
+    """The replica's 5xx answers during the load, by route, strategy and status."""
     out = {}
     for key, count in end["counters"].items():
         if key.startswith("requests{") and ",status=5" in key:
@@ -76,12 +75,12 @@ def _statuses(snapshot: dict[str, Any]) -> Counter[str]:
 
 
 def disagreements(refs: dict[Spec, dict[int, tuple[str, str]]]) -> list[str]:
-    """T = 0 references that differ between engines (each mode must give the target's output)."""
+    """T = 0 references that differ between strategies (each mode must give the target's output)."""
     groups: dict[tuple, dict[str, Any]] = {}
     for spec, ref in refs.items():
         key = (spec.route, spec.text, spec.max_tokens, spec.stop, spec.ignore_eos, spec.n)
-        groups.setdefault(key, {})[spec.engine] = ref
-    return [f"{key}: {by_engine}" for key, by_engine in groups.items() if len({json.dumps(r, sort_keys=True) for r in by_engine.values()}) > 1]
+        groups.setdefault(key, {})[spec.strategy] = ref
+    return [f"{key}: {by_strategy}" for key, by_strategy in groups.items() if len({json.dumps(r, sort_keys=True) for r in by_strategy.values()}) > 1]
 
 
 def mismatch(out: Outcome, ref: dict[int, tuple[str, str]]) -> str | None:
@@ -122,7 +121,7 @@ def build_report(
     if errors["good"]:
         failures.append(f"well-behaved clients got errors: {errors['good']}")
     if disagree:
-        failures.append(f"{len(disagree)} T = 0 references differ between engines")
+        failures.append(f"{len(disagree)} T = 0 references differ between strategies")
     if errors["poison"]:
         failures.append(f"poison not refused with a 4xx OpenAI error: {errors['poison']}")
     if errors["disconnect"]:
@@ -137,7 +136,7 @@ def build_report(
         "errors": errors,
         "error_examples": [f"{o.kind} {o.name}: {o.error}: {o.detail}" for o in outcomes if o.error][:20],
         "exact": {"t0_checked": len(checked), "t0_exact": len(checked) - len(mismatches), "mismatches": mismatches[:10]},
-        "references": {"count": len(refs), "engines_disagree": disagree[:10]},
+        "references": {"count": len(refs), "strategies_disagree": disagree[:10]},
         "completion_tokens": sum(o.completion_tokens or 0 for o in streams),
         "latency_s": {
             "ttft": _quantiles([o.ttft_s for o in streams if o.ttft_s is not None]),

@@ -8,11 +8,11 @@ status 0) when
 * no well-behaved client saw an error (HTTP, stream or transport; a 429 is one);
 * every T = 0 output — each sample of it — equals its single-request
   reference (the same request, non-streamed and alone, made before the load),
-  and the references agree across engines (every mode gives the target's output);
+  and the references agree across strategies (every mode gives the target's output);
 * every poison request got a 4xx (not 429) OpenAI-shaped error;
 * no disconnecting client saw an error before it hung up;
 * afterwards (within a bounded wait for releases that run asynchronously)
-  every engine is idle — no sample queued or running, so the hung-up
+  the engine is idle — no sample queued or running, so the hung-up
   requests were aborted — every worker's KV pool is full again, no worker
   and not the replica holds more Python threads than at the baseline taken
   after a warm-up, and the replica holds no request.
@@ -25,8 +25,8 @@ one chunk) and of time per output token. ``--config`` starts the Serve
 application from a Serve YAML on a free loopback port in a Ray instance of its
 own, with an API key (so a bad bearer token is poison too); ``--url`` drives a
 server already running (``--api-key`` if it checks keys). The resources come
-from the replica's ``/v1/saguaro/metrics`` (its ``resources`` section): the
-engines the replica launched itself.
+from the replica's ``/v1/saguaro/metrics`` (its ``resources`` section): its
+one engine, which every strategy's requests share.
 """
 
 from __future__ import annotations
@@ -148,21 +148,21 @@ async def run_load(base: str, opts: LoadOptions) -> dict[str, Any]:
         resp = await client.get(base + "/v1/models", headers=headers)
         resp.raise_for_status()
         served = resp.json()["data"][0]
-        model, engines = served["id"], [e["name"] for e in served["saguaro"]["engines"]]
-        specs = good_specs(engines)
+        model, strategies, max_k = served["id"], served["saguaro"]["allowed_modes"], served["saguaro"]["max_k"]
+        specs = good_specs(strategies)
         refs = {s: await _reference(client, base, model, s, headers) for s in specs if s.temperature == 0}
         disagree = disagreements(refs)
         # warm-up: every request once, concurrently, and two hang-ups; then the baseline
         rng = random.Random(opts.seed)
         warm = [stream_request(client, base, model, s, headers, "good") for s in specs]
-        warm += [stream_request(client, base, model, disconnect_spec(rng, engines), headers, "disconnect", 2) for _ in range(2)]
+        warm += [stream_request(client, base, model, disconnect_spec(rng, strategies), headers, "disconnect", 2) for _ in range(2)]
         await asyncio.gather(*warm)
         start_snap, _, _ = await _settle(client, base, headers, None)
         baseline = start_snap["resources"]
 
         outcomes: list[Outcome] = []
         stop_at = time.monotonic() + opts.seconds
-        poison_list = poisons(model, engines, opts.api_key, opts.max_body_bytes)
+        poison_list = poisons(model, max_k, opts.api_key, opts.max_body_bytes)
 
         def good(c: int) -> Any:
             crng = random.Random(opts.seed * 1000 + c)
@@ -182,7 +182,7 @@ async def run_load(base: str, opts: LoadOptions) -> dict[str, Any]:
             crng = random.Random(opts.seed * 1000 + 500 + c)
 
             async def send(i: int) -> Outcome:
-                return await stream_request(client, base, model, disconnect_spec(crng, engines), headers, "disconnect", crng.randint(1, 4))
+                return await stream_request(client, base, model, disconnect_spec(crng, strategies), headers, "disconnect", crng.randint(1, 4))
 
             return client_loop(stop_at, send, outcomes.append)
 

@@ -11,11 +11,7 @@ Ray Serve and FastAPI are imported on first use of ``build_app`` /
 
 from typing import Any
 
-from saguaro_ray.serve.config import (
-    EngineEntry,
-    ServeAppConfig,
-    parse_config,
-)
+from saguaro_ray.serve.config import ServeAppConfig, parse_config
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +22,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'saguaro_ray.serve' has no attribute {name!r}")
 
 
-__all__ = ["EngineEntry", "SaguaroDeployment", "ServeAppConfig", "build_app", "parse_config"]
+__all__ = ["SaguaroDeployment", "ServeAppConfig", "build_app", "parse_config"]

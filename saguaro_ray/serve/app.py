@@ -3,25 +3,30 @@
 ``build_app(config)`` returns a Serve application: one deployment
 (:class:`SaguaroDeployment`, ``serve.ingress`` of a FastAPI app each replica
 builds over its own state, :func:`build_api`) whose replica
-launches one engine per configured speculation mode — or attaches to a named,
-already running engine — and serves
+launches ONE engine for the model — or attaches to a named, already running
+one — that runs every strategy the config allows, each request's sequences
+with their own, in one batch; and serves
 
 * ``POST /v1/completions``       (``prompt``: string, strings, token ids)
 * ``POST /v1/chat/completions``  (the tokenizer's chat template, else a plain fallback)
-* ``GET  /v1/models``
-* ``GET  /health``               (no API key needed; 503 when an engine is down)
+* ``GET  /v1/models``             (the model, its default and allowed strategies, max K)
+* ``GET  /health``               (no API key needed; 503 when the engine is down)
 * ``GET  /v1/saguaro/metrics``   (this replica's metric snapshot and its threads, KV and queues now, JSON)
 
 ``stream: true`` answers Server-Sent Events (``data: {...}`` chunks, then
-``data: [DONE]``). Extensions: ``speculation`` (object) picks the engine,
-``top_k`` and ``ignore_eos`` sampling fields, and every response carries a
-``saguaro`` object (engine, mode, rounds, mean accepted length, cache hit
-rate, lossy flag; round statistics are reported on non-streaming responses —
-the engine's stream carries tokens only). Errors use OpenAI's body
+``data: [DONE]``). Extensions: ``speculation`` (``{"mode", "k"}`` or a mode
+name: the request's strategy; a mode the deployment does not allow, a K past
+its ``max_k``, an unknown field are 400s naming ``speculation.mode``,
+``speculation.k``, ``speculation``), ``top_k`` and ``ignore_eos`` sampling
+fields, and every response carries a ``saguaro`` object (the request's
+``mode`` and ``k``, the engine's ``default_mode``, rounds, rounds per mode
+run (``strategy``), ``mean_k``, mean accepted length, cache hit rate, lossy
+flag; a stream carries each choice's on its last chunk and the summary on
+the ``include_usage`` chunk). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
 requests, 401 for a missing/invalid API key, 413 for a body over
 ``max_body_bytes`` (refused unparsed), 429 (with ``Retry-After``) past the
-replica's ``max_ongoing_requests``, 500 for internal errors, 503 when an engine
+replica's ``max_ongoing_requests``, 500 for internal errors, 503 when the engine
 cannot serve (a worker gone for good, the coordinator dead — ``/health`` says
 503 too, so Serve replaces the replica) or the replica is draining, 504 past
 ``request_timeout_s`` (or the request's ``timeout`` extension).

@@ -4,26 +4,31 @@
 
     model_name: saguaro-zoo-tiny          # the id /v1/models lists and requests name
     target: zoo:tiny/target               # a model directory, zoo:<preset>/<role>, real:<name> or hf:<org>/<name>
-    draft: zoo:tiny/draft                 # needed by sd / ssd / pyramid engines (also self:int8, self:int4)
-    qualifier: zoo:tiny/qualifier         # needed by pyramid engines
-    engines:                              # one engine per entry; the first is the default
-      - {mode: ssd, k: 4, budget: 8}
-      - {mode: ar}
-      - {name: ssd-shared, mode: ssd, k: 4, connect: my-engine}  # attach to a named engine
+    draft: zoo:tiny/draft                 # needed by sd / ssd / pyramid (and used by auto; also self:int8, self:int4)
+    qualifier: zoo:tiny/qualifier         # needed by pyramid
+    speculation: {mode: auto, allow: [auto, ar, sd, ssd], k: 4, max_k: 8, budget: 8, backup: auto}
     engine_options: {device: cpu, worker_cpus: 0.2, threads_per_worker: 1}
+    connect: my-engine                    # optional: attach to a named detached engine instead of launching
     api_keys: []                          # or api_keys_env: SAGUARO_API_KEYS
     num_replicas: 1
 
-Every engine entry is a :class:`~saguaro_ray.config.SpeculationConfig` (its
-fields, validated by it) plus ``name`` (default: the mode), ``connect`` (the
-name of a detached engine started elsewhere with ``EngineConfig(name=...)``,
-attached to instead of launched) and ``options`` (per-engine
-:class:`~saguaro_ray.runtime.engine_config.EngineConfig` fields on top of
-``engine_options``). A request picks an engine with the ``speculation``
-extension object; see :meth:`ServeAppConfig.match`.
-
-``target_tp`` (in ``engine_options``/``options``) shards each engine's target
-over that many devices (tensor parallelism, see ``EngineConfig``).
+A replica runs ONE engine for the model: one target (and one set of drafts),
+whatever strategies its requests name — each sequence carries its own
+(DESIGN §5), so offering SSD with an AR fallback costs no second target copy.
+``speculation`` takes :class:`~saguaro_ray.config.SpeculationConfig`'s fields
+(validated by it): ``mode`` is the strategy of a request naming none,
+``allow`` the strategies requests may name (empty: every one the given models
+run, see :func:`~saguaro_ray.model_set.allowed_modes`), ``max_k`` the largest
+K a request may ask for. A request names its strategy with the
+``speculation`` extension (``{"mode": "sd", "k": 6}`` or ``"ssd"``), checked
+by the engine's :class:`~saguaro_ray.engine.strategy_menu.StrategyMenu`.
+``engine_options`` are :class:`~saguaro_ray.runtime.engine_config.EngineConfig`
+fields; ``target_tp`` there shards the target over that many devices.
+``connect`` names a detached engine started elsewhere with
+``EngineConfig(name=...)`` (in ``namespace``): the replica attaches to it
+instead of launching one, and never stops it; give ``speculation`` the
+strategies that engine allows (the replica checks requests against it, the
+engine then against its own).
 """
 
 from __future__ import annotations
@@ -34,16 +39,22 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from saguaro_ray.config import MODES, SpeculationConfig
+from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.errors import ConfigError
 
 if TYPE_CHECKING:
     from saguaro_ray.models.spec import ModelRef
 
-# SpeculationConfig fields an engine entry (and a request's `speculation` object) may set
+# the fields of the `speculation` block
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculationConfig))
-# EngineConfig fields the serve config may not set: they come from the entry itself
+# EngineConfig fields engine_options may not set: they come from the config itself
 _RESERVED = {"target", "draft", "qualifier", "spec", "name", "namespace"}
+# what `engines:` (a list of engines, each its own target copy) became
+_ENGINES_REPLACED = (
+    "`engines` was replaced by `speculation` (one engine per model serves every strategy): "
+    "write `speculation: {mode: auto, allow: [ar, sd, ssd], k: 4, ...}` with SpeculationConfig's fields, "
+    "and `connect: <name>` at the top level to attach to a named engine"
+)
 
 
 def engine_config_fields() -> set[str]:
@@ -52,62 +63,22 @@ def engine_config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def _check_engine_options(options: dict[str, Any], where: str = "") -> dict[str, Any]:
+def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     allowed = engine_config_fields() - _RESERVED
     unknown = sorted(set(options) - allowed)
-    prefix = f"{where}: " if where else ""
     if unknown:
-        raise ValueError(f"{prefix}unknown engine option(s) {unknown}; valid: {sorted(allowed)}")
+        raise ValueError(f"unknown engine option(s) {unknown}; valid: {sorted(allowed)}")
     return options
 
 
-class EngineEntry(BaseModel):
-    """One engine the deployment holds: a speculation mode and its parameters."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str | None = None
-    mode: str = "ar"
-    k: int | None = None
-    fanout: str | list[int] | None = None
-    budget: int | None = None
-    saguaro_c: float | None = None
-    backup: str | None = None
-    stage1: str | None = None
-    stage2: str | None = None
-    tau_q: float | None = None
-    tau_t: float | None = None
-    div: str | None = None
-    lq: int | None = None
-    ld: int | None = None
-    allow_lossy: bool | None = None
-    connect: str | None = None
-    namespace: str = "saguaro-ray"
-    options: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _validate(self) -> EngineEntry:
-        if self.name is None:
-            self.name = self.mode
-        self.spec()  # raises ConfigError (a ValueError) with the field's message
-        _check_engine_options(self.options, f"engine {self.name!r} options")
-        return self
-
-    def spec(self) -> SpeculationConfig:
-        kwargs = {f: getattr(self, f) for f in SPEC_FIELDS if getattr(self, f) is not None}
-        if isinstance(kwargs.get("fanout"), list):
-            kwargs["fanout"] = tuple(kwargs["fanout"])
-        return SpeculationConfig(**kwargs)
-
-    def describe(self) -> str:
-        spec = self.spec()
-        if spec.mode == "ar":
-            extra = ""
-        elif spec.mode == "pyramid":
-            extra = f" (lq={spec.lq}, ld={spec.ld}, stage1={spec.stage1}, stage2={spec.stage2})"
-        else:
-            extra = f" (k={spec.k}" + (f", budget={spec.budget}" if spec.mode == "ssd" else "") + ")"
-        return f"{self.name}: {spec.mode}{extra}"
+def speculation_config(fields: dict[str, Any]) -> SpeculationConfig:
+    """The ``speculation`` block as a :class:`SpeculationConfig` (YAML lists
+    become its tuples); raises :class:`ConfigError` naming a bad field."""
+    unknown = sorted(set(fields) - set(SPEC_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown}; valid: {', '.join(SPEC_FIELDS)}")
+    kwargs = {f: tuple(v) if isinstance(v, list) else v for f, v in fields.items()}
+    return SpeculationConfig(**kwargs)
 
 
 class ServeAppConfig(BaseModel):
@@ -120,8 +91,10 @@ class ServeAppConfig(BaseModel):
     target: str
     draft: str | None = None
     qualifier: str | None = None
-    engines: list[EngineEntry] = Field(default_factory=lambda: [EngineEntry(mode="ar")], min_length=1)
+    speculation: dict[str, Any] = Field(default_factory=dict, description="SpeculationConfig fields: the strategies requests may use")
     engine_options: dict[str, Any] = Field(default_factory=dict)
+    connect: str | None = None  # a detached engine's name: attach to it instead of launching one
+    namespace: str = "saguaro-ray"
     # requests
     default_max_tokens: int = Field(256, gt=0, description="chat completions without max_tokens (clipped to the context)")
     completion_default_max_tokens: int = Field(16, gt=0, description="completions without max_tokens (OpenAI's default)")
@@ -141,6 +114,21 @@ class ServeAppConfig(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0)
     metrics_interval_s: float = Field(10.0, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_engines(cls, data: Any) -> Any:
+        """A config written for the engine-per-mode deployment is refused with
+        what replaced it, not half-read (no compatibility shim)."""
+        if isinstance(data, dict) and "engines" in data:
+            raise ValueError(_ENGINES_REPLACED)
+        return data
+
+    @field_validator("speculation")
+    @classmethod
+    def _speculation(cls, value: dict[str, Any]) -> dict[str, Any]:
+        speculation_config(value)  # raises ConfigError (a ValueError) with the field's message
+        return value
+
     @field_validator("engine_options")
     @classmethod
     def _options(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -148,31 +136,26 @@ class ServeAppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _validate(self) -> ServeAppConfig:
-        names = [e.name for e in self.engines]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"engine names must be unique; repeated: {dupes} (give entries a `name`)")
-        for entry in self.engines:
-            self.engine_config(entry)  # validates models needed by the mode and every option
+        self.engine_config()  # validates the models the allowed strategies need and every option
         return self
 
-    # ----------------------------------------------------------------- engines
-    def engine_options_for(self, entry: EngineEntry) -> dict[str, Any]:
-        return {**self.engine_options, **entry.options}
+    # ----------------------------------------------------------------- the engine
+    def spec(self) -> SpeculationConfig:
+        return speculation_config(self.speculation)
 
-    def engine_config(self, entry: EngineEntry) -> Any:
-        """The :class:`EngineConfig` of ``entry`` (validated)."""
+    def engine_config(self) -> Any:
+        """The :class:`EngineConfig` of the deployment's engine (validated)."""
         from saguaro_ray.model_set import needed_specs
         from saguaro_ray.runtime.engine_config import EngineConfig
 
-        spec = entry.spec()
-        models = needed_specs([spec], self.target, self.draft, self.qualifier)  # only those its mode runs
-        return EngineConfig(**models, spec=spec, namespace=entry.namespace, **self.engine_options_for(entry))
+        spec = self.spec()
+        models = needed_specs([spec], self.target, self.draft, self.qualifier)  # only those its strategies run
+        return EngineConfig(**models, spec=spec, namespace=self.namespace, **self.engine_options)
 
-    def launch_config(self, entry: EngineEntry, models: dict[str, ModelRef] | None = None) -> Any:
-        """``engine_config(entry)`` with ``models`` (role → resolved model, see
+    def launch_config(self, models: dict[str, ModelRef] | None = None) -> Any:
+        """``engine_config()`` with ``models`` (role → resolved model, see
         :func:`saguaro_ray.models.resolve_models`) in place of the configured names."""
-        config = self.engine_config(entry)
+        config = self.engine_config()
         if models:
             config = dataclasses.replace(
                 config,
@@ -191,42 +174,6 @@ class ServeAppConfig(BaseModel):
             keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
         return keys
 
-    # ----------------------------------------------------------------- routing
-    def match(self, request: dict[str, Any] | None) -> EngineEntry:
-        """The engine a request's ``speculation`` object selects.
-
-        ``None`` or ``{}``: the first engine. ``{"engine": NAME}`` picks by name;
-        ``{"mode": M, "k": K, ...}`` picks the first engine whose mode is M and
-        whose configured value equals every other field given (the deployment
-        does not re-configure engines per request). Raises :class:`ConfigError`
-        naming the available engines when nothing matches.
-        """
-        if not request:
-            return self.engines[0]
-        request = dict(request)
-        name = request.pop("engine", None) or request.pop("name", None)
-        unknown = sorted(set(request) - set(SPEC_FIELDS))
-        if unknown:
-            raise ConfigError(f"speculation has unknown field(s) {unknown}; valid: engine, {', '.join(SPEC_FIELDS)}")
-        mode = request.get("mode")
-        if mode is not None and mode not in MODES:
-            raise ConfigError(f"speculation.mode must be one of {', '.join(MODES)}; got {mode!r}")
-        for entry in self.engines:
-            if name is not None and entry.name != name:
-                continue
-            spec = entry.spec()
-            if all(_same(getattr(spec, f), v) for f, v in request.items()):
-                return entry
-        wanted = ", ".join(f"{k}={v!r}" for k, v in ([("engine", name)] if name else []) + sorted(request.items()))
-        available = "; ".join(e.describe() for e in self.engines)
-        raise ConfigError(f"no engine of this deployment matches speculation {{{wanted}}}; available: {available}")
-
-
-def _same(configured: Any, requested: Any) -> bool:
-    if isinstance(configured, tuple) and isinstance(requested, list):
-        requested = tuple(requested)
-    return configured == requested
-
 
 def parse_config(config: dict[str, Any] | ServeAppConfig | None) -> ServeAppConfig:
     """A validated :class:`ServeAppConfig`; pydantic errors become :class:`ConfigError`."""
@@ -239,7 +186,7 @@ def parse_config(config: dict[str, Any] | ServeAppConfig | None) -> ServeAppConf
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "config"
+            loc = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{loc}: {msg}")
+            lines.append(f"{loc}: {msg}" if loc else msg)
         raise ConfigError("invalid serve config: " + "; ".join(lines)) from None

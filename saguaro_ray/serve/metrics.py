@@ -3,20 +3,27 @@ endpoint as ``ray_saguaro_serve_*``), mirrored in a plain per-replica
 snapshot served at ``GET /v1/saguaro/metrics`` for environments without
 Prometheus.
 
+A replica runs one engine; what tells requests apart is the strategy each
+asked for (``strategy``: the request's mode, ``auto`` when it named none and
+the deployment's default is auto, ``-`` before it is known), and, per round,
+the mode its sequences ran (``mode``: what ``auto`` chose).
+
 ===================================  =========  ==========================================
 metric                               kind       tags
 ===================================  =========  ==========================================
-saguaro_serve_requests               Counter    route, engine, status (HTTP code)
-saguaro_serve_generated_tokens       Counter    route, engine
-saguaro_serve_prompt_tokens          Counter    route, engine
-saguaro_serve_request_latency_s      Histogram  route, engine
-saguaro_serve_time_to_first_token_s  Histogram  route, engine  (streaming requests)
-saguaro_serve_inter_token_latency_s  Histogram  route, engine  (streaming; per token)
-saguaro_serve_mean_accepted          Histogram  engine         (per sample, sd/ssd/pyramid)
-saguaro_serve_cache_hit_rate         Histogram  engine         (per sample, ssd)
-saguaro_serve_dropped_frames         Gauge      engine, role   (control-plane frames dropped)
-saguaro_serve_engine_queued          Gauge      engine         (samples waiting for admission)
-saguaro_serve_ongoing_requests       Gauge                     (generation requests this replica holds)
+saguaro_serve_requests               Counter    route, strategy, status (HTTP code)
+saguaro_serve_generated_tokens       Counter    route, strategy
+saguaro_serve_prompt_tokens          Counter    route, strategy
+saguaro_serve_request_latency_s      Histogram  route, strategy
+saguaro_serve_time_to_first_token_s  Histogram  route, strategy  (streaming requests)
+saguaro_serve_inter_token_latency_s  Histogram  route, strategy  (streaming; per token)
+saguaro_serve_rounds                 Counter    strategy, mode   (rounds its samples ran in each mode)
+saguaro_serve_mean_accepted          Histogram  strategy         (per sample, speculative rounds)
+saguaro_serve_mean_k                 Histogram  strategy         (per sample: mean K of its speculative rounds)
+saguaro_serve_cache_hit_rate         Histogram  strategy         (per sample, ssd)
+saguaro_serve_dropped_frames         Gauge      role             (control-plane frames dropped)
+saguaro_serve_engine_queued          Gauge                       (samples waiting for admission)
+saguaro_serve_ongoing_requests       Gauge                       (generation requests this replica holds)
 ===================================  =========  ==========================================
 """
 
@@ -38,45 +45,45 @@ class ServeMetrics:
 
         self._lock = threading.Lock()
         base = {"app": app}
-        rt, rte = ("app", "route", "engine"), ("app", "route", "engine", "status")
-        self.requests = m.Counter("saguaro_serve_requests", "HTTP requests answered", tag_keys=rte)
+        rt, rts, st = ("app", "route", "strategy"), ("app", "route", "strategy", "status"), ("app", "strategy")
+        self.requests = m.Counter("saguaro_serve_requests", "HTTP requests answered", tag_keys=rts)
         self.generated = m.Counter("saguaro_serve_generated_tokens", "completion tokens returned", tag_keys=rt)
         self.prompt = m.Counter("saguaro_serve_prompt_tokens", "prompt tokens processed", tag_keys=rt)
         self.latency = m.Histogram("saguaro_serve_request_latency_s", "request latency (s)", _LATENCY_BOUNDS, tag_keys=rt)
         self.ttft = m.Histogram("saguaro_serve_time_to_first_token_s", "time to first token (s), streaming", _LATENCY_BOUNDS, tag_keys=rt)
         self.itl = m.Histogram("saguaro_serve_inter_token_latency_s", "inter-token latency (s), streaming", _TOKEN_BOUNDS, tag_keys=rt)
-        self.accepted = m.Histogram("saguaro_serve_mean_accepted", "mean accepted draft tokens per round", _ACCEPT_BOUNDS, tag_keys=("app", "engine"))
-        self.hit_rate = m.Histogram("saguaro_serve_cache_hit_rate", "SSD speculation cache hit rate", _RATE_BOUNDS, tag_keys=("app", "engine"))
-        self.dropped = m.Gauge("saguaro_serve_dropped_frames", "control frames dropped (malformed/unauthenticated)", tag_keys=("app", "engine", "role"))
-        self.queued = m.Gauge("saguaro_serve_engine_queued", "samples waiting for admission", tag_keys=("app", "engine"))
+        self.rounds = m.Counter("saguaro_serve_rounds", "rounds a request's samples ran, by the mode each ran in", tag_keys=("app", "strategy", "mode"))
+        self.accepted = m.Histogram("saguaro_serve_mean_accepted", "mean accepted draft tokens per round", _ACCEPT_BOUNDS, tag_keys=st)
+        self.mean_k = m.Histogram("saguaro_serve_mean_k", "mean draft tokens per speculative round", _ACCEPT_BOUNDS, tag_keys=st)
+        self.hit_rate = m.Histogram("saguaro_serve_cache_hit_rate", "SSD speculation cache hit rate", _RATE_BOUNDS, tag_keys=st)
+        self.dropped = m.Gauge("saguaro_serve_dropped_frames", "control frames dropped (malformed/unauthenticated)", tag_keys=("app", "role"))
+        self.queued = m.Gauge("saguaro_serve_engine_queued", "samples waiting for admission", tag_keys=("app",))
         self.ongoing = m.Gauge("saguaro_serve_ongoing_requests", "generation requests this replica holds", tag_keys=("app",))
-        for metric in (self.requests, self.generated, self.prompt, self.latency, self.ttft, self.itl, self.accepted, self.hit_rate, self.dropped, self.queued, self.ongoing):
+        metrics = (
+            self.requests, self.generated, self.prompt, self.latency, self.ttft, self.itl, self.rounds,
+            self.accepted, self.mean_k, self.hit_rate, self.dropped, self.queued, self.ongoing,
+        )  # fmt: skip
+        for metric in metrics:
             metric.set_default_tags(base)
-        self.names = [
-            "saguaro_serve_requests", "saguaro_serve_generated_tokens", "saguaro_serve_prompt_tokens",
-            "saguaro_serve_request_latency_s", "saguaro_serve_time_to_first_token_s",
-            "saguaro_serve_inter_token_latency_s", "saguaro_serve_mean_accepted",
-            "saguaro_serve_cache_hit_rate", "saguaro_serve_dropped_frames", "saguaro_serve_engine_queued",
-            "saguaro_serve_ongoing_requests",
-        ]  # fmt: skip
+        self.names = [metric.info["name"] for metric in metrics]
         # the snapshot: plain numbers, per replica
         self._counts: dict[str, float] = defaultdict(float)
         self._obs: dict[str, list[float]] = defaultdict(list)
         self._gauges: dict[str, float] = {}
 
     # --------------------------------------------------------------- record
-    def request(self, route: str, engine: str, status: int, latency_s: float | None = None) -> None:
-        tags = {"route": route, "engine": engine, "status": str(status)}
+    def request(self, route: str, strategy: str, status: int, latency_s: float | None = None) -> None:
+        tags = {"route": route, "strategy": strategy, "status": str(status)}
         self.requests.inc(1, tags)
         with self._lock:
-            self._counts[f"requests{{route={route},engine={engine},status={status}}}"] += 1
+            self._counts[f"requests{{route={route},strategy={strategy},status={status}}}"] += 1
             self._counts["requests_total"] += 1
         if latency_s is not None:
-            self.latency.observe(latency_s, {"route": route, "engine": engine})
+            self.latency.observe(latency_s, {"route": route, "strategy": strategy})
             self._observe("request_latency_s", latency_s)
 
-    def tokens(self, route: str, engine: str, prompt: int, completion: int) -> None:
-        tags = {"route": route, "engine": engine}
+    def tokens(self, route: str, strategy: str, prompt: int, completion: int) -> None:
+        tags = {"route": route, "strategy": strategy}
         if completion:
             self.generated.inc(completion, tags)
         if prompt:
@@ -85,36 +92,42 @@ class ServeMetrics:
             self._counts["generated_tokens"] += completion
             self._counts["prompt_tokens"] += prompt
 
-    def first_token(self, route: str, engine: str, seconds: float) -> None:
-        self.ttft.observe(seconds, {"route": route, "engine": engine})
+    def first_token(self, route: str, strategy: str, seconds: float) -> None:
+        self.ttft.observe(seconds, {"route": route, "strategy": strategy})
         self._observe("time_to_first_token_s", seconds)
 
-    def inter_token(self, route: str, engine: str, seconds: float, tokens: int) -> None:
+    def inter_token(self, route: str, strategy: str, seconds: float, tokens: int) -> None:
         per = seconds / max(tokens, 1)
-        tags = {"route": route, "engine": engine}
+        tags = {"route": route, "strategy": strategy}
         for _ in range(max(tokens, 1)):
             self.itl.observe(per, tags)
         self._observe("inter_token_latency_s", per, max(tokens, 1))
 
-    def sample_stats(self, engine: str, stats: dict[str, Any] | None) -> None:
+    def sample_stats(self, strategy: str, stats: dict[str, Any] | None) -> None:
+        """One finished sample's round statistics (``GenerationResult.stats``)."""
         if not stats:
             return
-        if stats.get("mean_accepted") is not None:
-            self.accepted.observe(float(stats["mean_accepted"]), {"engine": engine})
-            self._observe("mean_accepted", float(stats["mean_accepted"]))
-        if stats.get("cache_hit_rate") is not None:
-            self.hit_rate.observe(float(stats["cache_hit_rate"]), {"engine": engine})
-            self._observe("cache_hit_rate", float(stats["cache_hit_rate"]))
+        tags = {"strategy": strategy}
+        for mode, rounds in (stats.get("strategy") or {}).items():
+            if rounds:
+                self.rounds.inc(float(rounds), {**tags, "mode": str(mode)})
+                with self._lock:
+                    self._counts[f"rounds{{strategy={strategy},mode={mode}}}"] += rounds
+        for key, histogram in (("mean_accepted", self.accepted), ("mean_k", self.mean_k), ("cache_hit_rate", self.hit_rate)):
+            if stats.get(key) is not None:
+                histogram.observe(float(stats[key]), tags)
+                self._observe(key, float(stats[key]))
 
-    def engine_metrics(self, engine: str, metrics: dict[str, Any]) -> None:
+    def engine_metrics(self, metrics: dict[str, Any]) -> None:
+        """The engine coordinator's metrics (``EngineHandle.metrics()``) into the gauges."""
         for role, count in (metrics.get("dropped_frames") or {}).items():
-            self.dropped.set(float(count), {"engine": engine, "role": str(role)})
+            self.dropped.set(float(count), {"role": str(role)})
             with self._lock:
-                self._gauges[f"dropped_frames{{engine={engine},role={role}}}"] = float(count)
+                self._gauges[f"dropped_frames{{role={role}}}"] = float(count)
         if metrics.get("queued") is not None:
-            self.queued.set(float(metrics["queued"]), {"engine": engine})
+            self.queued.set(float(metrics["queued"]))
             with self._lock:
-                self._gauges[f"engine_queued{{engine={engine}}}"] = float(metrics["queued"])
+                self._gauges["engine_queued"] = float(metrics["queued"])
 
     def ongoing_requests(self, count: int) -> None:
         self.ongoing.set(float(count))

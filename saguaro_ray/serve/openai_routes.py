@@ -2,11 +2,13 @@
 
 A request is checked in the order that keeps a bad or surplus one cheap: the
 API key, the model, the fields the engine cannot honour, ``n``, the stop
-strings, the engine its ``speculation`` selects, the sampling values (as
+strings, the strategy its ``speculation`` names (against what the engine
+allows, by the engine's own ``StrategyMenu``), the sampling values (as
 :class:`~saguaro_ray.config.SamplingParams` checks them for the CLI and the
 Python API too), the prompt's bytes — all before it takes an admission slot;
 then, holding one, the prompt is tokenised and checked against the context
-off the event loop, and the engine runs it (or streams it, see
+off the event loop, and the replica's one engine runs it — its sequences
+with their own strategy, next to every other request's (or streams it, see
 :mod:`saguaro_ray.serve.streaming`). The request bodies and response helpers
 are :mod:`saguaro_ray.serve.protocol`'s.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 from fastapi import Request
 
-from saguaro_ray.config import SamplingParams
+from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.limits import check_prompt_bytes
@@ -49,7 +51,7 @@ PromptsAndParams = Callable[[], Awaitable[tuple[list[Any], SamplingParams]]]
 
 
 class OpenAIRoutes:
-    """The OpenAI routes over one replica's engines, tokenizer, admission and metrics."""
+    """The OpenAI routes over one replica's engine, tokenizer, admission and metrics."""
 
     def __init__(self, replica: ReplicaCore) -> None:
         self.replica = replica
@@ -58,28 +60,30 @@ class OpenAIRoutes:
         t0 = time.perf_counter()
         cfg = self.replica.cfg
         prompts = body.prompts()
-        engine, stops = self._prepare(body, request, len(prompts))
+        stops, requested, strategy = self._prepare(body, request, len(prompts))
         deadline = time.monotonic() + body.timeout_s(cfg.request_timeout_s)
-        params = sampling_params(body, cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens, stops)
+        max_tokens = cfg.completion_default_max_tokens if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens, stops, requested)
         for p in prompts:
             if isinstance(p, str):
-                check_prompt_bytes([p], engine.prompt_bytes, "prompt")
+                check_prompt_bytes([p], self.replica.engine.prompt_bytes, "prompt")
 
         async def ready() -> tuple[list[Any], SamplingParams]:
             return prompts, params
 
-        return await self._answer("completions", body, engine, ready, t0, deadline)
+        return await self._answer("completions", body, strategy, ready, t0, deadline)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         cfg = self.replica.cfg
-        engine, stops = self._prepare(body, request)
+        engine = self.replica.engine
+        stops, requested, strategy = self._prepare(body, request)
         deadline = time.monotonic() + body.timeout_s(cfg.request_timeout_s)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_prompt_bytes([m["content"] for m in messages], engine.prompt_bytes, "messages")
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # refuse bad values before any work (without max_tokens, they wait for the prompt's length)
-        params = None if requested is None else sampling_params(body, requested, stops)
+        params = None if max_tokens is None else sampling_params(body, max_tokens, stops, requested)
 
         async def ready() -> tuple[list[Any], SamplingParams]:
             try:  # rendering and tokenising: off the event loop
@@ -91,34 +95,33 @@ class OpenAIRoutes:
             if params is not None:
                 return [ids], params
             fill = max(1, min(cfg.default_max_tokens, engine.frontend.max_context - len(ids)))
-            return [ids], sampling_params(body, fill, stops)
+            return [ids], sampling_params(body, fill, stops, requested)
 
-        return await self._answer("chat", body, engine, ready, t0, deadline)
+        return await self._answer("chat", body, strategy, ready, t0, deadline)
 
     async def models(self, request: Request) -> Any:
         replica = self.replica
         replica.keys.check(request)
-        cfg = replica.cfg
-        engines = [
-            {"name": e.entry.name, "mode": e.mode, "k": e.k, "max_context": e.frontend.max_context, "attached": not e.owned}
-            for e in replica.engines.values()
-        ]
-        data = [
-            {
-                "id": mid,
-                "object": "model",
-                "created": now(),
-                "owned_by": "saguaro-ray",
-                "saguaro": {"target": cfg.target, "engines": engines, "default_engine": cfg.engines[0].name},
-            }
-            for mid in cfg.model_ids()
-        ]
+        cfg, engine = replica.cfg, replica.engine
+        menu = engine.menu
+        info = {
+            "target": cfg.target,
+            "default_mode": menu.default,
+            "allowed_modes": list(menu.allowed),
+            "k": menu.k,
+            "max_k": menu.max_k,
+            "max_context": engine.frontend.max_context,
+            "attached": not engine.owned,
+        }
+        data = [{"id": mid, "object": "model", "created": now(), "owned_by": "saguaro-ray", "saguaro": info} for mid in cfg.model_ids()]
         replica.metrics.request("models", "-", 200)
         return {"object": "list", "data": data}
 
     # ------------------------------------------------------------ helpers
-    def _prepare(self, body: _Common, request: Request, prompts: int = 1) -> tuple[ServedEngine, list[str]]:
-        """Checks shared by both generation routes; returns the selected engine and the stop strings."""
+    def _prepare(self, body: _Common, request: Request, prompts: int = 1) -> tuple[list[str], Strategy | None, Strategy]:
+        """Checks shared by both generation routes; returns the stop strings,
+        the strategy the request named (None: the default) and that strategy
+        as the engine runs it (its K filled in)."""
         replica = self.replica
         cfg = replica.cfg
         replica.keys.check(request)
@@ -136,33 +139,35 @@ class OpenAIRoutes:
         if prompts * body.n > max_n:
             raise APIError(400, f"a request may ask for at most {max_n} samples (prompts x n), got {prompts} x {body.n}", param="prompt")
         stops = body.stop_list(cfg.max_stop_sequences, cfg.max_stop_length)
-        try:
-            entry = cfg.match(body.speculation_dict())
+        requested = body.strategy()
+        try:  # before an admission slot is taken; the engine's make_sequences checks it again, by the same menu
+            strategy = replica.engine.menu.resolve(requested)
         except ConfigError as exc:
-            raise APIError(400, str(exc), param="speculation", code="invalid_value") from None
-        return replica.engines[entry.name], stops
+            raise api_error_from(exc) from None
+        return stops, requested, strategy
 
-    async def _answer(self, route: str, body: _Common, engine: ServedEngine, ready: PromptsAndParams, t0: float, deadline: float) -> Any:
+    async def _answer(self, route: str, body: _Common, strategy: Strategy, ready: PromptsAndParams, t0: float, deadline: float) -> Any:
         """Run a checked request under an admission slot: held from before its
         prompt is tokenised until its response is complete (a stream's: until
         the stream ends, see :mod:`saguaro_ray.serve.streaming`)."""
         param = prompt_field(route)
+        engine = self.replica.engine
         release = self.replica.admission.enter()
         streaming = False
         try:
             prompts, params = await ready()
             prompt_lens = await validate_prompts(engine, prompts, params, param)
             if body.stream:
-                response = await stream_response(self.replica.metrics, route, body, engine, prompts, prompt_lens, params, t0, deadline, release)
+                response = await stream_response(self.replica.metrics, route, body, engine, strategy, prompts, prompt_lens, params, t0, deadline, release)
                 streaming = True
                 return response
             results = await generate(engine, prompts, params, body.n, param, deadline)
         finally:
             if not streaming:
                 release()
-        return self._respond(route, body, engine, results, sum(prompt_lens), t0)
+        return self._respond(route, body, strategy, results, sum(prompt_lens), t0)
 
-    def _respond(self, route: str, body: _Common, engine: ServedEngine, results: list[Any], prompt_tokens: int, t0: float) -> dict[str, Any]:
+    def _respond(self, route: str, body: _Common, strategy: Strategy, results: list[Any], prompt_tokens: int, t0: float) -> dict[str, Any]:
         """The response body of a finished request (recorded in the metrics)."""
         chat = route == "chat"
         choices, completion_tokens, stats = [], 0, []
@@ -171,11 +176,11 @@ class OpenAIRoutes:
             stats.append(r.stats)
             content = {"message": {"role": "assistant", "content": r.text}} if chat else {"text": r.text}
             choices.append({"index": i, **content, "logprobs": None, "finish_reason": r.finish_reason, "saguaro": choice_stats(r.stats)})
-        metrics, name = self.replica.metrics, engine.entry.name
-        metrics.request(route, name, 200, time.perf_counter() - t0)
-        metrics.tokens(route, name, prompt_tokens, completion_tokens)
+        metrics, tag = self.replica.metrics, strategy.mode
+        metrics.request(route, tag, 200, time.perf_counter() - t0)
+        metrics.tokens(route, tag, prompt_tokens, completion_tokens)
         for r in results:
-            metrics.sample_stats(name, r.stats)
+            metrics.sample_stats(tag, r.stats)
         return {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
@@ -183,14 +188,15 @@ class OpenAIRoutes:
             "model": body.model,
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
-            "saguaro": saguaro_summary(name, engine.mode, engine.k, stats),
+            "saguaro": saguaro_summary(strategy, self.replica.engine.menu.default, stats),
         }
 
 
-def sampling_params(body: _Common, max_tokens: int, stops: list[str]) -> SamplingParams:
+def sampling_params(body: _Common, max_tokens: int, stops: list[str], speculation: Strategy | None) -> SamplingParams:
     """The engine's sampling parameters of a request, checked as the engine
     checks them (a 400 naming the field); the engine cuts at the stop strings
-    itself (and stops decoding there)."""
+    itself (and stops decoding there). ``speculation``: the strategy the
+    request named (None: the engine's default)."""
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -200,6 +206,7 @@ def sampling_params(body: _Common, max_tokens: int, stops: list[str]) -> Samplin
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             stop=tuple(stops),
+            speculation=speculation,
         )
         params.check_samples(body.n)
     except ConfigError as exc:

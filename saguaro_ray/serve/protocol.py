@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from saguaro_ray.config import Strategy
 from saguaro_ray.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -61,8 +62,9 @@ _PARAM_OF = {
     "max_tokens": "max_tokens",
     "seed": "seed",
     "n must": "n",
+    "speculation.mode": "speculation.mode",
+    "speculation.k": "speculation.k",
     "speculation": "speculation",
-    "no engine": "speculation",
     "prompt": "prompt",
 }
 
@@ -146,7 +148,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # extension
-    speculation: dict[str, Any] | str | None = None  # extension: selects the engine
+    # extension: the request's strategy ({"mode", "k"} or a mode name), checked by Strategy.of (its messages name the field)
+    speculation: Any = None
     timeout: float | None = None  # extension: seconds before the request fails with 504 (capped by the deployment)
     # accepted, but only at their neutral values
     logprobs: Any = None
@@ -184,10 +187,13 @@ class _Common(BaseModel):
             raise APIError(400, f"timeout must be a finite number of seconds > 0, got {t!r}", param="timeout")
         return min(t, limit)
 
-    def speculation_dict(self) -> dict[str, Any] | None:
-        if isinstance(self.speculation, str):  # shorthand: "speculation": "ssd"
-            return {"mode": self.speculation}
-        return self.speculation
+    def strategy(self) -> Strategy | None:
+        """The ``speculation`` extension as the request's :class:`Strategy`
+        (None: the deployment's default); a malformed one is a 400 naming the field."""
+        try:
+            return Strategy.of(self.speculation)
+        except ConfigError as exc:
+            raise api_error_from(exc) from None
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -281,27 +287,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def saguaro_summary(engine: str, mode: str, k: int | None, stats: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """The ``saguaro`` extension of a response: engine, mode, and the round
-    statistics aggregated over the choices (``None`` where unknown)."""
+def saguaro_summary(strategy: Strategy, default: str, stats: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The ``saguaro`` extension of a response: the request's strategy as
+    the engine resolved it (``mode``, ``k``: its K, the largest ``auto`` may
+    pick), the engine's default (``default_mode``), and the round statistics
+    aggregated over the choices (``None`` where unknown): ``strategy`` the
+    rounds run in each mode, ``mean_k`` the mean K of the speculative rounds."""
     known = [s for s in stats if s]
     rounds = sum(int(s.get("rounds") or 0) for s in known) if known else None
-    acc = [s["mean_accepted"] for s in known if s.get("mean_accepted") is not None]
-    hit = [s["cache_hit_rate"] for s in known if s.get("cache_hit_rate") is not None]
+    per_mode: dict[str, int] = {}
+    for s in known:
+        for mode, n in (s.get("strategy") or {}).items():
+            per_mode[mode] = per_mode.get(mode, 0) + int(n)
     return {
-        "engine": engine,
-        "mode": mode,
-        "k": k,
+        "mode": strategy.mode,
+        "k": strategy.k,
+        "default_mode": default,
         "rounds": rounds,
-        "mean_accepted": sum(acc) / len(acc) if acc else None,
-        "cache_hit_rate": sum(hit) / len(hit) if hit else None,
+        "strategy": per_mode if any(s.get("strategy") is not None for s in known) else None,
+        "mean_k": _mean_k(known),
+        "mean_accepted": _mean(s.get("mean_accepted") for s in known),
+        "cache_hit_rate": _mean(s.get("cache_hit_rate") for s in known),
         "lossy": any(bool(s.get("lossy")) for s in known),
         "seconds": max((s.get("seconds") or 0.0 for s in known), default=None),
     }
 
 
+def _mean(values: Any) -> float | None:
+    xs = [float(v) for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _mean_k(stats: list[dict[str, Any]]) -> float | None:
+    """The mean K over every speculative round of the choices: each choice's
+    ``mean_k`` weighted by its speculative (not AR) rounds."""
+    weighted = [(s["mean_k"], sum(n for m, n in (s.get("strategy") or {}).items() if m != "ar")) for s in stats if s.get("mean_k") is not None]
+    total = sum(w for _, w in weighted)
+    return sum(k * w for k, w in weighted) / total if total else _mean(k for k, _ in weighted)
+
+
+CHOICE_STATS = ("rounds", "strategy", "mean_k", "mean_accepted", "cache_hit_rate", "lossy")  # one choice's saguaro stats
+
+
 def choice_stats(stats: dict[str, Any] | None) -> dict[str, Any] | None:
     if not stats:
         return None
-    return {k: stats.get(k) for k in ("rounds", "mean_accepted", "cache_hit_rate", "lossy")}
-
+    return {k: stats.get(k) for k in CHOICE_STATS}

@@ -1,16 +1,16 @@
-"""One Serve replica's engines: starting and stopping them, their health, their metrics.
+"""One Serve replica's engine: starting and stopping it, its health, its metrics.
 
 :class:`ReplicaCore` is a plain class holding what one replica has — its
-config, API keys, metrics, admission, tokenizer and engines. The Serve
-ingress class in ``app.py`` creates it, then builds the replica's HTTP app
-over it (the OpenAI routes are :mod:`saguaro_ray.serve.openai_routes`').
+config, API keys, metrics, admission, tokenizer and its one engine (every
+strategy a request may name runs on it). The Serve ingress class in
+``app.py`` creates it, then builds the replica's HTTP app over it (the
+OpenAI routes are :mod:`saguaro_ray.serve.openai_routes`').
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,30 +19,36 @@ from fastapi.responses import JSONResponse
 
 from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.serve.auth import APIKeys
-from saguaro_ray.serve.config import EngineEntry, ServeAppConfig, parse_config
+from saguaro_ray.serve.config import ServeAppConfig, parse_config
 from saguaro_ray.serve.limits import Admission, max_token_bytes, prompt_byte_limit
 from saguaro_ray.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
 
-ENGINE_PROBE_S = 10.0  # how long a metrics snapshot waits for one engine's coordinator or workers
+ENGINE_PROBE_S = 10.0  # how long a metrics snapshot waits for the engine's coordinator or workers
 
 
 @dataclass
 class ServedEngine:
-    """One engine of the replica, with what requests to it are checked against."""
+    """The replica's engine, with what requests to it are checked against."""
 
-    entry: EngineEntry
     handle: Any  # EngineHandle
     owned: bool  # launched by this replica (else attached by name: someone else stops it)
-    frontend: Any  # a Frontend without a scheduler: validates prompts against this engine's context
-    mode: str
-    k: int | None
+    frontend: Any  # a Frontend without a scheduler: validates prompts and strategies as the engine does
     prompt_bytes: int  # text beyond this many bytes cannot fit the context (see limits.prompt_byte_limit)
+
+    @property
+    def menu(self) -> Any:
+        """The strategies this engine offers (its ``StrategyMenu``)."""
+        return self.frontend.menu
+
+    def describe(self) -> str:
+        m = self.menu
+        return f"default {m.default}, allowed {', '.join(m.allowed)}, k {m.k}, max_k {m.max_k}" + ("" if self.owned else " (attached)")
 
 
 class ReplicaCore:
-    """One replica's state: the engines, the tokenizer, the API keys, admission and metrics."""
+    """One replica's state: the engine, the tokenizer, the API keys, admission and metrics."""
 
     async def start(self, config: dict[str, Any] | ServeAppConfig) -> None:
         self.cfg = parse_config(config)
@@ -51,63 +57,43 @@ class ReplicaCore:
         self.admission = Admission(self.cfg.max_ongoing_requests, self.metrics.ongoing_requests)
         self._health_probe: asyncio.Future | None = None
         loop = asyncio.get_running_loop()
-        self.tokenizer, self.engines = await loop.run_in_executor(None, self._start_engines)
+        self.tokenizer, self.engine = await loop.run_in_executor(None, self._start_engine)
         self._poller = asyncio.ensure_future(self._poll_engine_metrics())
-        log.info("saguaro serve replica ready: engines %s", [e.entry.describe() for e in self.engines.values()])
+        log.info("saguaro serve replica ready: one engine, %s", self.engine.describe())
 
     # ------------------------------------------------------------ lifecycle
-    def _start_engines(self) -> tuple[Any, dict[str, ServedEngine]]:
+    def _start_engine(self) -> tuple[Any, ServedEngine]:
         from saguaro_ray.engine.frontend import Frontend
         from saguaro_ray.model_set import ModelSet
         from saguaro_ray.runtime.engine import Engine, connect
 
         cfg = self.cfg
-        # every engine's models, resolved and opened once here (not once per engine)
-        models = ModelSet.open(cfg.target, cfg.draft, cfg.qualifier, modes=[e.spec() for e in cfg.engines])
-        token_bytes = max_token_bytes(models.tokenizer)
+        spec = cfg.spec()
+        # the models the allowed strategies run, resolved and opened once here
+        models = ModelSet.open(cfg.target, cfg.draft, cfg.qualifier, modes=[spec])
+        if cfg.connect:
+            handle, owned = connect(cfg.connect, namespace=cfg.namespace), False
+        else:
+            handle, owned = Engine.launch(cfg.launch_config(models.refs)), True
+        engine = ServedEngine(
+            handle=handle,
+            owned=owned,
+            frontend=Frontend.for_models(models, spec),
+            prompt_bytes=prompt_byte_limit(max_token_bytes(models.tokenizer), models.max_context),
+        )
+        return models.tokenizer, engine
 
-        def start(entry: EngineEntry) -> tuple[Any, bool]:
-            if entry.connect:
-                return connect(entry.connect, namespace=entry.namespace), False
-            return Engine.launch(cfg.launch_config(entry, models.refs)), True
-
-        engines: dict[str, ServedEngine] = {}
-        with ThreadPoolExecutor(len(cfg.engines)) as pool:
-            futures = {e.name: (e, pool.submit(start, e)) for e in cfg.engines}
-            errors = []
-            for name, (entry, fut) in futures.items():
-                try:
-                    handle, owned = fut.result()
-                except Exception as exc:  # keep going: shut down what did start
-                    errors.append(exc)
-                    continue
-                spec = entry.spec()
-                own = models.restrict(spec)  # this engine's models: its context window is theirs
-                engines[name] = ServedEngine(
-                    entry=entry,
-                    handle=handle,
-                    owned=owned,
-                    frontend=Frontend.for_models(own, spec.mode),
-                    mode=spec.mode,
-                    k=spec.k if spec.mode in ("sd", "ssd") else None,
-                    prompt_bytes=prompt_byte_limit(token_bytes, own.max_context),
-                )
-        if errors:
-            self._shutdown_engines(engines)
-            raise errors[0]
-        return models.tokenizer, engines
-
-    def _shutdown_engines(self, engines: dict[str, ServedEngine]) -> None:
-        for e in engines.values():
-            if e.owned:
-                try:
-                    e.handle.shutdown()
-                except Exception:
-                    log.warning("engine %s shutdown failed", e.entry.name, exc_info=True)
+    def _shutdown_engine(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.owned:
+            try:
+                engine.handle.shutdown()
+            except Exception:
+                log.warning("engine shutdown failed", exc_info=True)
 
     def close(self) -> None:
-        """Stop the metrics poller and the engines this replica launched
-        (attached engines keep running). Serve calls it once the requests in
+        """Stop the metrics poller and the engine if this replica launched it
+        (an attached engine keeps running). Serve calls it once the requests in
         flight have finished (it waits up to ``request_timeout_s`` for them);
         anything arriving from now on gets 503."""
         admission = getattr(self, "admission", None)
@@ -116,38 +102,32 @@ class ReplicaCore:
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.cancel()
-        self._shutdown_engines(getattr(self, "engines", {}))
+        self._shutdown_engine()
 
     # ------------------------------------------------------------ health
-    async def _engine_health(self) -> dict[str, tuple[bool, str]]:
-        """Every engine's ``EngineHandle.ahealth()``, asked concurrently. Callers
-        arriving while a probe is out share its answer: ``/health`` needs no
-        key, and each probe costs every coordinator a thread."""
+    async def _engine_health(self) -> tuple[bool, str]:
+        """The engine's ``EngineHandle.ahealth()``. Callers arriving while a
+        probe is out share its answer: ``/health`` needs no key, and each
+        probe costs the coordinator a thread."""
         if self._health_probe is None or self._health_probe.done():
-            timeout = self.cfg.health_check_timeout_s
-
-            async def probe() -> dict[str, tuple[bool, str]]:
-                answers = await asyncio.gather(*(e.handle.ahealth(timeout) for e in self.engines.values()))
-                return dict(zip(self.engines, answers))
-
-            self._health_probe = asyncio.ensure_future(probe())
+            self._health_probe = asyncio.ensure_future(self.engine.handle.ahealth(self.cfg.health_check_timeout_s))
         return await asyncio.shield(self._health_probe)
 
     async def check_health(self) -> None:
         """Serve's replica health check: raising makes Serve replace this
-        replica — so it raises when an engine cannot serve (a worker gone for
+        replica — so it raises when the engine cannot serve (a worker gone for
         good, a dead or unresponsive coordinator), not merely when it is slow."""
-        down = {name: why for name, (ok, why) in (await self._engine_health()).items() if not ok}
-        if down:
-            raise RuntimeError("; ".join(f"engine {name!r} cannot serve: {why}" for name, why in down.items()))
+        ok, why = await self._engine_health()
+        if not ok:
+            raise RuntimeError(f"the engine cannot serve: {why}")
 
     async def health(self) -> Any:
-        """``GET /health``: 200 only when every engine can serve and the replica
+        """``GET /health``: 200 only when the engine can serve and the replica
         is not draining (load balancers and Serve read it; see :meth:`check_health`)."""
-        status = {name: "ok" if ok else f"down: {why}" for name, (ok, why) in (await self._engine_health()).items()}
-        ok = all(v == "ok" for v in status.values()) and not self.admission.draining
-        overall = "ok" if ok else "draining" if self.admission.draining else "unhealthy"
-        return JSONResponse({"status": overall, "engines": status}, status_code=200 if ok else 503)
+        ok, why = await self._engine_health()
+        serving = ok and not self.admission.draining
+        overall = "ok" if serving else "draining" if self.admission.draining else "unhealthy"
+        return JSONResponse({"status": overall, "engine": "ok" if ok else f"down: {why}"}, status_code=200 if serving else 503)
 
     # ------------------------------------------------------------ metrics
     async def _poll_engine_metrics(self) -> None:
@@ -155,17 +135,15 @@ class ReplicaCore:
             await self._refresh_engine_metrics()
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
-    async def _refresh_engine_metrics(self) -> dict[str, dict[str, Any]]:
-        """Every engine's coordinator metrics into the gauges; returns those that answered."""
-        fresh = {}
-        for name, e in self.engines.items():
-            try:
-                m = await asyncio.wait_for(e.handle.coordinator.metrics.remote(), ENGINE_PROBE_S)
-                self.metrics.engine_metrics(name, m)
-                fresh[name] = m
-            except Exception:
-                log.debug("engine %s metrics unavailable", name, exc_info=True)
-        return fresh
+    async def _refresh_engine_metrics(self) -> dict[str, Any] | None:
+        """The coordinator's metrics into the gauges; None when it did not answer."""
+        try:
+            m = await asyncio.wait_for(self.engine.handle.coordinator.metrics.remote(), ENGINE_PROBE_S)
+        except Exception:
+            log.debug("engine metrics unavailable", exc_info=True)
+            return None
+        self.metrics.engine_metrics(m)
+        return m
 
     async def metrics_snapshot(self, request: Request) -> Any:
         """``GET /v1/saguaro/metrics``: the replica's metrics and its resources now."""
@@ -175,30 +153,29 @@ class ReplicaCore:
         snapshot["resources"] = await self._resources(fresh)
         return snapshot
 
-    async def _resources(self, fresh: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """What a leak would grow, read now: this replica's Python threads and,
-        per engine, its samples queued or running (``fresh``: the coordinators'
-        metrics) and each worker's free KV blocks and Python threads (only for
-        the engines this replica launched: an attached engine's workers belong
-        to whoever launched it). An engine or its workers that do not answer
-        within ``ENGINE_PROBE_S`` are None: the snapshot itself never hangs.
-        A load test compares it before and after (``saguaro_ray.jobs.load_test``)."""
-        engines: dict[str, Any] = {}
-        for name, e in self.engines.items():
-            m = fresh.get(name)
-            try:  # the workers' info calls block: off the event loop
-                infos = await asyncio.wait_for(asyncio.to_thread(e.handle.worker_info), ENGINE_PROBE_S)
-            except Exception:
-                log.debug("engine %s workers unavailable", name, exc_info=True)
-                infos = None
-            workers = None if infos is None else {
-                role: {
-                    "free_kv_blocks": i["free_kv_blocks"],
-                    "kv_blocks": i["kv_tokens"] // i["block_size"],
-                    "python_threads": i["python_threads"],
-                    "thread_kinds": i["thread_kinds"],
-                }
-                for role, i in infos.items()
+    async def _resources(self, fresh: dict[str, Any] | None) -> dict[str, Any]:
+        """What a leak would grow, read now: this replica's Python threads and
+        the engine's samples queued or running (``fresh``: the coordinator's
+        metrics) and each worker's pid, free KV blocks and Python threads
+        (when this replica launched the engine: an attached engine's workers
+        belong to whoever launched it, and are not listed). The
+        engine or its workers not answering within ``ENGINE_PROBE_S`` are
+        None: the snapshot itself never hangs. A load test compares it before
+        and after (``saguaro_ray.jobs.load_test``)."""
+        try:  # the workers' info calls block: off the event loop
+            infos = await asyncio.wait_for(asyncio.to_thread(self.engine.handle.worker_info), ENGINE_PROBE_S)
+        except Exception:
+            log.debug("engine workers unavailable", exc_info=True)
+            infos = None
+        workers = None if infos is None else {
+            role: {
+                "pid": i["pid"],  # the process to read memory of (one per worker actor; a sharded target's rank 0)
+                "free_kv_blocks": i["free_kv_blocks"],
+                "kv_blocks": i["kv_tokens"] // i["block_size"],
+                "python_threads": i["python_threads"],
+                "thread_kinds": i["thread_kinds"],
             }
-            engines[name] = {"active": None if m is None else m["active"], "queued": None if m is None else m["queued"], "workers": workers}
-        return {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), "ongoing_requests": self.admission.active, "engines": engines}
+            for role, i in infos.items()
+        }
+        engine = {"active": None if fresh is None else fresh["active"], "queued": None if fresh is None else fresh["queued"], "workers": workers}
+        return {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), "ongoing_requests": self.admission.active, "engine": engine}

@@ -21,10 +21,10 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from saguaro_ray.config import SamplingParams
+from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.engine.frontend import StreamChunk
 from saguaro_ray.serve.metrics import ServeMetrics
-from saguaro_ray.serve.protocol import _Common, api_error_from, choice_stats, deadline_passed, new_id, now, prompt_field, usage
+from saguaro_ray.serve.protocol import _Common, api_error_from, choice_stats, deadline_passed, new_id, now, prompt_field, saguaro_summary, usage
 from saguaro_ray.serve.replica import ServedEngine
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ async def stream_response(
     route: str,
     body: _Common,
     engine: ServedEngine,
+    strategy: Strategy,
     prompts: list[Any],
     prompt_lens: list[int],
     params: SamplingParams,
@@ -79,7 +80,7 @@ async def stream_response(
     if isinstance(first[1], BaseException):  # failed before any output: a plain HTTP error
         close()
         raise api_error_from(first[1], prompt_field(route))
-    events = sse_events(metrics, route, body, engine, queue, len(tasks), first, prompt_lens, t0, deadline)
+    events = sse_events(metrics, route, body, strategy, engine.menu.default, queue, len(tasks), first, prompt_lens, t0, deadline)
     return EventStream(events, close)
 
 
@@ -87,7 +88,8 @@ async def sse_events(
     metrics: ServeMetrics,
     route: str,
     body: _Common,
-    engine: ServedEngine,
+    strategy: Strategy,
+    default_mode: str,
     queue: asyncio.Queue,
     total: int,
     first: tuple[int, Any],
@@ -98,13 +100,17 @@ async def sse_events(
     """The events of ``total`` samples whose chunks arrive on ``queue`` as
     ``(sample index, chunk | None at its end | the exception that ended it)``,
     ``first`` already taken off it. The request's status is recorded once it
-    ends: 499 when the client went away, whether while we waited or while we sent."""
+    ends: 499 when the client went away, whether while we waited or while we
+    sent. ``strategy``: the request's, as the engine resolved it (its metrics
+    tag; the ``include_usage`` chunk's ``saguaro`` summary names it, with the
+    samples' round statistics, as a non-streamed response does)."""
     chat = route == "chat"
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = now()
     obj = "chat.completion.chunk" if chat else "text_completion"
-    name = engine.entry.name
+    tag = strategy.mode
     ntokens = [0] * total
+    finals: list[dict[str, Any] | None] = [None] * total
     last_token_t: list[float | None] = [None] * total
     done = [False] * total
     first_token_seen = False
@@ -147,21 +153,23 @@ async def sse_events(
             if tokens:
                 if not first_token_seen:
                     first_token_seen = True
-                    metrics.first_token(route, name, t - t0)
+                    metrics.first_token(route, tag, t - t0)
                 if last_token_t[index] is not None:
-                    metrics.inter_token(route, name, t - last_token_t[index], tokens)
+                    metrics.inter_token(route, tag, t - last_token_t[index], tokens)
                 last_token_t[index] = t
                 ntokens[index] += tokens
             if piece.text:
                 yield event([choice(index, piece.text, None)])
             if piece.finish_reason is not None:
                 done[index] = True
+                finals[index] = piece.stats
+                metrics.sample_stats(tag, piece.stats)
                 yield event([choice(index, None if chat else "", piece.finish_reason, stats=piece.stats)])
         prompt_tokens = sum(prompt_lens)
         completion_tokens = sum(ntokens)
-        metrics.tokens(route, name, prompt_tokens, completion_tokens)
-        summary = {"engine": name, "mode": engine.mode, "k": engine.k}
+        metrics.tokens(route, tag, prompt_tokens, completion_tokens)
         if body.include_usage():
+            summary = saguaro_summary(strategy, default_mode, finals)
             yield event([], usage=usage(prompt_tokens, completion_tokens), saguaro=summary)
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):  # the client went away (while we waited, or while we sent)
@@ -175,7 +183,7 @@ async def sse_events(
         yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        metrics.request(route, name, status, time.perf_counter() - t0)
+        metrics.request(route, tag, status, time.perf_counter() - t0)
 
 
 class EventStream(StreamingResponse):
