@@ -79,15 +79,8 @@ def engine_spec(modes: list[BenchMode], args: BenchArgs) -> SpeculationConfig:
     allow = tuple(dict.fromkeys(m.mode for m in modes))
     fanout = parse_fanout(args.fanout, args.k)
     spec = SpeculationConfig(
-        mode="auto" if "auto" in allow else allow[0],
-        allow=allow,
-        k=args.k,
-        budget=args.budget,
-        fanout=fanout if fanout == "auto" else tuple(fanout),
-        backup=args.backup,
-        saguaro_c=args.saguaro_c,
-        lq=args.k,
-        ld=2,
+        mode="auto" if "auto" in allow else allow[0], allow=allow, k=args.k, budget=args.budget, fanout=fanout if fanout == "auto" else tuple(fanout),
+        backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2,
     )
     sweep = max((m.strategy.k or 0 for m in modes if m.strategy), default=0)
     return replace(spec, max_k=sweep) if sweep > spec.k_max else spec
