@@ -857,7 +857,7 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
     kv = runners["target"].kv
     scheduler = Scheduler(loop, 8, kv_tokens=kv.num_blocks * kv.block_size, block_size=kv.block_size)
     try:
-        got = Frontend(tokenizer, runners["target"].vocab_size, max_context, "sd", scheduler).generate(prompts, params)
+        got = Frontend(tokenizer, runners["target"].vocab_size, max_context, loop.menu, scheduler).generate(prompts, params)
         assert [r.token_ids for r in got] == expected
         assert tap.replayed >= 3 * 10
         _wait_for(lambda: servers["target"].drop_reasons.get("replayed", 0) == tap.replayed, f"{servers['target'].drop_reasons} of {tap.replayed}")

@@ -290,6 +290,60 @@ def test_ssd_hits_reproduce_sd_tokens(sd_results, ssd_results):
     assert not differ, f"{len(differ)} samples differ, e.g. seed {SEED + differ[0]}: sd {sd_results[differ[0]].token_ids} ssd {ssd_results[differ[0]].token_ids}"
 
 
+# ------------------------------------------------ a strategy per sequence
+
+N_MIX = 1500  # samples per strategy when several share one batch
+
+
+def _one_engine(models, n: int) -> LocalEngine:
+    """One engine for every strategy (``auto`` by default): PyramidSD's models, as above."""
+    return LocalEngine(
+        EngineConfig(
+            target=str(models["target"]),
+            draft=str(models["weak"]),
+            qualifier=str(models["draft"]),
+            spec=SpeculationConfig(k=2, budget=4, backup="neural", lq=3, ld=2),
+            threads_per_worker=1,
+            max_batch_size=n,
+            max_kv_tokens=32 * n,
+            build_ahead=False,
+        )
+    )
+
+
+def test_each_strategy_keeps_its_law_beside_other_strategies(models, target_law):
+    """SSD, SD and PyramidSD samples verified in the same rounds as each other
+    (and as AR's): each strategy's samples follow the target's law."""
+    modes = ["ssd", "sd", "pyramid", "ar"]
+    eng = _one_engine(models, N_MIX * len(modes))
+    try:
+        params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=M, ignore_eos=True, seed=SEED, speculation=m) for m in modes]
+        res = eng.generate([PROMPT] * len(modes), params, n=N_MIX)
+        rounds = [r for r in eng.timeline if not r.prefill]
+    finally:
+        eng.close()
+    assert any(len(r.modes) == len(modes) for r in rounds)  # they did share rounds
+    for i, mode in enumerate(modes[:3]):
+        got = [r for r in res if r.prompt_index == i]
+        assert all(r.mode == mode and set(r.stats["strategy"]) == {mode} for r in got)
+        assert_law(got, target_law, f"{mode} beside other strategies")
+
+
+def test_auto_switching_strategy_and_k_every_round_keeps_the_law(models, target_law):
+    """``auto`` sequences forced through AR, SD and SSD with K = 1..3 in turn
+    (a different phase per sequence, see ``Cycling``)."""
+    from test_strategy_per_sequence import Cycling
+
+    eng = _one_engine(models, N)
+    eng.loop.assigner.policy = Cycling()
+    try:
+        res = eng.generate([PROMPT], SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=M, ignore_eos=True, seed=SEED), n=N)
+    finally:
+        eng.close()
+    assert all(len(r.stats["strategy"]) >= 2 for r in res)
+    assert_law(res, target_law, "auto, switching every round")
+
+
 # ------------------------------------------------------------ sensitivity
 
 

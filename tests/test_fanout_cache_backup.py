@@ -261,7 +261,7 @@ def test_the_round_loop_measures_each_rounds_fixed_cost(tmp_path):
     eng = LocalEngine(EngineConfig(target=target, draft=target, spec=SpeculationConfig(mode="ssd", k=3), threads_per_worker=1))
     try:
         eng.generate([[3, 5, 7]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-        stats = eng.loop.strategy.backup_stats
+        stats = eng.loop.strategies["ssd"].backup_stats
         rounds = [r.to_json() for r in eng.timeline if not r.prefill]
         ema = 0.0  # the statistics' moving average, from its prior of 0
         for r in rounds:

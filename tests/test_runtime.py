@@ -261,6 +261,38 @@ def test_pyramid_over_ray_matches_in_process(ray_instance, ckpts, ar_tokens):
         local.close()
 
 
+def test_one_engine_runs_every_strategy_in_one_batch_over_ray(ray_instance, ckpts, ar_tokens):
+    """Through the actors (the target places SSD's lookups for the SSD items
+    of a mixed verification; PyramidSD's q rows go to the qualifier, SD's to
+    the target): every strategy in one batch equals AR at T = 0, and at
+    T > 0 with fixed fan-outs and backups (nothing timed) the samples equal
+    the in-process engine's sample by sample."""
+    from saguaro_ray.config import Strategy
+
+    spec = SpeculationConfig(k=3, fanout=(2, 2, 1, 1), backup="neural", lq=3, ld=2)
+    same = dict(target=ckpts["target"], draft=ckpts["other"], qualifier=ckpts["target"], spec=spec)
+    modes = ["ar", "sd", "ssd", "pyramid", "ssd", "sd"]
+    h = Engine.launch(EngineConfig(**same))
+    local = LocalEngine(EngineConfig(**same, threads_per_worker=1))
+    try:
+        greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculation=m) for m in modes[:5]] + [
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculation=Strategy("auto"))
+        ]
+        got = bounded(h.generate, PROMPTS, greedy)
+        assert tokens(got) == [ar_tokens[tuple(p)] for p in PROMPTS]
+        assert [r.mode for r in got] == modes[:5] + ["auto"]
+        sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9 + i, speculation=m) for i, m in enumerate(modes)]
+        assert tokens(bounded(h.generate, PROMPTS, sampled)) == tokens(local.generate(PROMPTS, sampled))
+        info = h.worker_info()
+        assert info["qualifier"]["data_plane"]["received"] > 0 and info["target"]["data_plane"]["received"] > 0
+        assert info["target"]["forwarded_calls"] > 0  # the mixed verifications placed the SSD lookups
+        chosen = h.metrics()["strategies"]["sequence_rounds"]  # the engine's metrics say what ran
+        assert set(chosen) >= {"ar", "sd", "ssd", "pyramid"}
+    finally:
+        h.shutdown()
+        local.close()
+
+
 # ------------------------------------------------------ 2. stream / async API
 
 

@@ -298,7 +298,8 @@ def test_the_round_loop_plans_per_outcome_near_a_length_limit():
     far = SequenceState(1, [1, 2], SamplingParams(temperature=0.0, max_tokens=50), 0)
     near = SequenceState(2, [1, 2], SamplingParams(temperature=0.0, max_tokens=8), 0)
     far.output_ids, near.output_ids = [9] * 10, [9] * 2  # near: 6 left, and a round emits 1..4
-    plans = loop.strategy._plans([far, near], [Proposal([4, 5, 6])] * 2, [3, 3], "fast")  # type: ignore[attr-defined]
+    far.k = near.k = 3  # the K they run with (the round loop's assignment)
+    plans = loop.strategies["ssd"]._plans([far, near], [Proposal([4, 5, 6])] * 2, [3, 3], "fast")  # type: ignore[attr-defined]
     assert plans[0].ks == [3] and plans[1].ks == [3, 3, 2, 1]  # one K for every outcome; min(3, 8 - 2 - n - 1)
     assert [len(f) for f in plans[1].after_hit] == [4, 4, 3, 2] and plans[1].history == near.all_ids
 

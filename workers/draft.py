@@ -112,7 +112,7 @@ class DraftLogic(RunnerLogic):
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
-        self._next_build = self._built_ahead = None  # a build started ahead assumed the sequences untouched
+        self._forget_builds({st.seq_id for st in steps})
         logits = feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
         tokens: list[list[int]] = [[] for _ in steps]
         qrows: list[list[torch.Tensor]] = [[] for _ in steps]
@@ -139,6 +139,25 @@ class DraftLogic(RunnerLogic):
             if active:
                 logits = self.runner.forward([steps[i].seq_id for i in active], [[tokens[i][-1]] for i in active])
         return [Proposal(t, torch.stack(q) if q else None, ProposalSource.DRAFT) for t, q in zip(tokens, qrows)]
+
+    def _forget_builds(self, seqs: set[int]) -> None:
+        """``seqs`` are drafted from their step now, not from a build: a build
+        started ahead (or about to be) assumed them untouched and is dropped if
+        it holds one of them, and the hit deltas kept for their next build
+        are stale. Sequences of other strategies in the same batch (SD's
+        beside SSD's) leave the SSD sequences' build alone."""
+        if self._built_ahead is not None and seqs & self._built_ahead[0]:
+            self._built_ahead = None
+        if self._next_build is not None and seqs & {it.step.seq_id for it in self._next_build}:
+            self._next_build = None
+        for s in seqs:
+            self._own.pop(s, None)
+
+    def propose_for_qualifier(self, steps: Sequence[SeqStep], ks: Sequence[int]) -> list[Proposal]:
+        """:meth:`propose` for a PyramidSD sequence: the same proposals; the
+        name lets a transport with a data plane send their q rows to the
+        qualifier that checks them rather than to the target."""
+        return self.propose(steps, ks)
 
     # -------------------------------------------------------------- build
     def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[RowSource]]:

@@ -128,16 +128,37 @@ class TargetLogic(RunnerLogic):
     def verify(self, items: Sequence[VerifyItem]) -> list[Outcome]:
         """Feed each sequence's pending tokens plus its proposal, verify the
         proposal against the processed target law, and return the outcomes.
-        All items of a call share one rule (``exact``, or PyramidSD's ``fuzzy``)."""
+        One forward scores the whole batch; each item is checked with its own
+        rule (``exact``, or a PyramidSD sequence's stage-2 test), so sequences
+        of different strategies share one verification."""
         steps = [it.step for it in items]
         proposals = [it.proposal for it in items]
         lens = [len(p.tokens) for p in proposals]
         logits = feed(self.runner, steps, [p.tokens for p in proposals], [n + 1 for n in lens])
-        rule = items[0].rule
+        groups: dict[tuple[str, float, str], list[int]] = {}
+        for i, it in enumerate(items):
+            groups.setdefault((it.rule, it.tau, it.div), []).append(i)
+        if len(groups) == 1:
+            return self._check(next(iter(groups)), logits, steps, proposals)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n + 1)
+        out: list[Outcome | None] = [None] * len(items)
+        for key, idx in groups.items():
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx])
+            for i, o in zip(idx, self._check(key, logits[rows], [steps[i] for i in idx], [proposals[i] for i in idx])):
+                out[i] = o
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _check(rule_key: tuple[str, float, str], logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal]) -> list[Outcome]:
+        """Verify ``proposals`` under one rule from their flat logit rows."""
+        rule, tau, div = rule_key
+        lens = [len(p.tokens) for p in proposals]
         if rule == "exact" and all(st.params.greedy for st in steps):  # the same rule, in closed form
             outs = greedy_outcomes(logits, [p.tokens for p in proposals])
             return [Outcome(st.seq_id, a, t, n) for st, (a, t), n in zip(steps, outs, lens)]
         vb = verification_batch(logits, steps, proposals, STREAM_TARGET)
-        res = target_check(rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, items[0].tau, items[0].div)
+        res = target_check(rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, tau, div)
         acc, nxt = res.accepted.tolist(), res.next_token.tolist()
         return [Outcome(st.seq_id, a, t, n) for st, a, t, n in zip(steps, acc, nxt, lens)]

@@ -226,7 +226,7 @@ class Frontend:
         return GenerationResult(
             prompt_index=s.prompt_index,
             sample_index=s.sample_index,
-            mode=s.strategy.mode,
+            mode=(s.strategy or self.menu.resolve(None)).mode,
             token_ids=list(s.output_ids),
             text=s.stopper.final_text() if s.stopper is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
             finish_reason=s.finish_reason or "length",

@@ -1,14 +1,19 @@
-"""The round loop: how a batch of sequences advances, whatever the mode.
+"""The round loop: how a batch of sequences advances, whatever their strategies.
 
 A round verifies one proposal per running sequence and emits k+1 tokens for
 each (k accepted draft tokens plus the recovery/bonus token t*). The loop
 owns the authoritative token history of every sequence
 (:class:`SequenceState`), admits new sequences (prefill), retires finished
-ones and releases them on every worker; how a round makes its proposals is
-the mode's :class:`~saguaro_ray.engine.strategies.RoundStrategy` — one file
-per mode under :mod:`saguaro_ray.engine.strategies`, which calls back into
-the services here (the step a worker is sent, verification, emission,
-drafting with a fallback when no draft is up).
+ones and releases them on every worker.
+
+Every sequence carries its own strategy (DESIGN §5): before each round the
+loop fixes the mode and K each one runs this round — its request's fixed
+strategy, or what ``auto``'s policy picks — and the round's proposals are
+made per mode (:mod:`saguaro_ray.engine.strategies`: AR proposes nothing, SD
+drafts K tokens, PyramidSD qualifies them, SSD serves its cache), then ONE
+verification checks the whole batch, each item under its own rule. Any K
+and any proposal law is exact, so a sequence's output does not depend on
+what its neighbours run.
 
 The loop only talks to workers through :class:`WorkerHandle` futures, so the
 in-process engine and the Ray runtime run this same code.
@@ -24,11 +29,13 @@ from typing import Any, Sequence
 import torch
 
 from saguaro_ray.algorithms.ngram import ngram_guess
-from saguaro_ray.config import SpeculationConfig
+from saguaro_ray.config import SpeculationConfig, Strategy
 from saguaro_ray.engine.calls import ArgsFn, BroadcastFn, ForwardFn, RetryingCall, discarded, released, submit_each
 from saguaro_ray.engine.drafts import DraftPool
 from saguaro_ray.engine.sequence import SequenceState
-from saguaro_ray.engine.strategies import RoundStrategy, strategy_for
+from saguaro_ray.engine.strategies import Proposer, make_strategies
+from saguaro_ray.engine.strategies.assign import Assigner, Policy
+from saguaro_ray.engine.strategy_menu import StrategyMenu
 from saguaro_ray.engine.timeline import TIMELINE_ROUNDS, RoundRecord
 from saguaro_ray.engine.transport import WorkerHandle, WorkerLost
 from saguaro_ray.workers.messages import RECENT_TOKENS, Outcome, Proposal, ProposalSource, SeqStep, VerifyItem
@@ -55,10 +62,13 @@ class RoundLoop:
         qualifier: WorkerHandle | None = None,
         broadcast: BroadcastFn = submit_each,
         forward: ForwardFn | None = None,
+        policy: Policy | None = None,
     ) -> None:
         """``broadcast``: how one call reaches several drafts at once (SSD's lookups);
         ``forward``: where the transport allows, how the target places the SSD
-        lookups on the drafts itself when verification ends."""
+        lookups on the drafts itself when verification ends; ``policy``: what
+        picks ``auto`` sequences' strategies (default: the fitted cost model,
+        :class:`~saguaro_ray.algorithms.strategy_model.AutoPolicy`)."""
         self.spec = spec
         self.target = target
         drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
@@ -70,7 +80,10 @@ class RoundLoop:
         self.max_context = max_context
         self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
         self._round_ids = itertools.count()  # round ids keep increasing when the timeline is full
-        self.strategy: RoundStrategy = strategy_for(spec.mode, self)
+        self.menu = StrategyMenu.of(spec, bool(drafts), qualifier is not None)
+        self.default_strategy = self.menu.filled(Strategy(spec.mode))  # the engine's checked when it was configured
+        self.strategies = make_strategies(self)
+        self.assigner = Assigner(self, policy)
 
     # -------------------------------------------------------- draft health
     @property
@@ -108,19 +121,28 @@ class RoundLoop:
 
     # ------------------------------------------------------------ helpers
     @staticmethod
-    def step(s: SequenceState, full: bool = False) -> SeqStep:
+    def step(s: SequenceState, full: bool = False, kind: str = "target") -> SeqStep:
         """Where ``s`` stands: workers hold all but the last emitted token
         (before the first round: nothing — the whole prompt is new).
-        ``full`` re-sends the whole history (a worker that lost its state)."""
+        ``full`` re-sends the whole history (a worker that lost its state).
+        ``kind``: the workers the step goes to — a draft or qualifier that sat
+        out rounds (the sequence ran AR, say) gets every token since the last
+        step it was sent, so it catches up without a re-prefill."""
         committed = len(s.all_ids) - 1 if s.output_ids and not full else 0
         ids = s.all_ids
-        recent = ids[max(0, committed - RECENT_TOKENS) : committed]
+        since = committed if kind == "target" else min(committed, s.fed.get(kind, committed))
+        s.fed[kind] = committed
+        recent = ids[max(0, min(committed - RECENT_TOKENS, since)) : committed]
         return SeqStep(s.seq_id, committed, ids[committed:], s.params, s.seed, len(s.output_ids), recent)
+
+    def strategy_of(self, s: SequenceState) -> Strategy:
+        """``s``'s strategy (its request's, or the engine's default)."""
+        return s.strategy or self.default_strategy
 
     @property
     def speculation_margin(self) -> int:
         """KV tokens a round may hold beyond the emitted ones (proposal + pending token)."""
-        return max(self.spec.k, self.spec.lq + self.spec.ld) + 1
+        return max(self.spec.k_max, self.spec.lq + self.spec.ld) + 1
 
     def spec_len(self, s: SequenceState, k: int, ahead: int = 0) -> int:
         """Draft tokens worth proposing: never past max_tokens or the context
@@ -137,6 +159,7 @@ class RoundLoop:
             s.accepted_total += out.accepted
             s.spec_rounds += int(out.proposed > 0)
             rec.accepted.append(out.accepted)
+            rec.proposed.append(out.proposed)
 
     def discard(self, receivers: Sequence[WorkerHandle], refs: list[Any]) -> None:
         """Have ``receivers`` take the data-plane transfers behind ``refs``
@@ -154,17 +177,18 @@ class RoundLoop:
         running: list[SequenceState],
         proposals: list[Proposal],
         rec: RoundRecord,
-        rule: str = "exact",
-        tau: float = 0.0,
+        rules: Sequence[tuple[str, float]] | None = None,
         forward: dict[str, Any] | None = None,
     ) -> RetryingCall:
-        """Send the verification of ``proposals`` (``rule``/``tau``: PyramidSD's
-        stage 2); ``forward`` (first attempt only) is the call the target places
-        on the drafts when it is done (SSD's lookups)."""
+        """Send the verification of ``proposals`` (``rules[i]``: sequence i's
+        rule and threshold — PyramidSD's stage 2; default exact); ``forward``
+        (first attempt only) is the call the target places on the drafts when
+        it is done (SSD's lookups, for the first ``forward["items"]`` outcomes)."""
         div = self.spec.div
+        rules = rules or [("exact", 0.0)] * len(running)
 
         def args(full: bool) -> tuple:
-            items = [VerifyItem(self.step(s, full), local(p) if full else p, rule, tau, div) for s, p in zip(running, proposals)]
+            items = [VerifyItem(self.step(s, full), local(p) if full else p, r, tau, div) for s, p, (r, tau) in zip(running, proposals, rules)]
             return (items,) if forward is None or full else (items, forward)
 
         call = RetryingCall(self.target, "verify", args)
@@ -186,10 +210,11 @@ class RoundLoop:
         if not new:
             return []
         rec = RoundRecord(index=next(self._round_ids), batch=len(new), start=time.perf_counter(), prefill=True)
-        prefill = lambda full: ([self.step(s, full) for s in new],)  # noqa: E731
+        prefill_d = lambda full: ([self.step(s, full, "draft") for s in new],)  # noqa: E731
+        prefill_q = lambda full: ([self.step(s, full, "qualifier") for s in new],)  # noqa: E731
         call_t = RetryingCall(self.target, "verify", lambda full: ([VerifyItem(self.step(s, full), Proposal([])) for s in new],))
-        calls_d = [self.draft_call("prefill", prefill, d) for d in self.drafts.up()]
-        call_q = None if self.qualifier is None else RetryingCall(self.qualifier, "prefill", prefill)
+        calls_d = [self.draft_call("prefill", prefill_d, d) for d in self.drafts.up()]
+        call_q = None if self.qualifier is None else RetryingCall(self.qualifier, "prefill", prefill_q)
         try:
             outcomes, rec.verify = call_t.value()
         finally:
@@ -203,26 +228,59 @@ class RoundLoop:
         return self._retire(new)
 
     def advance(self, running: list[SequenceState]) -> list[SequenceState]:
-        """One round of the configured mode for every running sequence; returns
-        those still running (finished ones are released and finalised)."""
+        """One round for every running sequence, each with the strategy it
+        runs this round; returns those still running (finished ones are
+        released and finalised)."""
         rec = RoundRecord(index=next(self._round_ids), batch=len(running), start=time.perf_counter())
-        self.strategy.run(running, rec)
+        self.assigner.assign(running, rec)
+        ssd = [s for s in running if s.mode == "ssd"]
+        others = [s for s in running if s.mode != "ssd"]
+        proposals, rules = self._propose(others, rec)
+        batch_order = [*ssd, *others]  # the order the verification (and rec.accepted) has them in
+        if ssd:  # SSD sends the one verification itself: its builds and lookups ride along it
+            self.strategies["ssd"].run(ssd, rec, others, proposals, rules)
+        else:
+            outcomes = self.verified(self.verify(others, proposals, rec, rules), rec)
+            self.emit(others, proposals, outcomes, rec)
         rec.end = time.perf_counter()
-        self.strategy.ended(rec)
+        if ssd:
+            self.strategies["ssd"].ended(rec)
+        self.assigner.observe(batch_order, rec)
         self.timeline.append(rec)
         return self._retire(running)
 
+    def _propose(self, seqs: list[SequenceState], rec: RoundRecord) -> tuple[list[Proposal], list[tuple[str, float]]]:
+        """The proposals of the sequences that draft before verification (AR,
+        SD, PyramidSD), in ``seqs``' order, and the rule each is verified with;
+        ``rec.draft`` spans all their drafting."""
+        proposals: list[Proposal | None] = [None] * len(seqs)
+        rules: list[tuple[str, float]] = [("exact", 0.0)] * len(seqs)
+        spans = []
+        for mode in ("ar", "sd", "pyramid"):
+            idx = [i for i, s in enumerate(seqs) if s.mode == mode]
+            if not idx:
+                continue
+            strategy: Proposer = self.strategies[mode]
+            got, span = strategy.propose([seqs[i] for i in idx])
+            if span is not None:
+                spans.append(span)
+            for i, p in zip(idx, got):
+                proposals[i], rules[i] = p, strategy.rule
+        if spans:
+            rec.draft = (min(a for a, _ in spans), max(b for _, b in spans))
+        return proposals, rules  # type: ignore[return-value]
+
     def release(self, seqs: list[SequenceState]) -> None:
         """Free unfinished sequences everywhere (cancellation or failure); the
-        strategy first lets go of what it holds for them."""
-        self.strategy.dropped(seqs, finished=False)
+        strategies first let go of what they hold for them."""
+        self.strategies["ssd"].dropped(seqs, finished=False)
         self._release(seqs)
         for s in seqs:
             self._finish_stats(s)
 
     def _retire(self, running: list[SequenceState]) -> list[SequenceState]:
         done = [s for s in running if s.finished]
-        self.strategy.dropped(done, finished=True)
+        self.strategies["ssd"].dropped(done, finished=True)
         self._release(done)
         for s in done:
             self._finish_stats(s)
@@ -241,9 +299,12 @@ class RoundLoop:
 
     def _finish_stats(self, s: SequenceState) -> None:
         s.proposal = None
+        spec_rounds = sum(n for m, n in s.chosen.items() if m != "ar")
         s.stats.update(
             rounds=s.rounds,
             mean_accepted=s.accepted_total / s.spec_rounds if s.spec_rounds else None,
-            cache_hit_rate=(s.hits / s.lookups if s.lookups else None) if self.spec.mode == "ssd" else None,
-            lossy=self.spec.lossy,
+            cache_hit_rate=s.hits / s.lookups if s.lookups else None,
+            lossy=self.spec.lossy and self.strategy_of(s).mode == "pyramid",
+            strategy=dict(s.chosen),
+            mean_k=s.k_total / spec_rounds if spec_rounds else None,
         )

@@ -23,7 +23,7 @@ class SequenceState:
     finish_reason: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     stopper: StopChecker | None = None  # the request's stop strings / stop token ids, if any
-    strategy: Strategy = field(default_factory=lambda: Strategy("ar"))  # resolved by the engine's StrategyMenu
+    strategy: Strategy | None = None  # resolved by the engine's StrategyMenu (None: the engine's default)
     # speculation bookkeeping (the round loop's)
     proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
     rounds: int = 0  # verification rounds, the prefill round included

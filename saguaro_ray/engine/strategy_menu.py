@@ -52,6 +52,10 @@ class StrategyMenu:
             raise ConfigError(f"speculation.mode {s.mode!r} is not allowed by this engine; allowed: {', '.join(self.allowed)}")
         if s.k is not None and s.k > self.max_k:
             raise ConfigError(f"speculation.k must be at most {self.max_k} (the engine's max_k), got {s.k}")
+        return self.filled(s)
+
+    def filled(self, s: Strategy) -> Strategy:
+        """``s`` with the engine's K where it names none (no checks: see :meth:`resolve`)."""
         if s.mode in ("sd", "ssd"):
             return Strategy(s.mode, s.k or self.k)
         if s.mode == "auto":

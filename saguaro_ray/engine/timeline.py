@@ -34,7 +34,9 @@ class RoundRecord:
     hits: int = 0
     misses: int = 0
     backup: str | None = None
-    accepted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # per sequence, in the order the round verified them
+    proposed: list[int] = field(default_factory=list)  # ... the draft tokens each was verified with
+    modes: dict[str, int] = field(default_factory=dict)  # sequences per mode this round
     prefill: bool = False  # an admission round (prompts prefilled, first tokens sampled)
     # the coordinator's side of the control plane (perf_counter): verification
     # sent / its result in the round loop's hands; the same for the SSD lookup

@@ -58,7 +58,7 @@ _LOGIC = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogi
 _MEMBERSHIP = ["join_data_plane", "leave_data_plane", "discard"]
 _METHODS = {
     "target": ["verify", "prefill", "release", *_MEMBERSHIP],
-    "draft": ["propose", "build", "lookup", "prefill", "release", *_MEMBERSHIP],
+    "draft": ["propose", "propose_for_qualifier", "build", "lookup", "prefill", "release", *_MEMBERSHIP],
     "qualifier": ["qualify", "prefill", "release", *_MEMBERSHIP],
 }
 JOIN_TIMEOUT_S = 60.0
@@ -284,14 +284,15 @@ class CoordinatorActor:
             roles = list(self.clients)
             rank = {role: i for i, role in enumerate(roles)}
             drafts = [rank[r] for r in roles if role_kind(r) == "draft"]
-            q_dst = rank.get("qualifier", 0) if self.config.spec.mode == "pyramid" else 0
+            qualifier = rank.get("qualifier")
             gen = next(self._generations)
             futs: list[tuple[str, Future]] = []
             for role in roles:
-                dst = None if role == "target" else 0 if role == "qualifier" else q_dst
+                dst = None if role == "target" else 0  # proposals are verified by the target ...
+                qdst = qualifier if role_kind(role) == "draft" else None  # ... or, PyramidSD's, qualified first
                 peers = [d for d in drafts if d != rank[role]] if role_kind(role) == "draft" else []
                 futs.append(
-                    (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers))
+                    (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers, qdst))
                 )
             try:
                 for role, f in futs:
@@ -364,6 +365,7 @@ class CoordinatorActor:
             "draft_up": self.loop.draft_up,
             "drafts_up": len(self.loop.drafts.up()),
             "rounds": len(self.loop.timeline),
+            "strategies": self.loop.assigner.metrics(),
             "queued": self.scheduler.queued,
             "active": self.scheduler.active,
             "data_plane_generation": self.data_plane_generation,

@@ -47,16 +47,20 @@ class ActorLogic:
         self.host = host  # the node address this worker's gloo sockets bind to
         self.plane: DataPlane | None = None
         self.q_dst: int | None = None  # rank that verifies this worker's proposals
+        self.qualifier_dst: int | None = None  # rank that qualifies its PyramidSD proposals
         self.peers: list[int] = []  # ranks of the other drafts (KV deltas)
 
     # ------------------------------------------------------------ membership
     def join_data_plane(
-        self, address: str, rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int]
+        self, address: str, rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int], qualifier_dst: int | None = None
     ) -> int:
-        """Leave the current group (if any) and join ``generation``; blocks until all members joined."""
+        """Leave the current group (if any) and join ``generation``; blocks
+        until all members joined. ``q_dst``: the rank that verifies this
+        worker's proposals; ``qualifier_dst``: the one that qualifies a
+        draft's PyramidSD proposals (:meth:`propose_for_qualifier`)."""
         self.leave_data_plane()
         self.plane = DataPlane.join(address, self._key, rank, world_size, generation, self.device, gloo_host=self.host)
-        self.q_dst, self.peers = q_dst, list(peers)
+        self.q_dst, self.peers, self.qualifier_dst = q_dst, list(peers), qualifier_dst
         return rank
 
     def leave_data_plane(self) -> None:
@@ -74,10 +78,11 @@ class ActorLogic:
     def _in(self, args: Any) -> Any:
         return args if self.plane is None else resolve(args, self.plane, RECV_TIMEOUT_S)
 
-    def _out_q(self, value: Any) -> Any:
-        if self.plane is None or self.q_dst is None:
+    def _out_q(self, value: Any, dst: int | None = None) -> Any:
+        dst = self.q_dst if dst is None else dst
+        if self.plane is None or dst is None:
             return value
-        return offload_q(value, self.plane, self.q_dst)
+        return offload_q(value, self.plane, dst)
 
     def ready(self, method: str, args: list) -> bool:
         """Can this call run now? The logic decides, if it has a say (a call
@@ -102,12 +107,13 @@ class ActorLogic:
         """Verify; with ``forward`` = ``{"method", "args", "to": [address, ...]}``
         (each from :meth:`CommandClient.address_for`) also send
         ``method(keys, *args)`` to each listed worker, ``keys`` being the
-        outcomes' lookup keys."""
+        lookup keys of the first ``forward["items"]`` outcomes (default: all;
+        the rest of the batch is not the forwarded call's business)."""
         outcomes = self.logic.verify(self._in(items))
         if forward is not None:
             if self.forwarder is None:
                 raise ValueError("this worker cannot forward calls (it has no forwarder)")
-            args = [[o.key for o in outcomes], *forward["args"]]
+            args = [[o.key for o in outcomes[: forward.get("items", len(outcomes))]], *forward["args"]]
             for address in forward["to"]:
                 try:
                     self.forwarder.call(address, forward["method"], args)
@@ -120,6 +126,12 @@ class ActorLogic:
 
     def propose(self, *args: Any) -> Any:
         return self._out_q(self.logic.propose(*args))
+
+    def propose_for_qualifier(self, *args: Any) -> Any:
+        """A PyramidSD proposal: its q rows go to the qualifier, which checks it
+        (one engine runs PyramidSD and SD sequences side by side: each
+        proposal's rows go to the worker that reads them)."""
+        return self._out_q(self.logic.propose(*args), self.qualifier_dst)
 
     def build(self, items: Any, round_id: int | None = None, ahead: bool = False) -> Any:
         return self.logic.build(self._in(items), round_id, ahead)

@@ -1,57 +1,40 @@
-"""One round strategy per mode: how a round makes and verifies its proposals.
+"""One strategy per mode: how a sequence's proposal for a round is made.
 
-The round loop (:mod:`saguaro_ray.engine.round_loop`) calls its strategy once
-per round with the running sequences and the round's record; everything a
-mode keeps between rounds (SSD's estimators and the KV deltas of its hits)
-lives in its strategy, so a round of any mode reads top to bottom in the
-loop and one file here.
+The round loop (:mod:`saguaro_ray.engine.round_loop`) fixes each running
+sequence's mode and K for the round (:mod:`.assign`), hands each mode's
+sequences to that mode's strategy, and verifies the whole batch at once.
+AR, SD and PyramidSD are :class:`Proposer`\\ s: they draft before
+verification and keep nothing between rounds. SSD's drafting rides along the
+verification itself (its builds and lookups), so it sends the round's one
+verification — with the other modes' proposals beside its own — and keeps
+its estimators and the KV deltas of its hits between rounds
+(:class:`~saguaro_ray.engine.strategies.ssd.SSDStrategy`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from saguaro_ray.engine.sequence import SequenceState
-from saguaro_ray.engine.timeline import RoundRecord
+from saguaro_ray.engine.timeline import Span
+from saguaro_ray.workers.messages import Proposal
 
 if TYPE_CHECKING:
     from saguaro_ray.engine.round_loop import RoundLoop
 
 
-class RoundStrategy(Protocol):
-    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        """One round for ``running``: propose, verify, emit (through the loop)."""
+class Proposer(Protocol):
+    rule: tuple[str, float]  # the rule and threshold its proposals are verified with
 
-    def ended(self, rec: RoundRecord) -> None:
-        """The round is over (``rec.end`` is set): learn from it."""
-
-    def dropped(self, seqs: Sequence[SequenceState], finished: bool) -> None:
-        """``seqs`` leave the batch (``finished``, or cancelled/failed): let go
-        of what the strategy holds for them."""
+    def propose(self, seqs: list[SequenceState]) -> tuple[list[Proposal], Span | None]:
+        """This round's proposals for ``seqs`` and the drafting span (None: no drafting)."""
 
 
-class PlainStrategy:
-    """A strategy that keeps nothing between rounds (the base of AR, SD and PyramidSD)."""
-
-    def __init__(self, loop: "RoundLoop") -> None:
-        self.loop = loop
-
-    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
-        raise NotImplementedError
-
-    def ended(self, rec: RoundRecord) -> None:
-        return None
-
-    def dropped(self, seqs: Sequence[SequenceState], finished: bool) -> None:
-        return None
-
-
-def strategy_for(mode: str, loop: "RoundLoop") -> RoundStrategy:
-    """The strategy of ``mode`` (``ar``, ``sd``, ``ssd``, ``pyramid``) driving ``loop``."""
+def make_strategies(loop: "RoundLoop") -> dict[str, Any]:
+    """Every mode's strategy driving ``loop``, by mode name."""
     from saguaro_ray.engine.strategies.ar import ARStrategy
     from saguaro_ray.engine.strategies.pyramid import PyramidStrategy
     from saguaro_ray.engine.strategies.sd import SDStrategy
     from saguaro_ray.engine.strategies.ssd import SSDStrategy
 
-    kinds: dict[str, type] = {"ar": ARStrategy, "sd": SDStrategy, "ssd": SSDStrategy, "pyramid": PyramidStrategy}
-    return kinds[mode](loop)
+    return {"ar": ARStrategy(), "sd": SDStrategy(loop), "ssd": SSDStrategy(loop), "pyramid": PyramidStrategy(loop)}

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from saguaro_ray.engine.calls import RetryingCall
 from saguaro_ray.engine.round_loop import local
 from saguaro_ray.engine.sequence import SequenceState
-from saguaro_ray.engine.strategies import PlainStrategy
-from saguaro_ray.engine.timeline import RoundRecord
+from saguaro_ray.engine.timeline import Span
 from saguaro_ray.workers.messages import Proposal, ProposalSource, SeqStep, VerifyItem
+
+if TYPE_CHECKING:
+    from saguaro_ray.engine.round_loop import RoundLoop
 
 
 def _cat_rows(parts: list[Any]) -> Any:
@@ -25,8 +27,12 @@ def _cat_rows(parts: list[Any]) -> Any:
     return type(parts[0]).cat(parts)
 
 
-class PyramidStrategy(PlainStrategy):
-    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
+class PyramidStrategy:
+    def __init__(self, loop: "RoundLoop") -> None:
+        self.loop = loop
+        self.rule = (loop.spec.stage2, loop.spec.tau_t)
+
+    def propose(self, running: list[SequenceState]) -> tuple[list[Proposal], Span | None]:
         loop, spec = self.loop, self.loop.spec
         limits = [loop.spec_len(s, spec.lq) for s in running]
         blocks: list[list[int]] = [[] for _ in running]
@@ -38,21 +44,21 @@ class PyramidStrategy(PlainStrategy):
                 break
             seqs = [running[i] for i in todo]
 
-            def sub(full: bool, todo: list[int] = todo) -> list[SeqStep]:
+            def sub(full: bool, kind: str, todo: list[int] = todo) -> list[SeqStep]:
                 out = []
                 for i in todo:
-                    st = loop.step(running[i], full)
+                    st = loop.step(running[i], full, kind)
                     out.append(replace(st, new_tokens=st.new_tokens + blocks[i], output_pos=st.output_pos + len(blocks[i])))
                 return out
 
             ks = [min(spec.ld, limits[i] - len(blocks[i])) for i in todo]
-            got = loop.draft_value(loop.draft_call("propose", lambda full: (sub(full), ks)))
+            got = loop.draft_value(loop.draft_call("propose_for_qualifier", lambda full: (sub(full, "draft"), ks)))
             drafts = loop.fast(seqs, ks, [blocks[i] for i in todo]) if got is None else got[0]
             quals = RetryingCall(
                 loop.qualifier,  # type: ignore[arg-type]
                 "qualify",
                 lambda full: (
-                    [VerifyItem(st, local(d) if full else d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full), drafts)],
+                    [VerifyItem(st, local(d) if full else d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full, "qualifier"), drafts)],
                 ),
             ).value()[0]
             for i, qp in zip(todo, quals):
@@ -60,7 +66,5 @@ class PyramidStrategy(PlainStrategy):
                 blocks[i].extend(qp.tokens[:room])
                 if qp.q is not None:
                     block_q[i].append(qp.q[:room])
-        rec.draft = (t0, time.perf_counter())
         proposals = [Proposal(b, _cat_rows(q) if q else None, ProposalSource.QUALIFIED) for b, q in zip(blocks, block_q)]
-        outcomes = loop.verified(loop.verify(running, proposals, rec, spec.stage2, spec.tau_t), rec)
-        loop.emit(running, proposals, outcomes, rec)
+        return proposals, (t0, time.perf_counter())

@@ -1,4 +1,4 @@
-"""SD: the draft proposes K tokens, then the target verifies them.
+"""SD: the draft proposes each sequence's K tokens, then the target verifies them.
 
 Without a draft up, the proposal is the fast point-mass guess (exact, slower).
 """
@@ -6,21 +6,27 @@ Without a draft up, the proposal is the fast point-mass guess (exact, slower).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from saguaro_ray.engine.sequence import SequenceState
-from saguaro_ray.engine.strategies import PlainStrategy
-from saguaro_ray.engine.timeline import RoundRecord
+from saguaro_ray.engine.timeline import Span
+from saguaro_ray.workers.messages import Proposal
+
+if TYPE_CHECKING:
+    from saguaro_ray.engine.round_loop import RoundLoop
 
 
-class SDStrategy(PlainStrategy):
-    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
+class SDStrategy:
+    rule = ("exact", 0.0)
+
+    def __init__(self, loop: "RoundLoop") -> None:
+        self.loop = loop
+
+    def propose(self, seqs: list[SequenceState]) -> tuple[list[Proposal], Span | None]:
         loop = self.loop
-        ks = [loop.spec_len(s, loop.spec.k) for s in running]
+        ks = [loop.spec_len(s, s.k) for s in seqs]
         t0 = time.perf_counter()
-        got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full) for s in running], ks)))
+        got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full, "draft") for s in seqs], ks)))
         if got is None:
-            proposals, rec.draft = loop.fast(running, ks), (t0, time.perf_counter())
-        else:
-            proposals, rec.draft = got
-        outcomes = loop.verified(loop.verify(running, proposals, rec), rec)
-        loop.emit(running, proposals, outcomes, rec)
+            return loop.fast(seqs, ks), (t0, time.perf_counter())
+        return got

@@ -4,7 +4,9 @@ supplies the next proposal at once, and a miss is served by the backup
 (``neural``: K draft steps from the real outcome; ``fast``: a point-mass
 guess from the history).
 
-A round, top to bottom (:meth:`SSDStrategy.run`): fix the budget; give new
+A round, top to bottom (:meth:`SSDStrategy.run`, for the batch's SSD
+sequences; the round's other sequences ride in the same verification with
+the proposals their strategies made): fix the budget; give new
 sequences a first proposal; make each sequence's :class:`NextRound` (with one
 draft) and register the lookups the target will place; send the
 verification and every draft's build (the longer of the two first); emit the
@@ -96,7 +98,18 @@ class SSDStrategy:
         self._deltas: dict[int, tuple[WorkerHandle, KVDelta]] = {}
 
     # -------------------------------------------------------------- round
-    def run(self, running: list[SequenceState], rec: RoundRecord) -> None:
+    def run(
+        self,
+        running: list[SequenceState],
+        rec: RoundRecord,
+        others: Sequence[SequenceState] = (),
+        other_proposals: Sequence[Proposal] = (),
+        other_rules: Sequence[tuple[str, float]] = (),
+    ) -> None:
+        """One round for the SSD sequences ``running``; ``others`` (with the
+        proposals their strategies made and the rules they are verified
+        with) share its one verification, placed after the SSD items: only
+        the first ``len(running)`` outcomes are looked up."""
         loop, spec = self.loop, self.loop.spec
         self._spend, self._next_spend = self._next_spend or self.budget.budget, self.budget.budget
         rec.budget = self._spend if spec.fanout == "auto" else None
@@ -104,7 +117,7 @@ class SSDStrategy:
         if need:  # newly admitted sequences (a miss is served at its own round's lookup)
             rec.backup, rec.draft = self._backup(need, len(running))
         # a cached speculation may be longer than what is still worth verifying
-        ks = [loop.spec_len(s, spec.k) for s in running]
+        ks = [loop.spec_len(s, s.k) for s in running]
         proposals = [ssd_protocol.clip(s.proposal, k) for s, k in zip(running, ks)]  # type: ignore[arg-type]
         # a speculation clipped to nothing is never verified: its q rows are never fetched
         loop.discard([loop.target], [s.proposal.q for s, p in zip(running, proposals) if s.proposal.tokens and not p.tokens])  # type: ignore[union-attr]
@@ -115,20 +128,23 @@ class SSDStrategy:
         kind = self._backup_kind(len(running))  # one backup decision per round, for this round's misses
         # everything a lookup needs but the outcomes is known now: with one draft, each
         # sequence's plan; where the transport allows, the target places the lookups itself
-        steps = [loop.step(s) for s in running]  # what this round's build items say (not re-sent)
+        steps = [loop.step(s, kind="draft") for s in running]  # what this round's build items say (not re-sent)
         plans = self._plans(running, proposals, ks, kind) if len(builders) == 1 else None
-        placed = self._place_lookups(builders, share, rec.index, plans)
+        placed = self._place_lookups(builders, share, rec.index, plans, len(running))
         forward = None if placed is None else placed.forward
+        batch, batch_proposals = [*running, *others], [*proposals, *other_proposals]
+        rules = [("exact", 0.0)] * len(running) + list(other_rules)
         # whichever of the two has been taking longer is sent first
         if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
             calls_b = self._send_builds(running, proposals, ks, builders, rec)
-            call_v = loop.verify(running, proposals, rec, forward=forward)
+            call_v = loop.verify(batch, batch_proposals, rec, rules, forward=forward)
         else:
-            call_v = loop.verify(running, proposals, rec, forward=forward)
+            call_v = loop.verify(batch, batch_proposals, rec, rules, forward=forward)
             calls_b = self._send_builds(running, proposals, ks, builders, rec)
-        outcomes = loop.verified(call_v, rec)
+        every = loop.verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)  # type: ignore[index]
-        loop.emit(running, proposals, outcomes, rec)
+        loop.emit(batch, batch_proposals, every, rec)
+        outcomes = every[: len(running)]
         live = [i for i, s in enumerate(running) if not s.finished]
         if placed is not None and not call_v.resent:
             rec.lookup_sent, rec.forwarded = rec.verify[1], True  # type: ignore[index]
@@ -164,6 +180,13 @@ class SSDStrategy:
     def ended(self, rec: RoundRecord) -> None:
         # what the round cost beyond its workers' time, for the backup policy's model
         self.backup_stats.observe_latency(t_round=round_components(rec)["control"] / self._verify_seconds)
+
+    def left(self, seqs: Sequence[SequenceState]) -> None:
+        """``seqs`` go on with another strategy: their cached speculation
+        will not be verified — let go of it as for a cancelled sequence."""
+        self.dropped(seqs, finished=False)
+        for s in seqs:
+            s.proposal = None
 
     def dropped(self, seqs: Sequence[SequenceState], finished: bool) -> None:
         """An SSD sequence ended at a round boundary (cancelled, failed) still
@@ -201,7 +224,7 @@ class SSDStrategy:
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
-            items = ssd_protocol.build_items([loop.step(s, full) for s in running], proposals, fanouts, ks, c, shard, shards, deltas)
+            items = ssd_protocol.build_items([loop.step(s, full, "draft") for s in running], proposals, fanouts, ks, c, shard, shards, deltas)
             if not full:
                 items = [self._planned_item(planned.get(s.seq_id), s.proposal) or it for s, it in zip(running, items)]  # type: ignore[arg-type]
             return (items, rec.index, ahead and not full)
@@ -214,14 +237,18 @@ class SSDStrategy:
         """The build item the only draft made ahead for a planned sequence (None: not planned)."""
         return None if planned is None else ssd_protocol.next_build_item(*planned, proposal)
 
-    def _place_lookups(self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None) -> _PlacedLookups | None:
-        """The lookups the target places itself when verification ends: the
-        ``forward`` of the verification call and the calls registered at each
-        draft (None: the transport cannot, or no draft is building)."""
+    def _place_lookups(
+        self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None, items: int
+    ) -> _PlacedLookups | None:
+        """The lookups the target places itself when verification ends, for
+        the first ``items`` outcomes (the SSD sequences'): the ``forward`` of
+        the verification call and the calls registered at each draft (None:
+        the transport cannot, or no draft is building)."""
         if self.loop.forward is None or not lookers:
             return None
         calls = self.loop.forward(lookers, "lookup")
-        return _PlacedLookups({"method": "lookup", "args": [share, round_id, plans], "to": [f.address for f in calls]}, calls)
+        forward = {"method": "lookup", "args": [share, round_id, plans], "to": [f.address for f in calls], "items": items}
+        return _PlacedLookups(forward, calls)
 
     def _send_lookups(
         self,
@@ -269,7 +296,7 @@ class SSDStrategy:
 
         plans = []
         for s, p, k_now in zip(running, proposals, ks):
-            next_ks = [loop.spec_len(s, spec.k, ahead=n) for n in range(1, len(p.tokens) + 2)]
+            next_ks = [loop.spec_len(s, s.k, ahead=n) for n in range(1, len(p.tokens) + 2)]
             if all(k == next_ks[0] for k in next_ks):
                 next_ks = next_ks[:1]
             pairs = [fanouts(k, k_now) for k in next_ks]
@@ -359,13 +386,13 @@ class SSDStrategy:
         served and the drafting span."""
         loop = self.loop
         kind = kind or self._backup_kind(batch_size)
-        ks = [loop.spec_len(s, loop.spec.k) for s in seqs]
+        ks = [loop.spec_len(s, s.k) for s in seqs]
         t0 = time.perf_counter()
         got = None
         if kind == "neural":
             # Saguaro sampling applies to backup drafts too: F_j of the round that will verify them
             fanouts = [self._fanout(k, "neural") for k in ks]
-            got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full) for s in seqs], ks, loop.spec.saguaro_c, fanouts)))
+            got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full, "draft") for s in seqs], ks, loop.spec.saguaro_c, fanouts)))
         if got is None:
             kind = "fast"
             proposals, span = loop.fast(seqs, ks), (t0, time.perf_counter())

@@ -1,0 +1,399 @@
+"""The ``auto`` cost model and chooser, against synthetic rounds drawn from a known ground truth.
+
+No models run: :class:`Truth` is a cost and acceptance law like the engine's
+(verification a + b·tokens with an optional memory-bound knee, sequential SD
+draft steps, SSD exposure from misses served by a neural backup, a control
+plane per round), and :func:`simulate` plays the policy against it, sampling
+accepted counts and hits and adding noise to the times. What the policy
+achieves is scored by the truth's *expected* tokens per second of its choices
+(the long-run rate, free of the sampling noise), against the best single
+fixed choice found by brute force over AR, SD and SSD with every K.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from saguaro_ray.algorithms.strategy_model import (
+    AutoPolicy,
+    Choice,
+    RoundCosts,
+    SeqResult,
+    SeqView,
+    temperature_bucket,
+)
+from saguaro_ray.errors import ConfigError
+
+MAX_K = 8
+
+
+@dataclass(frozen=True)
+class Truth:
+    """A deployment's real costs (seconds) and acceptance law."""
+
+    ver_a: float = 0.010
+    ver_b: float = 0.0001  # per token past the knee
+    knee: int = 0  # tokens below this are free (memory-bound)
+    step_c: float = 0.001  # a draft step: c + d·n
+    step_d: float = 0.00002
+    ssd_base: float = 0.0003  # the tree build's overrun when any sequence is in SSD
+    backup: str = "neural"  # what serves a miss: neural (K draft steps, exposed) or fast (a point mass)
+    ctl_c0: float = 0.002
+    ctl_c1: float = 0.00002
+    alpha: dict = field(default_factory=lambda: {0.0: 0.85, 0.7: 0.55})  # per-position acceptance by T
+    hit: dict = field(default_factory=lambda: {0.0: 0.8, 0.7: 0.5})
+    noise: float = 0.03
+
+    def verify(self, tokens: float) -> float:
+        return self.ver_a + self.ver_b * max(0.0, tokens - self.knee)
+
+    def step(self, n: float) -> float:
+        return self.step_c + self.step_d * n
+
+    def tokens_of(self, t: float, mode: str, k: int, entering: bool) -> float:
+        """Expected emitted tokens of one sequence (an SSD entry is a forced miss)."""
+        a = self.alpha[t]
+        e_draft = sum(a**i for i in range(k + 1))
+        if mode == "ar":
+            return 1.0
+        if mode == "sd":
+            return e_draft
+        e_miss = e_draft if self.backup == "neural" else 1.0 + 0.05
+        if entering:
+            return e_miss
+        h = self.hit[t]
+        return h * e_draft + (1.0 - h) * e_miss
+
+    def expected_time(self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool]) -> float:
+        tokens = sum(k + 1 for _, k in choices)
+        t = self.ctl_c0 + self.ctl_c1 * len(choices) + self.verify(tokens)
+        sd = [k for m, k in choices if m == "sd"]
+        if sd:
+            t += max(sd) * self.step(len(sd))
+        ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
+        if ssd:
+            t += self.ssd_base
+            if self.backup == "neural":
+                miss = [1.0 if e else 1.0 - self.hit[tt] for tt, _, e in ssd]
+                p_any = 1.0 - math.prod(1.0 - m for m in miss)
+                k_max = max(k for _, k, _ in ssd)
+                t += k_max * (self.step_c * p_any + self.step_d * sum(miss))
+        return t
+
+    def rate(self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool] | None = None) -> float:
+        entering = entering or [False] * len(choices)
+        e = sum(self.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, choices, entering))
+        return e / self.expected_time(temps, choices, entering)
+
+    def best_fixed(self, temps: list[float], modes: tuple[str, ...] = ("ar", "sd", "ssd")) -> tuple[float, tuple[str, int]]:
+        options = [("ar", 0)] + [(m, k) for m in ("sd", "ssd") if m in modes for k in range(1, MAX_K + 1)]
+        return max((self.rate(temps, [o] * len(temps)), o) for o in options)
+
+
+def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids) -> RoundCosts:
+    """One sampled round under ``truth`` (what the engine would report)."""
+    noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
+    seqs, misses, ssd_k = [], 0, 0
+    for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
+        hit = None
+        a = truth.alpha[t]
+        if m == "ssd":
+            hit = (not en) and rng.random() < truth.hit[t]
+            misses += not hit
+            ssd_k = max(ssd_k, k)
+            if not hit and truth.backup == "fast":
+                a = 0.05
+        acc = 0
+        while acc < k and rng.random() < a:
+            acc += 1
+        seqs.append(SeqResult(sid, t, m, k, acc, hit))
+    tokens = sum(k + 1 for _, k in choices)
+    verify = truth.verify(tokens) * noise()
+    sd = [k for m, k in choices if m == "sd"]
+    draft = max(sd) * truth.step(len(sd)) * noise() if sd else 0.0
+    n_ssd = sum(m == "ssd" for m, _ in choices)
+    exposed = 0.0
+    if n_ssd:
+        exposed = truth.ssd_base * noise()
+        if truth.backup == "neural" and misses:
+            exposed += ssd_k * truth.step(misses) * noise()
+    wall = verify + draft + exposed + (truth.ctl_c0 + truth.ctl_c1 * len(choices)) * noise()
+    return RoundCosts(len(choices), tokens, verify, max(sd, default=0), len(sd), draft, n_ssd, exposed, wall, tuple(seqs))
+
+
+def simulate(
+    truth: Truth,
+    temps: list[float],
+    rounds: int = 300,
+    seed: int = 0,
+    modes: tuple[str, ...] = ("ar", "sd", "ssd"),
+    k_cap: int = MAX_K,
+    policy: AutoPolicy | None = None,
+) -> tuple[AutoPolicy, list[list[tuple[str, int]]], list[float], list[float]]:
+    """Play ``policy`` against ``truth`` for ``rounds``; returns it, each round's
+    choices, and each round's expected tokens and expected time under the truth."""
+    policy = policy or AutoPolicy(modes=modes, max_k=MAX_K, seed=seed)
+    rng = random.Random(seed + 1000)
+    current: list[str | None] = [None] * len(temps)
+    seq_ids = list(range(len(temps)))
+    history, tokens, times = [], [], []
+    for _ in range(rounds):
+        views = [SeqView(i, t, k_cap, modes, c) for i, t, c in zip(seq_ids, temps, current)]
+        picked = [(c.mode, c.k) for c in policy.choose(views)]
+        entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
+        history.append(picked)
+        tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, picked, entering)))
+        times.append(truth.expected_time(temps, picked, entering))
+        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids))
+        current = [m for m, _ in picked]
+    return policy, history, tokens, times
+
+
+def achieved(tokens: list[float], times: list[float], last: int = 100) -> float:
+    """Tokens per second over the last rounds (explorations and SSD entries included)."""
+    return sum(tokens[-last:]) / sum(times[-last:])
+
+
+def converged_at(history: list[list[tuple[str, int]]]) -> int:
+    """The first round from which the choice is the final one in at least 90% of rounds."""
+    final = history[-1]
+    same = [h == final for h in history]
+    for r in range(len(history)):
+        tail = same[r:]
+        if sum(tail) >= 0.9 * len(tail):
+            return r
+    return len(history)
+
+
+# ------------------------------------------------------------------ convergence
+
+
+def test_cheap_draft_high_acceptance_converges_to_speculation_with_k_above_one():
+    truth = Truth(alpha={0.0: 0.9, 0.7: 0.5})
+    _, history, tokens, times = simulate(truth, [0.0] * 4)
+    final = history[-1]
+    assert all(m in ("sd", "ssd") and k > 1 for m, k in final), final
+    assert achieved(tokens, times) > 1.5 * truth.rate([0.0] * 4, [("ar", 0)] * 4)
+
+
+@pytest.mark.parametrize(
+    "truth",
+    [
+        Truth(step_c=0.010, step_d=0.0001, ssd_base=0.010),  # a draft as costly as the target
+        Truth(alpha={0.0: 0.02, 0.7: 0.02}, hit={0.0: 0.02, 0.7: 0.02}),  # acceptance ~0
+    ],
+    ids=["costly-draft", "no-acceptance"],
+)
+def test_converges_to_ar_when_speculation_cannot_pay(truth):
+    _, history, _, _ = simulate(truth, [0.0] * 4)
+    tail = history[-50:]
+    assert sum(all(c == ("ar", 0) for c in h) for h in tail) >= 45, history[-1]
+
+
+def test_large_batch_with_steep_verification_drops_k_while_batch_one_speculates():
+    truth = Truth(ver_b=0.0004, knee=16, alpha={0.0: 0.75, 0.7: 0.5})
+    _, big, _, _ = simulate(truth, [0.0] * 64, rounds=200)
+    _, one, _, _ = simulate(truth, [0.0], rounds=200)
+    mean_k = lambda h: sum(k for _, k in h) / len(h)  # noqa: E731
+    assert all(m in ("sd", "ssd") and k >= 2 for m, k in one[-1]), one[-1]
+    assert mean_k(big[-1]) <= 1.0 < mean_k(one[-1])
+
+
+def test_mixed_temperatures_speculate_at_t0_and_not_for_low_acceptance_sampling():
+    truth = Truth(alpha={0.0: 0.9, 0.7: 0.1}, hit={0.0: 0.8, 0.7: 0.1}, ver_b=0.0002, knee=8)
+    temps = [0.0] * 8 + [0.7] * 8
+    _, history, tokens, times = simulate(truth, temps)
+    final = history[-1]
+    greedy, sampled = final[:8], final[8:]
+    assert all(m in ("sd", "ssd") and k > 1 for m, k in greedy), final
+    assert all(k <= 1 for _, k in sampled), final
+    assert achieved(tokens, times) >= truth.best_fixed(temps)[0]
+
+
+TRUTHS = {
+    "default-b4": (Truth(), [0.0] * 4),
+    "sampling-b8": (Truth(), [0.7] * 8),
+    "fast-backup-b16": (Truth(backup="fast"), [0.0] * 16),
+    "knee-b32": (Truth(ver_b=0.0003, knee=48), [0.0] * 32),
+    "costly-draft-b8": (Truth(step_c=0.006, step_d=0.0002), [0.0] * 8),
+    "control-heavy-b1": (Truth(ctl_c0=0.02), [0.7]),
+    "mixed-b16": (Truth(ver_b=0.0002, knee=16), [0.0] * 8 + [0.7] * 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRUTHS))
+def test_achieved_throughput_is_at_least_95_percent_of_the_best_fixed_choice(name):
+    truth, temps = TRUTHS[name]
+    policy, history, tokens, times = simulate(truth, temps)
+    best, choice = truth.best_fixed(temps)
+    got = achieved(tokens, times)
+    assert got >= 0.95 * best, (name, got / best, choice, history[-1], policy.snapshot())
+
+
+# ------------------------------------------------------------------ exploration
+
+
+def test_exploration_stays_within_its_bound_and_is_counted():
+    for explore in (0.0, 0.05, 0.2):
+        policy = AutoPolicy(max_k=MAX_K, explore=explore, seed=3)
+        simulate(Truth(), [0.0] * 4, rounds=200, policy=policy)
+        snap = policy.snapshot()
+        assert snap["rounds_chosen"] == 200
+        assert snap["rounds_explored"] <= explore * 200
+        if explore == 0.0:
+            assert snap["rounds_explored"] == 0
+        else:
+            assert snap["rounds_explored"] >= 1  # it does explore when it may
+
+
+def test_exploration_bound_holds_at_every_round():
+    policy = AutoPolicy(max_k=MAX_K, explore=0.1, seed=1)
+    truth, rng = Truth(), random.Random(0)
+    current: list[str | None] = [None] * 3
+    for _ in range(120):
+        picked = [(c.mode, c.k) for c in policy.choose([SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), current[i]) for i in range(3)])]
+        snap = policy.snapshot()
+        assert snap["rounds_explored"] <= 0.1 * snap["rounds_chosen"]
+        entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
+        policy.observe(_round(truth, rng, [0.0] * 3, picked, entering, [0, 1, 2]))
+        current = [m for m, _ in picked]
+
+
+# ------------------------------------------------------------------ the contract of choose
+
+
+def _trained(seed: int = 0) -> AutoPolicy:
+    policy, *_ = simulate(Truth(), [0.0, 0.7] * 2, rounds=40, seed=seed)
+    return policy
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["cold", "trained"])
+def test_choose_respects_k_cap_and_modes_and_keeps_order(trained):
+    policy = _trained() if trained else AutoPolicy(max_k=MAX_K)
+    views = [
+        SeqView(10, 0.0, 3, ("ar", "sd", "ssd"), None),
+        SeqView(11, 0.0, 0, ("ar", "sd", "ssd"), "sd"),  # k_cap 0: AR only
+        SeqView(12, 0.7, 8, ("ar",), None),  # no draft: AR only
+        SeqView(13, 0.0, 2, ("ar", "sd"), "ssd"),  # SSD no longer allowed
+        SeqView(14, 1.5, 1, ("ar", "ssd"), None),
+    ]
+    for _ in range(5):
+        out = policy.choose(views)
+        assert len(out) == len(views) and all(isinstance(c, Choice) for c in out)
+        for v, c in zip(views, out):
+            assert c.mode in v.modes and c.k <= v.k_cap
+            assert (c.k == 0) == (c.mode == "ar")
+        assert out[1] == Choice("ar", 0) and out[2] == Choice("ar", 0)
+
+
+def test_policy_without_a_draft_only_chooses_ar():
+    policy, history, _, _ = simulate(Truth(), [0.0] * 4, rounds=60, modes=("ar",))
+    assert all(c == ("ar", 0) for h in history for c in h)
+    assert policy.snapshot()["last_choice"] == {"ar": 4, "sd": 0, "ssd": 0}
+
+
+def test_policy_modes_restrict_every_sequence():
+    _, history, _, _ = simulate(Truth(), [0.0] * 4, rounds=60, policy=AutoPolicy(modes=("ar", "sd"), max_k=3))
+    assert all(m in ("ar", "sd") and k <= 3 for h in history for m, k in h)
+
+
+def test_empty_batch_gets_no_choices():
+    assert AutoPolicy().choose([]) == []
+    assert _trained().choose([], fixed=[(SeqView(1, 0.0, 4, ("ar", "sd"), "sd"), Choice("sd", 4))]) == []
+
+
+def test_fixed_sequences_share_the_round():
+    """Fixed SD sequences already pay S draft steps: an auto sequence at T = 0
+    joins speculation at no extra draft cost, and its choice must still fit."""
+    policy = _trained()
+    fixed = [(SeqView(100 + i, 0.7, 6, ("ar", "sd", "ssd"), "sd"), Choice("sd", 6)) for i in range(4)]
+    out = policy.choose([SeqView(1, 0.0, 6, ("ar", "sd", "ssd"), "sd")], fixed=fixed)
+    assert len(out) == 1 and out[0].mode in ("sd", "ssd") and 1 <= out[0].k <= 6
+
+
+def test_deterministic_for_a_seed():
+    a = simulate(Truth(), [0.0] * 3 + [0.7] * 3, rounds=120, seed=7)
+    b = simulate(Truth(), [0.0] * 3 + [0.7] * 3, rounds=120, seed=7)
+    assert a[1] == b[1] and a[0].snapshot() == b[0].snapshot()
+
+
+def test_snapshot_is_json_and_names_the_fitted_model():
+    policy = _trained()
+    snap = json.loads(json.dumps(policy.snapshot()))
+    assert snap["rounds_observed"] == 40 and snap["rounds_chosen"] == 40
+    for fit in ("verify_s", "draft_step_s", "ssd_exposed_s", "control_s"):
+        assert snap[fit] is not None and all(v >= 0 or name == "a" for name, v in snap[fit].items())
+    assert set(snap["acceptance"]) == {"t=0", "t<=0.5", "t<=1", "t>1"}
+    assert len(snap["acceptance"]["t=0"]["draft"]) == MAX_K
+    # what it learned tracks the truth: T = 0 accepts 0.85 per position, T = 0.7 0.55
+    assert snap["acceptance"]["t=0"]["draft"][0] > snap["acceptance"]["t<=1"]["draft"][0]
+    assert sum(snap["last_choice"].values()) == 4
+
+
+def test_verify_fit_recovers_the_truths_line():
+    truth = Truth(noise=0.0)
+    policy, *_ = simulate(truth, [0.0] * 8, rounds=150)
+    fit = policy.snapshot()["verify_s"]
+    assert fit["per_token"] == pytest.approx(truth.ver_b, rel=0.05)
+    assert fit["a"] == pytest.approx(truth.ver_a, rel=0.05)
+
+
+def test_no_flapping_in_and_out_of_ssd():
+    """SD and SSD nearly tied: the switch cost keeps each sequence where it is
+    instead of re-entering SSD (a forced miss) every other round."""
+    truth = Truth(hit={0.0: 0.6, 0.7: 0.5}, ssd_base=0.0012)
+    _, history, _, _ = simulate(truth, [0.0] * 4, rounds=300)
+    switches = sum(
+        (a[i][0] == "ssd") != (b[i][0] == "ssd") for a, b in zip(history[100:], history[101:]) for i in range(4)
+    )
+    assert switches <= 0.1 * 200 * 4, switches
+
+
+def test_a_sequence_is_shrunk_towards_its_bucket_while_young():
+    """One T = 0 sequence whose draft never agrees (its text is unpredictable)
+    runs AR once its own record outweighs the bucket's, while its neighbours speculate."""
+    truth = Truth(alpha={0.0: 0.9, 0.7: 0.5})
+    policy = AutoPolicy(max_k=MAX_K, seed=0)
+    rng = random.Random(5)
+    current: list[str | None] = [None] * 4
+    for _ in range(150):
+        views = [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), current[i]) for i in range(4)]
+        picked = [(c.mode, c.k) for c in policy.choose(views)]
+        entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
+        costs = _round(truth, rng, [0.0] * 4, picked, entering, [0, 1, 2, 3])
+        bad = replace(costs.seqs[3], accepted=0)  # sequence 3 accepts nothing
+        policy.observe(replace(costs, seqs=costs.seqs[:3] + (bad,)))
+        current = [m for m, _ in picked]
+    assert picked[3][1] <= 1 and all(k > 1 for _, k in picked[:3]), picked
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs,field_name",
+    [({"modes": ("sd",)}, "modes"), ({"modes": ("ar", "pyramid")}, "modes"), ({"max_k": 0}, "max_k"),
+     ({"explore": 1.0}, "explore"), ({"explore": -0.1}, "explore")],
+)
+def test_bad_policy_arguments_are_config_errors_naming_the_field(kwargs, field_name):
+    with pytest.raises(ConfigError, match=field_name):
+        AutoPolicy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make,field_name",
+    [(lambda: SeqView(1, 0.0, -1, ("ar",), None), "k_cap"), (lambda: SeqView(1, 0.0, 2, ("sd",), None), "modes"),
+     (lambda: Choice("ar", 2), "Choice.k"), (lambda: Choice("sd", 0), "Choice.k"), (lambda: Choice("beam", 1), "Choice.mode")],
+)
+def test_bad_views_and_choices_are_config_errors(make, field_name):
+    with pytest.raises(ConfigError, match=field_name):
+        make()
+
+
+def test_temperature_buckets():
+    assert [temperature_bucket(t) for t in (0.0, 0.3, 0.5, 0.7, 1.0, 1.3)] == [0, 1, 1, 2, 2, 3]

@@ -1,0 +1,169 @@
+"""One engine, a strategy per sequence (issue 19, DESIGN §5).
+
+A batch mixing AR, SD, SSD and PyramidSD sequences is verified in one call
+per round; each sequence's T = 0 tokens must equal AR's whatever its
+neighbours run. ``auto`` sequences switch strategy and K between rounds
+(forced here by a test policy that cycles them) and stay exact. A request
+for a strategy the engine does not offer is refused with a message naming
+the field, and nothing else in the batch is affected. The law at T > 0 is
+tested in ``test_exactness_sampling.py``, the same over Ray in
+``test_runtime.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+
+from saguaro_ray.algorithms.strategy_model import Choice, RoundCosts, SeqView
+from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.runtime.engine_config import EngineConfig
+
+MAX_TOKENS = 20
+PROMPTS: list[list[int]] = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [3], [44, 45, 46, 47, 48], [90, 12, 77, 31], [8, 9]]
+STRATEGIES = [Strategy("ar"), Strategy("sd", 2), Strategy("ssd", 3), Strategy("pyramid"), Strategy("auto"), Strategy("sd", 5)]
+
+
+class Cycling:
+    """A test policy: every ``auto`` sequence runs AR, SD and SSD in turn
+    with K = 1, 2, 3, each sequence in its own phase, so one round's batch
+    mixes them and each sequence changes strategy every round. ``ar_first``
+    rounds of AR come first (a draft that sat out many rounds must catch up)."""
+
+    def __init__(self, ar_first: int = 0) -> None:
+        self.rounds = 0
+        self.ar_first = ar_first
+        self.observed: list[RoundCosts] = []
+
+    def choose(self, auto: list[SeqView], fixed: list[tuple[SeqView, Choice]] = ()) -> list[Choice]:  # type: ignore[assignment]
+        self.rounds += 1
+        out = []
+        for v in auto:
+            j = self.rounds + v.seq_id
+            mode = "ar" if self.rounds <= self.ar_first else ("ar", "sd", "ssd")[j % 3]
+            out.append(Choice(mode, 0 if mode == "ar" else 1 + (j // 3) % 3))
+        return out
+
+    def observe(self, costs: RoundCosts) -> None:
+        self.observed.append(costs)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("strategy_models")
+    target = save_tiny_checkpoint(root, "llama", seed=3)
+    return {
+        "target": target,
+        "draft": perturbed_checkpoint(target, root / "draft", 0.05, seed=7),
+        "qualifier": perturbed_checkpoint(target, root / "qualifier", 0.02, seed=8),
+    }
+
+
+def greedy(strategy: Strategy | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, speculation=strategy)
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(models) -> list[list[int]]:
+    eng = LocalEngine(EngineConfig(target=str(models["target"]), spec=SpeculationConfig(mode="ar"), threads_per_worker=1))
+    try:
+        return [r.token_ids for r in eng.generate(PROMPTS, greedy())]
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    """One engine for every strategy: target, draft and qualifier, ``auto`` by default."""
+    eng = LocalEngine(
+        EngineConfig(target=str(models["target"]), draft=str(models["draft"]), qualifier=str(models["qualifier"]), threads_per_worker=1)
+    )
+    yield eng
+    eng.close()
+
+
+def test_a_batch_mixing_every_strategy_equals_ar_per_sequence(engine, ar_tokens):
+    rounds_before = len(engine.timeline)
+    res = engine.generate(PROMPTS, [greedy(s) for s in STRATEGIES])
+    assert [r.token_ids for r in res] == ar_tokens
+    assert [r.mode for r in res] == [s.mode for s in STRATEGIES]
+    fixed = [(r, s) for r, s in zip(res, STRATEGIES) if s.mode != "auto"]
+    for r, s in fixed:  # a fixed strategy ran every decode round in its own mode, with its K
+        assert set(r.stats["strategy"]) == {s.mode}
+        if s.k is not None:
+            assert r.stats["mean_k"] == pytest.approx(s.k, abs=s.k)  # K, clipped near max_tokens
+    mixed = [rec for rec in engine.timeline[rounds_before:] if not rec.prefill and len(rec.modes) >= 3]
+    assert mixed, "no round verified sequences of three strategies at once"
+    assert all(rec.batch == len(rec.accepted) for rec in mixed)  # one verification for the whole batch
+
+
+def test_auto_switching_strategy_and_k_every_round_equals_ar(engine, ar_tokens):
+    policy = Cycling(ar_first=8)  # 8 AR rounds first: the drafts sit out > RECENT_TOKENS tokens, then catch up
+    starts: list[tuple[int, int, int]] = []  # (seq, step start, output_pos) of every step the draft got
+    draft = engine.workers["draft"].logic
+    real_propose = draft.propose
+
+    def spying_propose(steps, *args, **kw):
+        starts.extend((st.seq_id, st.start, st.output_pos) for st in steps)
+        return real_propose(steps, *args, **kw)
+
+    engine.loop.assigner.policy, saved = policy, engine.loop.assigner.policy
+    draft.propose = spying_propose
+    try:
+        res = engine.generate(PROMPTS, greedy(Strategy("auto", 3)))
+    finally:
+        engine.loop.assigner.policy = saved
+        draft.propose = real_propose
+    assert [r.token_ids for r in res] == ar_tokens
+    for r in res:
+        assert set(r.stats["strategy"]) == {"ar", "sd", "ssd"}, r.stats["strategy"]
+        assert 1 <= r.stats["mean_k"] <= 3
+    # the draft caught up from the steps' recent tokens: never re-sent a history from 0
+    assert starts and all(start > 0 for _, start, pos in starts if pos > 0)
+    assert policy.observed and all(c.batch == len(c.seqs) for c in policy.observed)
+
+
+def test_requests_for_strategies_the_engine_does_not_offer_are_refused(models, ar_tokens):
+    eng = LocalEngine(
+        EngineConfig(
+            target=str(models["target"]),
+            draft=str(models["draft"]),
+            spec=SpeculationConfig(mode="auto", allow=("auto", "ar", "sd"), k=3, max_k=6),
+            threads_per_worker=1,
+        )
+    )
+    try:
+        running = eng.frontend.stream(PROMPTS[0], greedy(Strategy("sd")))
+        first = next(running)  # a request is in the batch while the bad ones arrive
+        bad = {
+            "speculation.mode": Strategy("ssd"),  # not allowed by this engine
+            "speculation.k": Strategy("sd", 7),  # beyond max_k
+        }
+        for field, strategy in bad.items():
+            with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+                eng.generate([PROMPTS[1]], greedy(strategy))
+        with pytest.raises(ConfigError, match=r"speculation\.mode 'pyramid' needs a qualifier"):
+            eng.generate([PROMPTS[1]], greedy(Strategy("pyramid")))
+        rest = [c for c in running]
+        assert first.token_ids + [t for c in rest for t in c.token_ids] == ar_tokens[0]
+        assert [r.token_ids for r in eng.generate(PROMPTS[1:3], greedy())] == ar_tokens[1:3]
+    finally:
+        eng.close()
+
+
+def test_the_request_strategy_is_validated_when_it_is_made():
+    assert SamplingParams(speculation="ssd").speculation == Strategy("ssd")
+    assert SamplingParams(speculation={"mode": "sd", "k": 3}).speculation == Strategy("sd", 3)
+    for bad, field in [("fast", "speculation.mode"), ({"mode": "sd", "k": 0}, "speculation.k"), ({"mode": "ar", "k": 2}, "speculation.k"), ({"kk": 1}, "unknown")]:
+        with pytest.raises(ConfigError, match=field):
+            SamplingParams(speculation=bad)
