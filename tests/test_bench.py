@@ -123,12 +123,12 @@ def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
             ray.shutdown()
 
 
-def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, num_drafts=1):
+def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, k_rounds=0, num_drafts=1):
     from saguaro_ray.bench.report import RunResult, round_breakdown
 
     return RunResult(
         mode, runtime, num_drafts, batch, temperature, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds,
-        strategy=strategy or {}, k_total=k_total,
+        strategy=strategy or {}, k_total=k_total, k_rounds=k_rounds,
     )
 
 
@@ -279,7 +279,7 @@ def test_what_requests_ran_is_summed_from_their_stats():
         {"strategy": {"ar": 5}, "mean_accepted": None, "mean_k": None},
         {"strategy": {"ssd": 1}, "mean_accepted": 1.0, "mean_k": 2.0},
     ]
-    assert chosen_strategies(stats) == {"strategy": {"ar": 7, "sd": 3, "ssd": 1}, "spec_rounds": 4, "accepted": 7.0, "k_total": 14.0}
+    assert chosen_strategies(stats) == {"strategy": {"ar": 7, "sd": 3, "ssd": 1}, "k_total": 14.0, "k_rounds": 4}
 
 
 def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
@@ -291,7 +291,7 @@ def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
         for mode, tps in speeds.items():
             chose = {"auto": {"ar": 1, "sd": 3}, "sd:2": {"sd": 4}}.get(mode, {})
             spec = sum(n for m, n in chose.items() if m != "ar")
-            runs.append(_run(mode, "ray", rounds, 2 * spec, spec, tps, temperature=t, strategy=chose, k_total=3.0 * spec))
+            runs.append(_run(mode, "ray", rounds, 2 * spec, spec, tps, temperature=t, strategy=chose, k_total=3.0 * spec, k_rounds=spec))
     runs.append(_run("ssd", "ray", rounds, 0, 0, 1000, temperature=0.0, num_drafts=2))  # an SSD with two drafts: a fixed mode too
     runs.append(_run("hf-ar", "hf", [], 0, 0, 999, temperature=0.0))  # a peer never counts as a fixed mode
     entries = summarise(runs)

@@ -52,14 +52,15 @@ class RunResult:
     tokens: int
     decode_tokens: int
     decode_seconds: float
-    accepted: float  # draft tokens accepted over the speculative sequence-rounds
-    spec_rounds: int  # sequence-rounds that drafted (K > 0)
+    accepted: int
+    spec_rounds: int  # sequence-rounds that verified draft tokens
     hits: int
     lookups: int
     breakdown: dict[str, float]
     rounds: list[dict[str, Any]] = field(repr=False, default_factory=list)
     strategy: dict[str, int] = field(default_factory=dict)  # mode → sequence-rounds run in it
-    k_total: float = 0.0  # K summed over the speculative sequence-rounds (mean K = k_total / spec_rounds)
+    k_total: float = 0.0  # K summed over the sequence-rounds not in AR ...
+    k_rounds: int = 0  # ... and their number (mean K = k_total / k_rounds)
 
 
 def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
@@ -87,6 +88,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         # (AR: 1 token); sequences of one round may run different strategies
         seq_rounds = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill"))
         ideal = (accepted + seq_rounds) / bd["verify"] if bd["verify"] > 0 else None
+        k_rounds = sum(r.k_rounds for r in rs)
         strategy: dict[str, int] = {}
         for r in rs:
             for m, n in r.strategy.items():
@@ -112,7 +114,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 **_control_quantiles(rs),
                 "hops_ms": _hops(rs),
                 "strategy": strategy or None,
-                "mean_k": sum(r.k_total for r in rs) / spec_rounds if spec_rounds and strategy else None,
+                "mean_k": sum(r.k_total for r in rs) / k_rounds if k_rounds else None,
                 "repeats": len(rs),
             }
         )

@@ -160,6 +160,8 @@ class _Runner:
             tokens=tokens,
             decode_tokens=tokens - prefill_tokens,
             decode_seconds=max(seconds - prefill_seconds, 1e-9),
+            accepted=sum(sum(r["accepted"]) for r in decode),
+            spec_rounds=sum(p > 0 for r in decode for p in r["proposed"]),  # sequences of a round may run AR
             hits=sum(r["hits"] for r in decode),
             lookups=sum(r["hits"] + r["misses"] for r in decode),
             breakdown=round_breakdown(rounds),
@@ -180,20 +182,19 @@ def request_params(n: int, temperatures: TemperatureSetting, max_tokens: int, se
 
 def chosen_strategies(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """What a run's requests ran, from their stats (``strategy``: mode →
-    rounds, ``mean_accepted`` and ``mean_k`` over their speculative rounds),
-    as :class:`RunResult`'s ``strategy``, ``spec_rounds``, ``accepted`` and
-    ``k_total``: summed, so a cell's means weigh every round alike."""
+    rounds, ``mean_k`` over the rounds not in ``ar``), as
+    :class:`RunResult`'s ``strategy``, ``k_total`` and ``k_rounds``: summed,
+    so a cell's mean K weighs every round alike."""
     strategy: dict[str, int] = {}
-    spec_rounds, accepted, k_total = 0, 0.0, 0.0
+    k_total, k_rounds = 0.0, 0
     for s in stats:
         for mode, n in s["strategy"].items():
             strategy[mode] = strategy.get(mode, 0) + n
-        spec = sum(n for mode, n in s["strategy"].items() if mode != "ar")
-        spec_rounds += spec
-        if spec:
-            accepted += s["mean_accepted"] * spec
-            k_total += s["mean_k"] * spec
-    return {"strategy": strategy, "spec_rounds": spec_rounds, "accepted": accepted, "k_total": k_total}
+        drafted = sum(n for mode, n in s["strategy"].items() if mode != "ar")
+        if drafted:
+            k_total += s["mean_k"] * drafted
+            k_rounds += drafted
+    return {"strategy": strategy, "k_total": k_total, "k_rounds": k_rounds}
 
 
 def run_bench(args: BenchArgs) -> dict[str, Any]:
@@ -260,8 +261,8 @@ def _run_group(
         for mode in peers:
             runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
             closers.append(runners[-1].close)
-        for r in runners:  # warm-up: first-call allocations and lazy imports
-            r.run(prompts[:1], settings[0], 8, 0)
+        for r in runners:  # warm-up: first-call allocations (up to the largest batch, on the shared engine) and lazy imports
+            r.run(prompts[: 1 if r.runtime == "hf" else max(args.batch_sizes)], settings[0], 8, 0)
         for b in args.batch_sizes:
             for t in settings:
                 for rep in range(args.repeats):
