@@ -50,6 +50,9 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
             assert e["auto_vs_ar"] == pytest.approx(e["speedup_vs_ar"])
             assert sum(e["strategy"].values()) > 0 and set(e["strategy"]) <= {"ar", "sd", "ssd"}
     assert len([e for e in results if e["mode"] == "auto"]) == 2 * 2
+    chose = report["engine_strategies"]["inprocess/d1"]  # the one engine's own count of what every run chose
+    assert chose["sequence_rounds"]["ar"] >= sum(e["strategy"]["ar"] for e in results if e["mode"] == "ar")
+    assert chose["policy"]["rounds_chosen"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tok/s" in proc.stdout
 

@@ -59,16 +59,19 @@ def _build_ahead(args: BenchArgs) -> dict[str, bool]:
     return {} if args.build_ahead is None else {"build_ahead": args.build_ahead}
 
 
-def _engine_calls(runtime: str, engine: Any) -> tuple[Callable[[], list[dict[str, Any]]], Callable[[], None]]:
-    """``(timeline, close)`` of an engine of either runtime: the one place the
-    bench adapts to their interfaces. The in-process engine's timeline is a
-    property of round records, the Ray handle's a call returning their JSON
-    dicts; one closes with ``close``, the other with ``shutdown``. Both
+def _engine_calls(runtime: str, engine: Any) -> tuple[Callable[[], list[dict[str, Any]]], Callable[[], dict[str, Any]], Callable[[], None]]:
+    """``(timeline, strategies, close)`` of an engine of either runtime: the
+    one place the bench adapts to their interfaces. The in-process engine's
+    timeline is a property of round records, the Ray handle's a call
+    returning their JSON dicts; ``strategies`` is what the engine chose so far
+    (sequence-rounds per mode and ``auto``'s policy state: its fitted costs
+    and acceptance), the in-process round loop's or the Ray engine's metrics'
+    part; one closes with ``close``, the other with ``shutdown``. Both
     ``generate`` alike (a list of ``GenerationResult``); the bench streams
     from neither."""
     if runtime == "inprocess":
-        return (lambda: [r.to_json() for r in engine.timeline]), engine.close
-    return engine.timeline, engine.shutdown
+        return (lambda: [r.to_json() for r in engine.timeline]), engine.loop.assigner.metrics, engine.close
+    return engine.timeline, lambda: engine.metrics()["strategies"], engine.shutdown
 
 
 def engine_spec(modes: list[BenchMode], args: BenchArgs) -> SpeculationConfig:
@@ -124,7 +127,7 @@ class _Engine:
             from saguaro_ray.runtime.engine import Engine
 
             self.handle = Engine.launch(config)
-        self.timeline, self.close = _engine_calls(runtime, self.handle)
+        self.timeline, self.strategies, self.close = _engine_calls(runtime, self.handle)
 
 
 class _Runner:
@@ -218,17 +221,19 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     rows = sum(len(ms) for _, ms in engines)
     total = len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) + (1 in args.batch_sizes) * len(peers))
     runs: list[RunResult] = []
+    strategies: dict[str, dict[str, Any]] = {}
     with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
         # One runtime's engines at a time: modes are compared within a runtime,
         # and engines left idle still cost a small machine (their processes and
         # threads wake up to poll), so only the engines being compared are alive.
         for i, runtime in enumerate(args.runtimes):
-            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, bar)
+            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, bar, strategies)
     return {
         "machine": machine_info(args.threads),
         "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
         "results": summarise(runs),
+        "engine_strategies": strategies,
         "timeline_sample": timeline_sample(runs),
     }
 
@@ -247,15 +252,26 @@ def _benched_models(args: BenchArgs) -> dict[str, str]:
 
 
 def _run_group(
-    args: BenchArgs, plan: list[tuple[int, list[BenchMode]]], runtime: str, peers: list[str], prompts: list[str], settings: list[TemperatureSetting], bar: Any
+    args: BenchArgs,
+    plan: list[tuple[int, list[BenchMode]]],
+    runtime: str,
+    peers: list[str],
+    prompts: list[str],
+    settings: list[TemperatureSetting],
+    bar: Any,
+    strategies: dict[str, dict[str, Any]],
 ) -> list[RunResult]:
-    """Every setting over one runtime's engines' modes (and the peers), interleaved (A B C A B C …)."""
+    """Every setting over one runtime's engines' modes (and the peers),
+    interleaved (A B C A B C …); ``strategies`` gets each engine's choices
+    once its runs are done (``runtime/dN``)."""
     closers: list[Callable[[], None]] = []
+    engines: list[_Engine] = []
     runners: list[Any] = []
     runs: list[RunResult] = []
     try:
         for nd, modes in plan:
             engine = _Engine(runtime, nd, modes, args)
+            engines.append(engine)
             closers.append(engine.close)
             runners += [_Runner(engine, m) for m in modes]
         for mode in peers:
@@ -272,6 +288,7 @@ def _run_group(
                         # every batch size sees the same prompts: ceil(P / b) generate calls of b
                         runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
                         bar.update(1)
+        strategies.update({f"{e.runtime}/d{e.num_drafts}": e.strategies() for e in engines})
     finally:
         for close in closers:
             close()
