@@ -152,7 +152,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD on a real instruct model (or a built-in zoo family)")
+    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD vs auto, one engine, on a real instruct model (or a built-in zoo family)")
     p.add_argument(
         "--family",
         default="real",
@@ -175,7 +175,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     rows, prompt, answer = run_demo(args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address)
     where = "in process" if args.in_process else "Ray actors"
     print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
-          f"{args.prompts} prompts x {args.max_tokens} tokens, temperature 0, {where}")
+          f"{args.prompts} prompts x {args.max_tokens} tokens, temperature 0, one engine for every mode, {where}")
     print(f"\n--- prompt 1 ---\n{prompt.strip()}\n--- its answer (every mode gives these tokens) ---\n{answer.strip()}\n")
     print(format_rows(rows))
     return 0 if all(r.same_as_ar for r in rows) else 1
@@ -199,8 +199,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--modes",
         type=_csv(str),
-        default=["ar", "sd", "ssd"],
-        help="ar,sd,ssd,pyramid and the peers hf-ar (transformers generate), hf-assisted (its assisted generation with --draft)",
+        default=["ar", "sd", "ssd", "auto"],
+        help="ar,sd,ssd,pyramid,auto (each a request strategy on one engine), sd:K / ssd:K for a K sweep (sd:2,sd:4,sd:6), "
+        "and the peers hf-ar (transformers generate), hf-assisted (its assisted generation with --draft)",
     )
     p.add_argument("--num-drafts", type=_csv(int), default=[1])
     p.add_argument("--prompts", default="code", help="code | text | humaneval | chat | FILE.jsonl")
@@ -209,6 +210,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=_csv(int), default=[1])
     p.add_argument("--temperatures", type=_csv(float), default=[0.0])
+    p.add_argument(
+        "--mixed",
+        nargs="?",
+        type=_csv(float),
+        const=[0.0, 0.7],
+        default=None,
+        metavar="T1,T2",
+        help="also a mixed-traffic cell: a run's requests alternate between these temperatures, submitted together (default 0,0.7)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runtimes", type=_csv(str), default=["ray"], help="ray,inprocess")
     p.add_argument("--k", type=int, default=4)
@@ -231,12 +241,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from saguaro_ray.bench.plan import parse_modes, temperature_settings
     from saguaro_ray.bench.plot import plot, require_matplotlib
     from saguaro_ray.bench.report import format_table
     from saguaro_ray.bench.run import BenchArgs, run_bench
 
-    if "pyramid" in args.modes and not args.qualifier:
+    if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
+    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed fails before any engine starts
     unknown = set(args.runtimes) - {"ray", "inprocess"}
     if unknown:
         raise ConfigError(f"--runtimes takes ray and/or inprocess, got {sorted(unknown)}")
@@ -258,6 +270,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             batch_sizes=args.batch_sizes,
             temperatures=args.temperatures,
             repeats=args.repeats,
+            mixed=args.mixed,
             runtimes=args.runtimes,
             k=args.k,
             budget=args.budget,

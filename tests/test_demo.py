@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 
-def test_demo_runs_every_mode_and_reports_same_tokens(zoo_tiny):
+def test_demo_runs_every_mode_on_one_engine_and_reports_same_tokens(zoo_tiny):
     proc = subprocess.run(
         [sys.executable, "-m", "saguaro_ray", "demo", "--family", "zoo:tiny", "--in-process", "--prompts", "2", "--max-tokens", "8"],
         capture_output=True, text=True, timeout=600,
@@ -12,6 +12,7 @@ def test_demo_runs_every_mode_and_reports_same_tokens(zoo_tiny):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "--- its answer" in out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["ar"], ["sd"], ["ssd"], ["pyramid"])]
-    assert [r[0] for r in rows] == ["ar", "sd", "ssd", "pyramid"] and all(r[-1] == "yes" for r in rows)
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["ar"], ["sd"], ["ssd"], ["pyramid"], ["auto"])]
+    assert [r[0] for r in rows] == ["ar", "sd", "ssd", "pyramid", "auto"] and all(r[-1] == "yes" for r in rows)
+    assert "what auto chose" in out
 

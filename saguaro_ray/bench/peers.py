@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
+from saguaro_ray.bench.plan import PEER_MODES, TemperatureSetting
 from saguaro_ray.bench.report import RunResult, round_breakdown
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.models.resolve import resolve_models
-
-PEER_MODES = ("hf-ar", "hf-assisted")
 
 
 class _RoundClock:
@@ -78,8 +77,9 @@ class PeerRunner:
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).eval()
         self.assistant = AutoModelForCausalLM.from_pretrained(models["draft"].path, dtype=torch_dtype).eval() if mode == "hf-assisted" else None
 
-    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
-        """Generate every prompt one at a time (``batch_size`` is ignored: see the module's docstring)."""
+    def run(self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
+        """Generate every prompt one at a time, prompt i at ``temperatures.for_request(i)``
+        (``batch_size`` is ignored: see the module's docstring)."""
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         tokens = decode_tokens = rounds = 0
@@ -94,7 +94,7 @@ class PeerRunner:
                     out = self.model.generate(
                         ids,
                         attention_mask=torch.ones_like(ids),
-                        generation_config=self._config(temperature, max_tokens),
+                        generation_config=self._config(temperatures.for_request(i), max_tokens),
                         assistant_model=self.assistant,
                         streamer=clock,
                     )
@@ -114,7 +114,7 @@ class PeerRunner:
             runtime=self.runtime,
             num_drafts=self.num_drafts,
             batch_size=1,
-            temperature=temperature,
+            temperature=temperatures.label,
             seconds=seconds,
             tokens=tokens,
             decode_tokens=decode_tokens,

@@ -10,7 +10,9 @@ cache hit rate, and a per-round breakdown from the engine's timeline — verify
 time, draft busy time, drafting exposed on the critical path, control plane
 (everything in a round that is neither verification, exposed drafting nor the
 cache lookup), and SSD's ideal (mean accepted + 1 tokens per verify time per
-sequence) with efficiency = achieved / ideal.
+sequence) with efficiency = achieved / ideal. Every cell (batch size ×
+temperature × runtime) names its best fixed mode, and ``auto`` rows their
+ratio to it and to AR, with what ``auto`` chose (the requests' own stats).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from saguaro_ray.bench.plan import base_mode
 from saguaro_ray.engine.timeline import round_components
 
 
@@ -40,22 +43,24 @@ class RunResult:
     aggregates. Our engines and the transformers peers both produce it, so a
     peer's row is summarised by the same rules as ours."""
 
-    mode: str
+    mode: str  # the ``--modes`` label (``sd:2``)
     runtime: str
     num_drafts: int
     batch_size: int
-    temperature: float
+    temperature: float | str  # a mixed setting's label (``mix:0,0.7``)
     seconds: float
     tokens: int
     decode_tokens: int
     decode_seconds: float
     accepted: int
-    spec_rounds: int
+    spec_rounds: int  # sequence-rounds that verified draft tokens
     hits: int
     lookups: int
     breakdown: dict[str, float]
     rounds: list[dict[str, Any]] = field(repr=False, default_factory=list)
-
+    strategy: dict[str, int] = field(default_factory=dict)  # mode → sequence-rounds run in it
+    k_total: float = 0.0  # K summed over the sequence-rounds not in AR ...
+    k_rounds: int = 0  # ... and their number (mean K = k_total / k_rounds)
 
 
 def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
@@ -63,7 +68,8 @@ def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
 
 
 def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
-    """One result entry per (mode, runtime, drafts, batch, temperature)."""
+    """One result entry per (mode, runtime, drafts, batch, temperature), then
+    each cell's comparisons (:func:`_compare`)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
         groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature), []).append(r)
@@ -72,18 +78,21 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         tps = [r.decode_tokens / r.decode_seconds for r in rs]
         med, lo, hi = _median_min_max(tps)
         spec_rounds = sum(r.spec_rounds for r in rs)
-        mean_acc = sum(r.accepted for r in rs) / spec_rounds if spec_rounds else None
+        accepted = sum(r.accepted for r in rs)
         lookups = sum(r.lookups for r in rs)
         bd = {k: sum(r.breakdown[k] for r in rs) for k in rs[0].breakdown}
         n_rounds = max(bd["rounds"], 1)
         per_round_ms = {k: 1000 * bd[k] / n_rounds for k in ("wall", "verify", "draft_busy", "draft_exposed", "lookup", "control")}
-        # ideal: every round emits (mean accepted + 1) tokens per sequence in one
-        # verify time — drafting, lookup and control plane cost nothing (AR: 1 token)
-        ideal = None
-        if bd["verify"] > 0 and (mode == "ar" or mean_acc is not None):
-            batch = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill")) / n_rounds
-            ideal = batch * ((mean_acc or 0.0) + 1) / (bd["verify"] / n_rounds)
-        efficiency = med / ideal if mode == "ssd" and ideal else None
+        # ideal: every sequence-round emits its accepted tokens and one more in
+        # one verify time — drafting, lookup and control plane cost nothing
+        # (AR: 1 token); sequences of one round may run different strategies
+        seq_rounds = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill"))
+        ideal = (accepted + seq_rounds) / bd["verify"] if bd["verify"] > 0 else None
+        k_rounds = sum(r.k_rounds for r in rs)
+        strategy: dict[str, int] = {}
+        for r in rs:
+            for m, n in r.strategy.items():
+                strategy[m] = strategy.get(m, 0) + n
         entries.append(
             {
                 "mode": mode,
@@ -94,32 +103,55 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "tokens_per_s": med,
                 "tokens_per_s_min": lo,
                 "tokens_per_s_max": hi,
-                "mean_accepted": mean_acc,
-                "cache_hit_rate": (sum(r.hits for r in rs) / lookups) if (mode == "ssd" and lookups) else None,
-                "efficiency": efficiency,
+                "mean_accepted": accepted / spec_rounds if spec_rounds else None,
+                "cache_hit_rate": sum(r.hits for r in rs) / lookups if lookups else None,
+                "efficiency": med / ideal if base_mode(mode) == "ssd" and ideal else None,
                 "ideal_tokens_per_s": ideal,
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
-                "drafting_hidden_fraction": _hidden_fraction(rs) if mode == "ssd" else None,
-                "build_ahead_fraction": _ahead_fraction(rs) if mode == "ssd" else None,
+                "drafting_hidden_fraction": _hidden_fraction(rs),
+                "build_ahead_fraction": _ahead_fraction(rs),
                 **_control_quantiles(rs),
                 "hops_ms": _hops(rs),
+                "strategy": strategy or None,
+                "mean_k": sum(r.k_total for r in rs) / k_rounds if k_rounds else None,
                 "repeats": len(rs),
             }
         )
+    _compare(entries)
+    return entries
+
+
+def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["runtime"] == b["runtime"] and a["batch_size"] == b["batch_size"] and a["temperature"] == b["temperature"]
+
+
+def row_name(e: dict[str, Any]) -> str:
+    """A row's mode label, with its drafts when more than one (``ssd/d2``)."""
+    return e["mode"] if e["num_drafts"] == 1 else f"{e['mode']}/d{e['num_drafts']}"
+
+
+def _compare(entries: list[dict[str, Any]]) -> None:
+    """Each entry's speedups over ``ar`` and ``sd`` of its cell (batch size ×
+    temperature × runtime), and the cell's best fixed mode (the fastest
+    engine row that is not ``auto``) with ``auto``'s ratios to it and to AR.
+    A peer (runtime ``hf``) is compared with our modes of the first runtime measured."""
     ours = [x["runtime"] for x in entries if x["runtime"] != "hf"]
     for e in entries:
-        # a peer (runtime "hf") is compared with our modes of the first runtime measured
-        runtime = e["runtime"] if e["runtime"] != "hf" or not ours else ours[0]
-        for base in ("ar", "sd"):
-            ref = [x for x in entries if x["mode"] == base and x["runtime"] == runtime and x["batch_size"] == e["batch_size"] and x["temperature"] == e["temperature"]]
-            e[f"speedup_vs_{base}"] = e["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
-            if base == "ar":
-                # the speedup over AR were drafting and the control plane free in both
-                # modes: this run's acceptance against this machine's verify costs
-                ar_ideal = ref[0]["ideal_tokens_per_s"] if ref else None
-                e["ideal_speedup_vs_ar"] = e["ideal_tokens_per_s"] / ar_ideal if ar_ideal and e["ideal_tokens_per_s"] else None
-    return entries
+        cell = dict(e, runtime=e["runtime"] if e["runtime"] != "hf" or not ours else ours[0])
+        ref = {base: next((x for x in entries if x["mode"] == base and _same_cell(x, cell)), None) for base in ("ar", "sd")}
+        for base, x in ref.items():
+            e[f"speedup_vs_{base}"] = e["tokens_per_s"] / x["tokens_per_s"] if x else None
+        # the speedup over AR were drafting and the control plane free in both
+        # modes: this run's acceptance against this machine's verify costs
+        ar_ideal = ref["ar"]["ideal_tokens_per_s"] if ref["ar"] else None
+        e["ideal_speedup_vs_ar"] = e["ideal_tokens_per_s"] / ar_ideal if ar_ideal and e["ideal_tokens_per_s"] else None
+        fixed = [x for x in entries if x["runtime"] != "hf" and base_mode(x["mode"]) != "auto" and _same_cell(x, cell)]
+        best = max(fixed, key=lambda x: x["tokens_per_s"]) if fixed and e["runtime"] != "hf" else None
+        e["best_fixed"] = row_name(best) if best else None
+        is_auto = base_mode(e["mode"]) == "auto"
+        e["auto_vs_best"] = e["tokens_per_s"] / best["tokens_per_s"] if is_auto and best else None
+        e["auto_vs_ar"] = e["speedup_vs_ar"] if is_auto else None
 
 
 def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
@@ -197,19 +229,31 @@ def format_table(report: dict[str, Any]) -> str:
         f"{role}: decode {c['decode_1']:.2f} ms, 8-token verify {c['verify_8']:.2f} ms, tree step {c[[k for k in c if k.startswith('tree')][0]]:.2f} ms"
         for role, c in costs.items()
     ]
-    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>5}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}"
+    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>10}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}"
     lines = pre + [head]
 
     def f(v: float | None, width: int, fmt: str, suffix: str = "") -> str:
         return ("-" if v is None else format(v, fmt) + suffix).rjust(width)
 
     for e in report["results"]:
+        t = e["temperature"]
         lines.append(
-            f"{e['mode']:<12}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{e['temperature']:>5.1f}"
+            f"{e['mode']:<12}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{t if isinstance(t, str) else format(t, '.1f'):>10}"
             f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], 7, '.2f', 'x')}{f(e['speedup_vs_sd'], 7, '.2f', 'x')}"
             f"{f(e['mean_accepted'], 8, '.2f')}{f(e['cache_hit_rate'], 6, '.0%')}{f(e['efficiency'], 6, '.2f')}"
             f"{f(e['ideal_speedup_vs_ar'], 9, '.2f', 'x')}{f(e['control_plane_fraction'], 7, '.1%')}"
+            + (f"  {auto_note(e)}" if base_mode(e["mode"]) == "auto" else "")
         )
     return "\n".join(lines)
 
 
+def auto_note(e: dict[str, Any]) -> str:
+    """An ``auto`` row's comparison and choices: ``best sd:4 1.02x; chose ar 10%, sd 90%; mean K 3.1``."""
+    parts = [f"best {e['best_fixed']} {e['auto_vs_best']:.2f}x" if e["auto_vs_best"] is not None else "best -"]
+    counts = e["strategy"] or {}
+    total = sum(counts.values())
+    if total:
+        parts.append("chose " + ", ".join(f"{m} {n / total:.0%}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+    if e["mean_k"] is not None:
+        parts.append(f"mean K {e['mean_k']:.1f}")
+    return "; ".join(parts)

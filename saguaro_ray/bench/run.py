@@ -10,15 +10,16 @@ into the report's entries.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
-from saguaro_ray.bench.peers import PEER_MODES, PeerRunner
-from saguaro_ray.model_set import needed_specs
+from saguaro_ray.bench.peers import PeerRunner
+from saguaro_ray.bench.plan import BenchMode, TemperatureSetting, parse_modes, temperature_settings
 from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
-from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.model_set import needed_specs
+from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.prompt_sets import load_prompts
 
 
@@ -37,6 +38,7 @@ class BenchArgs:
     batch_sizes: list[int]
     temperatures: list[float]
     repeats: int
+    mixed: list[float] | None = None  # a mixed-traffic cell: request j of a run at mixed[j mod n]
     runtimes: list[str] = field(default_factory=lambda: ["ray"])
     k: int = 4
     budget: int = 8
@@ -57,34 +59,60 @@ def _build_ahead(args: BenchArgs) -> dict[str, bool]:
     return {} if args.build_ahead is None else {"build_ahead": args.build_ahead}
 
 
-def _engine_calls(runtime: str, engine: Any) -> tuple[Callable[[], list[dict[str, Any]]], Callable[[], None]]:
-    """``(timeline, close)`` of an engine of either runtime: the one place the
-    bench adapts to their interfaces. The in-process engine's timeline is a
-    property of round records, the Ray handle's a call returning their JSON
-    dicts; one closes with ``close``, the other with ``shutdown``. Both
+def _engine_calls(runtime: str, engine: Any) -> tuple[Callable[[], list[dict[str, Any]]], Callable[[], dict[str, Any]], Callable[[], None]]:
+    """``(timeline, strategies, close)`` of an engine of either runtime: the
+    one place the bench adapts to their interfaces. The in-process engine's
+    timeline is a property of round records, the Ray handle's a call
+    returning their JSON dicts; ``strategies`` is what the engine chose so far
+    (sequence-rounds per mode and ``auto``'s policy state: its fitted costs
+    and acceptance), the in-process round loop's or the Ray engine's metrics'
+    part; one closes with ``close``, the other with ``shutdown``. Both
     ``generate`` alike (a list of ``GenerationResult``); the bench streams
     from neither."""
     if runtime == "inprocess":
-        return (lambda: [r.to_json() for r in engine.timeline]), engine.close
-    return engine.timeline, engine.shutdown
+        return (lambda: [r.to_json() for r in engine.timeline]), engine.loop.assigner.metrics, engine.close
+    return engine.timeline, lambda: engine.metrics()["strategies"], engine.shutdown
 
 
-class _Runner:
-    """One engine (mode × runtime × drafts), reused across settings."""
+def engine_spec(modes: list[BenchMode], args: BenchArgs) -> SpeculationConfig:
+    """The one engine's speculation config for ``modes`` (each a request
+    strategy): it allows their modes (``auto`` its default when benched), and
+    its ``max_k`` covers a K sweep beyond the default ceiling — otherwise left
+    as configured, since ``max_k`` is also the largest K ``auto`` may pick."""
+    allow = tuple(dict.fromkeys(m.mode for m in modes))
+    fanout = parse_fanout(args.fanout, args.k)
+    spec = SpeculationConfig(
+        mode="auto" if "auto" in allow else allow[0], allow=allow, k=args.k, budget=args.budget, fanout=fanout if fanout == "auto" else tuple(fanout),
+        backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2,
+    )
+    sweep = max((m.strategy.k or 0 for m in modes if m.strategy), default=0)
+    return replace(spec, max_k=sweep) if sweep > spec.k_max else spec
 
-    def __init__(self, mode: str, runtime: str, num_drafts: int, args: BenchArgs) -> None:
-        self.mode, self.runtime, self.num_drafts = mode, runtime, num_drafts
-        fanout = parse_fanout(args.fanout, args.k)
-        spec = SpeculationConfig(
-            mode=mode, k=args.k, budget=args.budget, fanout=fanout if fanout == "auto" else tuple(fanout), backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2
-        )
+
+def engine_plan(modes: list[BenchMode], num_drafts: list[int]) -> list[tuple[int, list[BenchMode]]]:
+    """``(num_drafts, modes)`` of every engine one runtime starts: one engine
+    with one draft serves every mode, but SSD modes run on an engine per
+    ``--num-drafts`` entry (SSD splits its outcomes between the drafts)."""
+    ours = [m for m in modes if m.strategy]
+
+    def drafts(m: BenchMode) -> list[int]:
+        return num_drafts if m.mode == "ssd" else [1]
+
+    return [(nd, [m for m in ours if nd in drafts(m)]) for nd in sorted({nd for m in ours for nd in drafts(m)})]
+
+
+class _Engine:
+    """One engine (runtime × drafts), serving each benched strategy per request."""
+
+    def __init__(self, runtime: str, num_drafts: int, modes: list[BenchMode], args: BenchArgs) -> None:
         from saguaro_ray.runtime.engine_config import EngineConfig
 
+        self.runtime, self.num_drafts = runtime, num_drafts
         config = EngineConfig(
             target=args.target,
             draft=args.draft,
             qualifier=args.qualifier,
-            spec=spec,
+            spec=engine_spec(modes, args),
             num_drafts=num_drafts,
             threads_per_worker=args.threads,
             dtype=args.dtype,
@@ -94,44 +122,82 @@ class _Runner:
         if runtime == "inprocess":
             from saguaro_ray.engine import LocalEngine
 
-            self.engine = LocalEngine(config)
+            self.handle = LocalEngine(config)
         else:
             from saguaro_ray.runtime.engine import Engine
 
-            self.engine = Engine.launch(config)
-        self._timeline, self.close = _engine_calls(runtime, self.engine)
+            self.handle = Engine.launch(config)
+        self.timeline, self.strategies, self.close = _engine_calls(runtime, self.handle)
 
-    def run(self, prompts: list[str], temperature: float, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
-        """Generate every prompt, ``batch_size`` at a time (default: all at once)."""
-        params = SamplingParams(temperature=temperature, top_k=0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+
+class _Runner:
+    """One benched mode on its engine: the runs' requests carry its strategy."""
+
+    def __init__(self, engine: _Engine, mode: BenchMode) -> None:
+        self.engine, self.bench_mode = engine, mode
+        self.mode, self.runtime, self.num_drafts = mode.label, engine.runtime, engine.num_drafts
+
+    def run(self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
+        """Generate every prompt, ``batch_size`` at a time (default: all at once),
+        request j at ``temperatures.for_request(j)``."""
+        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy)
         b = batch_size or len(prompts)
-        before = len(self._timeline())
+        before = len(self.engine.timeline())
         t0 = time.perf_counter()
-        results = [r for i in range(0, len(prompts), b) for r in self.engine.generate(prompts[i : i + b], params)]
+        results = [r for i in range(0, len(prompts), b) for r in self.engine.handle.generate(prompts[i : i + b], params[i : i + b])]
         seconds = time.perf_counter() - t0
-        rounds = self._timeline()[before:]
+        rounds = self.engine.timeline()[before:]
         tokens = sum(len(r.token_ids) for r in results)
         prefill = [r for r in rounds if r.get("prefill")]
         prefill_tokens = sum(r["batch"] for r in prefill)
         prefill_seconds = sum(r["end"] - r["start"] for r in prefill)
         decode = [r for r in rounds if not r.get("prefill")]
+        chosen = chosen_strategies([r.stats for r in results])
         return RunResult(
             mode=self.mode,
             runtime=self.runtime,
             num_drafts=self.num_drafts,
             batch_size=b,
-            temperature=temperature,
+            temperature=temperatures.label,
             seconds=seconds,
             tokens=tokens,
             decode_tokens=tokens - prefill_tokens,
             decode_seconds=max(seconds - prefill_seconds, 1e-9),
             accepted=sum(sum(r["accepted"]) for r in decode),
-            spec_rounds=sum(len(r["accepted"]) for r in decode) if self.mode != "ar" else 0,
+            spec_rounds=sum(p > 0 for r in decode for p in r["proposed"]),  # sequences of a round may run AR
             hits=sum(r["hits"] for r in decode),
             lookups=sum(r["hits"] + r["misses"] for r in decode),
             breakdown=round_breakdown(rounds),
             rounds=rounds,
+            **chosen,
         )
+
+
+def request_params(n: int, temperatures: TemperatureSetting, max_tokens: int, seed: int, strategy: Strategy | None) -> list[SamplingParams]:
+    """The sampling parameters of a run's ``n`` requests: each ``max_tokens``
+    long (end-of-sequence ignored, so every mode decodes as many tokens),
+    request j at ``temperatures.for_request(j)`` and carrying ``strategy``."""
+    return [
+        SamplingParams(temperature=temperatures.for_request(j), top_k=0, max_tokens=max_tokens, seed=seed, ignore_eos=True, speculation=strategy)
+        for j in range(n)
+    ]
+
+
+def chosen_strategies(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run's requests ran, from their stats (``strategy``: mode →
+    rounds, ``mean_k`` over the rounds not in ``ar``), as
+    :class:`RunResult`'s ``strategy``, ``k_total`` and ``k_rounds``: summed,
+    so a cell's mean K weighs every round alike."""
+    strategy: dict[str, int] = {}
+    k_total, k_rounds = 0.0, 0
+    for s in stats:
+        for mode, n in s["strategy"].items():
+            strategy[mode] = strategy.get(mode, 0) + n
+        drafted = sum(n for mode, n in s["strategy"].items() if mode != "ar")
+        if drafted:
+            k_total += s["mean_k"] * drafted
+            k_rounds += drafted
+    return {"strategy": strategy, "k_total": k_total, "k_rounds": k_rounds}
 
 
 def run_bench(args: BenchArgs) -> dict[str, Any]:
@@ -144,64 +210,77 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     from saguaro_ray.tokenizer import load_tokenizer
     from saguaro_ray.models.resolve import resolve_model_path
 
+    modes = parse_modes(args.modes)
+    settings = temperature_settings(args.temperatures, args.mixed)
     tokenizer = load_tokenizer(resolve_model_path(args.target)) if args.prompts == "chat" else None
     prompts = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts), tokenizer=tokenizer)
-    engine_modes = [m for m in args.modes if m not in PEER_MODES]
-    peers = [m for m in args.modes if m in PEER_MODES]
-    plan = [
-        (runtime, mode, nd)
-        for runtime in args.runtimes
-        for mode in engine_modes
-        for nd in (args.num_drafts if mode == "ssd" else [1])
-    ]
-    if "ray" in args.runtimes and engine_modes:
-        _start_ray_for(args, [(mode, nd) for runtime, mode, nd in plan if runtime == "ray"])
-    settings = len(args.temperatures) * args.repeats
-    total = settings * (len(args.batch_sizes) * len(plan) + (1 in args.batch_sizes) * len(peers))
+    engines = engine_plan(modes, args.num_drafts)
+    peers = [m.label for m in modes if not m.strategy]
+    if "ray" in args.runtimes and engines:
+        _start_ray_for(args, engines)
+    rows = sum(len(ms) for _, ms in engines)
+    total = len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) + (1 in args.batch_sizes) * len(peers))
     runs: list[RunResult] = []
+    strategies: dict[str, dict[str, Any]] = {}
     with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
         # One runtime's engines at a time: modes are compared within a runtime,
         # and engines left idle still cost a small machine (their processes and
         # threads wake up to poll), so only the engines being compared are alive.
         for i, runtime in enumerate(args.runtimes):
-            group = [(m, nd) for rt, m, nd in plan if rt == runtime] + [(m, 1) for m in peers if i == 0]
-            runs += _run_group(args, group, runtime, prompts, bar)
+            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, bar, strategies)
     return {
         "machine": machine_info(args.threads),
         "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
         "results": summarise(runs),
+        "engine_strategies": strategies,
         "timeline_sample": timeline_sample(runs),
     }
 
 
 def _benched_models(args: BenchArgs) -> dict[str, str]:
-    """Role → model of what the benched modes run (the one rule,
+    """Role → model of what the benched engines run (the one rule,
     :func:`~saguaro_ray.model_set.needed_specs`, plus the draft hf-assisted
     runs): the step costs are measured for those alone, so a default
     ``--draft`` that no mode runs is never resolved (``--modes ar`` does not
     build the zoo family it names)."""
-    engine_specs = [SpeculationConfig(mode=m) for m in args.modes if m not in PEER_MODES]
-    models = {"target": args.target, **needed_specs(engine_specs, args.target, args.draft, args.qualifier)}
+    specs = [engine_spec(ms, args) for _, ms in engine_plan(parse_modes(args.modes), args.num_drafts)]
+    models = {"target": args.target, **needed_specs(specs, args.target, args.draft, args.qualifier)}
     if "hf-assisted" in args.modes and args.draft:
         models["draft"] = args.draft
     return models
 
 
-def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, prompts: list[str], bar: Any) -> list[RunResult]:
-    """Every setting over one runtime's engines (and the peers), interleaved (A B C A B C …)."""
+def _run_group(
+    args: BenchArgs,
+    plan: list[tuple[int, list[BenchMode]]],
+    runtime: str,
+    peers: list[str],
+    prompts: list[str],
+    settings: list[TemperatureSetting],
+    bar: Any,
+    strategies: dict[str, dict[str, Any]],
+) -> list[RunResult]:
+    """Every setting over one runtime's engines' modes (and the peers),
+    interleaved (A B C A B C …); ``strategies`` gets each engine's choices
+    once its runs are done (``runtime/dN``)."""
+    closers: list[Callable[[], None]] = []
+    engines: list[_Engine] = []
     runners: list[Any] = []
     runs: list[RunResult] = []
     try:
-        for mode, nd in engines:
-            if mode in PEER_MODES:
-                runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
-            else:
-                runners.append(_Runner(mode, runtime, nd, args))
-        for r in runners:  # warm-up: first-call allocations and lazy imports
-            r.run(prompts[:1], 0.0, 8, 0)
+        for nd, modes in plan:
+            engine = _Engine(runtime, nd, modes, args)
+            engines.append(engine)
+            closers.append(engine.close)
+            runners += [_Runner(engine, m) for m in modes]
+        for mode in peers:
+            runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
+            closers.append(runners[-1].close)
+        for r in runners:  # warm-up: first-call allocations (up to the largest batch, on the shared engine) and lazy imports
+            r.run(prompts[: 1 if r.runtime == "hf" else max(args.batch_sizes)], settings[0], 8, 0)
         for b in args.batch_sizes:
-            for t in args.temperatures:
+            for t in settings:
                 for rep in range(args.repeats):
                     for r in runners:
                         if r.runtime == "hf" and b != 1:
@@ -209,22 +288,23 @@ def _run_group(args: BenchArgs, engines: list[tuple[str, int]], runtime: str, pr
                         # every batch size sees the same prompts: ceil(P / b) generate calls of b
                         runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
                         bar.update(1)
+        strategies.update({f"{e.runtime}/d{e.num_drafts}": e.strategies() for e in engines})
     finally:
-        for r in runners:
-            r.close()
+        for close in closers:
+            close()
     return runs
 
 
-def _start_ray_for(args: BenchArgs, engines: list[tuple[str, int]]) -> None:
+def _start_ray_for(args: BenchArgs, engines: list[tuple[int, list[BenchMode]]]) -> None:
     """One Ray instance hosts every engine of the run at once: give an embedded
     one enough logical CPUs for all their placement groups."""
     from saguaro_ray.runtime.engine import ensure_ray
     from saguaro_ray.runtime.engine_config import EngineConfig
 
     need = 0.0
-    for mode, nd in engines:
+    for nd, modes in engines:
         cfg = EngineConfig(
-            target=args.target, draft=args.draft, qualifier=args.qualifier, spec=SpeculationConfig(mode=mode), num_drafts=nd, target_tp=args.target_tp
+            target=args.target, draft=args.draft, qualifier=args.qualifier, spec=engine_spec(modes, args), num_drafts=nd, target_tp=args.target_tp
         )
         need += cfg.coordinator_cpus + cfg.worker_cpus * cfg.num_worker_actors
     ensure_ray(EngineConfig(target=args.target, address=args.address), logical_cpus=need)
