@@ -447,10 +447,10 @@ def test_self_specs_in_configs(tmp_path: Path, q8_gguf):
     with pytest.raises(ConfigError, match="unknown self-draft"):
         EngineConfig(target="m", draft="self:fp4", spec=sd)
     with pytest.raises(ConfigError, match="unknown self-draft"):
-        parse_config({"target": "m", "draft": "self:fp4", "engines": [{"mode": "sd"}]})
-    cfg = parse_config({"target": "m", "draft": "self:int8", "engines": [{"mode": "sd"}]})
+        parse_config({"target": "m", "draft": "self:fp4", "speculation": {"mode": "sd"}})
+    cfg = parse_config({"target": "m", "draft": "self:int8", "speculation": {"mode": "sd"}})
     ref = ModelRef("/resolved/m", "int8")
-    launch = cfg.launch_config(cfg.engines[0], {"target": ModelRef("/resolved/m"), "draft": ref})
+    launch = cfg.launch_config({"target": ModelRef("/resolved/m"), "draft": ref})
     assert launch.target == "/resolved/m" and launch.draft == ref
 
 
