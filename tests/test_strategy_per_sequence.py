@@ -12,10 +12,8 @@ tested in ``test_exactness_sampling.py``, the same over Ray in
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+from test_exactness_greedy import _one_thread, models  # noqa: F401 — one torch thread, and its tiny models
 
 from saguaro_ray.algorithms.strategy_model import Choice, RoundCosts, SeqView
 from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
@@ -52,23 +50,6 @@ class Cycling:
         self.observed.append(costs)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("strategy_models")
-    target = save_tiny_checkpoint(root, "llama", seed=3)
-    return {
-        "target": target,
-        "draft": perturbed_checkpoint(target, root / "draft", 0.05, seed=7),
-        "qualifier": perturbed_checkpoint(target, root / "qualifier", 0.02, seed=8),
-    }
-
-
 def greedy(strategy: Strategy | None = None) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, speculation=strategy)
 
@@ -86,7 +67,7 @@ def ar_tokens(models) -> list[list[int]]:
 def engine(models):
     """One engine for every strategy: target, draft and qualifier, ``auto`` by default."""
     eng = LocalEngine(
-        EngineConfig(target=str(models["target"]), draft=str(models["draft"]), qualifier=str(models["qualifier"]), threads_per_worker=1)
+        EngineConfig(target=str(models["target"]), draft=str(models["good"]), qualifier=str(models["fair"]), threads_per_worker=1)
     )
     yield eng
     eng.close()
@@ -137,7 +118,7 @@ def test_requests_for_strategies_the_engine_does_not_offer_are_refused(models, a
     eng = LocalEngine(
         EngineConfig(
             target=str(models["target"]),
-            draft=str(models["draft"]),
+            draft=str(models["good"]),
             spec=SpeculationConfig(mode="auto", allow=("auto", "ar", "sd"), k=3, max_k=6),
             threads_per_worker=1,
         )
