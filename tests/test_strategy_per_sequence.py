@@ -13,7 +13,7 @@ tested in ``test_exactness_sampling.py``, the same over Ray in
 from __future__ import annotations
 
 import pytest
-from test_exactness_greedy import _one_thread, models  # noqa: F401 — one torch thread, and its tiny models
+import test_exactness_greedy
 
 from saguaro_ray.algorithms.strategy_model import Choice, RoundCosts, SeqView
 from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
@@ -48,6 +48,10 @@ class Cycling:
 
     def observe(self, costs: RoundCosts) -> None:
         self.observed.append(costs)
+
+
+_one_thread = test_exactness_greedy._one_thread  # one torch thread, and the greedy tests' tiny models
+models = test_exactness_greedy.models
 
 
 def greedy(strategy: Strategy | None = None) -> SamplingParams:
