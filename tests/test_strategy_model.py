@@ -27,6 +27,7 @@ from saguaro_ray.algorithms.strategy_model import (
     SeqView,
     temperature_bucket,
 )
+from saguaro_ray.algorithms import strategy_model
 from saguaro_ray.errors import ConfigError
 
 MAX_K = 8
@@ -49,6 +50,8 @@ class Truth:
     ctl_draft: float = 0.0  # the coordinator's extra for a round that drafts: per round, per step
     ctl_step: float = 0.0
     ctl_ssd: float = 0.0  # ... and for one with SSD sequences
+    ctl_ssd_seq: float = 0.0  # ... and per SSD sequence ...
+    ssd_power: int = 1  # ... to this power of the SSD batch (2: a term no linear fit has)
     alpha: dict = field(default_factory=lambda: {0.0: 0.85, 0.7: 0.55})  # per-position acceptance by T
     hit: dict = field(default_factory=lambda: {0.0: 0.8, 0.7: 0.5})
     noise: float = 0.03
@@ -78,7 +81,8 @@ class Truth:
         t = self.ctl_c0 + self.ctl_c1 * len(choices)
         if sd:
             t += self.ctl_draft + self.ctl_step * max(sd)
-        return t + (self.ctl_ssd if any(m == "ssd" for m, _ in choices) else 0.0)
+        n_ssd = sum(m == "ssd" for m, _ in choices)
+        return t + (self.ctl_ssd + self.ctl_ssd_seq * n_ssd**self.ssd_power if n_ssd else 0.0)
 
     def drafting(self, choices: list[tuple[str, int]]) -> float:
         sd = [k for m, k in choices if m == "sd"]
@@ -269,6 +273,41 @@ def test_achieved_throughput_is_at_least_95_percent_of_the_best_fixed_choice(nam
 
 
 # ------------------------------------------------------------------ exploration
+
+
+def test_a_per_sequence_overhead_of_one_mode_is_charged_to_that_mode():
+    """SSD's coordinator overhead grows with the SSD batch: learnt at batch 1,
+    where SSD is best, the policy must still leave SSD at batch 8, where SD
+    wins — which it cannot if that overhead lands in a per-sequence term
+    every mode shares (SD at batch 8 would look as costly)."""
+    truth = Truth(ver_a=0.004, ctl_ssd=0.0, ctl_ssd_seq=0.003, alpha={0.0: 0.8, 0.7: 0.5}, hit={0.0: 0.9, 0.7: 0.5})
+    one, eight = [0.0], [0.0] * 8
+    assert truth.best_fixed(one)[1][0] == "ssd" and truth.best_fixed(eight)[1][0] == "sd"
+    policy, _, _, _ = simulate(truth, one, rounds=300, seed=3)
+    _, _, tokens, times = simulate(truth, eight, rounds=300, seed=3, policy=policy)
+    assert achieved(tokens, times) >= 0.95 * truth.best_fixed(eight)[0]
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_measured_ar_overrules_a_model_that_keeps_speculating(guarded, monkeypatch):
+    """Whatever the model gets wrong, speculation must not run slower than
+    AR: a model broken on purpose (its search always answers SD with K = 4)
+    on a deployment where a draft step costs as much as the target's is held
+    at AR by the measured rates — but for the rounds that re-test it. With
+    the guard off (``guarded=False``, the test's own control) it is not."""
+    if not guarded:
+        monkeypatch.setattr(strategy_model, "GUARD_EVIDENCE", math.inf)
+    truth = Truth(step_c=0.010, step_d=0.0001)
+    temps = [0.0, 0.7] * 2
+    assert truth.best_fixed(temps)[1] == ("ar", 0)
+    policy = AutoPolicy(max_k=MAX_K, seed=1)
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("sd", min(4, v.k_cap)) for v in auto])
+    _, history, tokens, times = simulate(truth, temps, rounds=300, policy=policy)
+    ar_rate = truth.rate(temps, [("ar", 0)] * len(temps))
+    assert (achieved(tokens, times) >= 0.9 * ar_rate) == guarded, (achieved(tokens, times), ar_rate)
+    if guarded:  # held at AR, re-tested now and then
+        late = [r[0][0] for r in history[-100:]]
+        assert 0 < late.count("sd") <= 100 // strategy_model.GUARD_RETEST + 1 and policy.snapshot()["guard_held"] > 0
 
 
 def test_exploration_stays_within_its_bound_and_is_counted():

@@ -37,10 +37,13 @@ What the model assumes, and why:
   machinery's own; the hit rate h is per temperature bucket, independent of K
   and of the batch.
 * **Control plane**: the wall time beyond the workers' measured times, ``c0 +
-  c1·batch + [drafting]·(c2 + c3·S) + [SSD]·c4`` — measured on the engine, a
-  round that drafts costs the coordinator far more than one that does not
-  (draft calls per step, proposals to route, SSD lookups), and a round that
-  emits one token per sequence pays c0 all the same. The cold start runs one
+  c1·n_plain + c2·n_drafting + c3·n_ssd + [drafting]·(c4 + c5·S) + [SSD]·c6`` —
+  measured on the engine, a round that drafts costs the coordinator far more
+  than one that does not (draft calls per step, proposals to route, SSD
+  lookups), and what a sequence costs depends on its mode (an SSD sequence
+  brings build items, lookup keys and answers): one per-sequence term for all
+  would charge SSD's to AR's. A round that emits one token per sequence pays
+  c0 all the same. The cold start runs one
   round of each kind so the intercepts are told apart.
 * **Acceptance** is conditional per position, ``α_j = P(accept j | accepted
   j−1)``, per temperature bucket (T = 0, (0, 0.5], (0.5, 1], > 1: the draft's
@@ -64,6 +67,30 @@ What the model assumes, and why:
   charged ``h·(E_hit − E_miss) / H`` tokens, H = :data:`SWITCH_HORIZON`
   rounds, the span a choice is expected to hold — a hysteresis band that
   keeps a sequence near the SD/SSD boundary from flapping every round.
+
+**Calibration.** Whatever the features above miss for a kind of round —
+an overhead no term has, workers contending for one host's cores, a K
+whose acceptance is not the pooled curve's — is measured instead of
+modelled: after each round the model predicts that round's time from what
+it actually ran (before refitting on it), and the ratio predicted / measured
+is kept per kind of round (which modes it ran × the batch size's power of
+two), exponentially decayed and shrunk towards 1. A candidate's predicted
+rate is scaled by its kind's ratio, so a mode whose rounds keep coming out
+slower than modelled loses the comparison it should lose; a kind never run
+keeps the model alone (and exploration tries it). Only time is calibrated:
+the tokens a round emits are the acceptance model's business, and per round
+they are far noisier than its time.
+
+**The AR guard.** Speculation must never lose to AR, whatever the model
+gets wrong. So the measured throughput of rounds that speculated and of
+rounds that ran AR alone is kept per context (the batch size's power of
+two × the temperature buckets present), as decayed tokens over decayed
+seconds; where both are known and speculation measures below AR, a
+speculating choice gives way to AR — except every :data:`GUARD_RETEST`-th
+such round, which lets the model's choice run again so its measure stays
+current (the model may have been right after all: acceptance drifts).
+While AR's rate is not known in a context, every :data:`GUARD_RETEST`-th
+speculating round runs AR instead to measure it.
 
 **Search.** Sequences alike for the model (same bucket, quantised own rate,
 K cap, allowed modes, whether in SSD) form one group and get one choice. For
@@ -120,6 +147,13 @@ SWITCH_HORIZON = 16  # rounds a choice is expected to hold: the SSD switch cost 
 EXPLORE_MARGIN = 0.3  # a choice whose drafting cost is uncertain is explored within this share of the best
 EVIDENCE_MIN = 3.0  # fewer (decayed) rounds than this behind a cost: its estimate is uncertain
 UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
+GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 rounds
+GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
+GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
+GUARD_RETEST = 16  # a context held at AR lets the model's choice run once every this many rounds
+CALIBRATION_DECAY = 0.95  # per round of a kind: its realized/predicted ratio weighs its last ~20 rounds
+CALIBRATION_PRIOR = 1.0  # pseudo-rounds at ratio 1: one round moves the factor half-way
+CALIBRATION_CLAMP = 10.0  # one round's ratio is taken within [1/10, 10]
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
 ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
@@ -448,12 +482,14 @@ class _Costs:
     ver: tuple[float, float]  # a, per token
     draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
     ssd: tuple[float, float, float, float]  # a, per SSD sequence, per backup step when any misses, per missed K
-    ctl: tuple[float, float, float, float, float]  # a, per sequence, with drafting, per draft step, with SSD
+    # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
+    ctl: tuple[float, float, float, float, float, float, float]
 
     def round_time(self, load: _Load) -> float:
         sequential = bool(load.n_sd and load.steps)
         c = self.ctl
-        ctl = c[0] + c[1] * load.n + (c[2] + c[3] * load.steps if sequential else 0.0) + (c[4] if load.n_ssd else 0.0)
+        ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
+        ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
         t = max(0.0, ctl) + max(0.0, self.ver[0] + self.ver[1] * load.tokens)
         if sequential:
             d = self.draft
@@ -462,6 +498,70 @@ class _Costs:
             p_any = 1.0 - math.exp(load.log_hit)
             t += max(0.0, self.ssd[0] + self.ssd[1] * load.n_ssd + self.ssd[2] * load.ssd_k * p_any + self.ssd[3] * load.miss_k)
         return t
+
+
+class _Calibration:
+    """Modelled over measured round time per kind of round (module docstring)."""
+
+    def __init__(self) -> None:
+        self._log: dict[tuple[bool, bool, bool, int], tuple[float, float]] = {}  # kind -> decayed (Σ log ratio, weight)
+
+    @staticmethod
+    def kind(load: _Load) -> tuple[bool, bool, bool, int]:
+        """Which modes a round runs (plain, sequential drafting, SSD) and its batch's power of two."""
+        return (load.n > load.n_sd + load.n_ssd, load.n_sd > 0, load.n_ssd > 0, max(0, load.n).bit_length())
+
+    def add(self, kind: tuple[bool, bool, bool, int], ratio: float) -> None:
+        if not ratio > 0 or not math.isfinite(ratio):
+            return
+        total, weight = self._log.get(kind, (0.0, 0.0))
+        ratio = min(max(ratio, 1.0 / CALIBRATION_CLAMP), CALIBRATION_CLAMP)
+        self._log[kind] = (CALIBRATION_DECAY * total + math.log(ratio), CALIBRATION_DECAY * weight + 1.0)
+
+    def factor(self, kind: tuple[bool, bool, bool, int]) -> float:
+        total, weight = self._log.get(kind, (0.0, 0.0))
+        return math.exp(total / (weight + CALIBRATION_PRIOR))
+
+    def snapshot(self) -> dict[str, float]:
+        names = ("plain", "drafting", "ssd")
+        return {
+            "+".join(n for n, on in zip(names, k[:3]) if on) + f"@b<{2 ** k[3]}": round(self.factor(k), 4) for k in sorted(self._log)
+        }
+
+
+class _Guard:
+    """Measured tokens/s of speculating rounds against AR rounds, per context (module docstring)."""
+
+    def __init__(self) -> None:
+        self._arms: dict[tuple[tuple[int, tuple[int, ...]], bool], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
+        self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
+
+    @staticmethod
+    def context(batch: int, temperatures: Sequence[float]) -> tuple[int, tuple[int, ...]]:
+        return (max(0, batch).bit_length(), tuple(sorted({temperature_bucket(t) for t in temperatures})))
+
+    def add(self, context: tuple[int, tuple[int, ...]], speculated: bool, tokens: float, seconds: float) -> None:
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        tok, sec, w = self._arms.get((context, speculated), (0.0, 0.0, 0.0))
+        self._arms[context, speculated] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
+
+    def hold(self, context: tuple[int, tuple[int, ...]]) -> bool:
+        """Should a speculating choice in ``context`` give way to AR this round?
+        Yes while AR measures faster (but for every :data:`GUARD_RETEST`-th
+        round), and — to have the rate speculation must beat — every
+        :data:`GUARD_RETEST`-th round while AR's is not known yet."""
+        plain, spec = self._arms.get((context, False)), self._arms.get((context, True))
+        if spec is None or spec[2] < GUARD_EVIDENCE:
+            return False
+        n = self._holds[context] = self._holds.get(context, 0) + 1
+        if plain is None or plain[2] < GUARD_EVIDENCE:
+            hold = n % GUARD_RETEST == 0
+        else:
+            hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * plain[0] / plain[1] and n % GUARD_RETEST != 0
+        self.held += hold
+        return hold
 
 
 class _Group:
@@ -523,7 +623,7 @@ class AutoPolicy:
         self._verify = _EwLeastSquares(2, COST_DECAY)
         self._drafting = _EwLeastSquares(3, COST_DECAY)
         self._ssd = _EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
-        self._ctl = _EwLeastSquares(5, COST_DECAY)
+        self._ctl = _EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
         self._accept = [_Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
         # SSD misses (the backup's proposal), a priori accepted like the draft: backup="auto"
@@ -539,6 +639,8 @@ class AutoPolicy:
         self._explored = 0
         self._last_counts = {m: 0 for m in AUTO_MODES}
         self._last_rate = 0.0  # the last search's predicted tokens/s: the next one's starting λ
+        self._calibration = _Calibration()
+        self._guard = _Guard()
         # the last search's batch shape, how many more rounds its choice may stand, and that choice
         self._reuse: tuple[Any, int, list[tuple[str, int]]] = (None, 0, [])
 
@@ -546,6 +648,14 @@ class AutoPolicy:
 
     def observe(self, costs: RoundCosts) -> None:
         """Fit the model to one finished round (fixed-strategy sequences included)."""
+        self._calibrate(costs)
+        if costs.seqs:
+            self._guard.add(
+                _Guard.context(costs.batch, [r.temperature for r in costs.seqs]),
+                any(r.mode != "ar" for r in costs.seqs),
+                float(sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)),
+                costs.wall_s,
+            )
         self._observed += 1
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
             self._verify.add((1.0, float(costs.verify_tokens)), costs.verify_s)
@@ -564,7 +674,10 @@ class AutoPolicy:
             self._ssd.decay_only()
         control = costs.wall_s - costs.verify_s - costs.draft_s - costs.ssd_exposed_s
         if costs.batch > 0:
-            x_ctl = (1.0, float(costs.batch), float(steps > 0), float(steps), float(costs.ssd_batch > 0))
+            plain = costs.batch - costs.draft_batch - costs.ssd_batch
+            x_ctl = (
+                1.0, float(plain), float(costs.draft_batch), float(costs.ssd_batch), float(steps > 0), float(steps), float(costs.ssd_batch > 0)
+            )
             self._ctl.add(x_ctl, _clamp_time(control))
         self._plain = COST_DECAY * self._plain + float(steps == 0 and costs.ssd_batch == 0)
         for table in (*self._accept, *self._miss):
@@ -577,6 +690,31 @@ class AutoPolicy:
         if self._observed % SEQ_STALE_ROUNDS == 0:
             stale = self._observed - SEQ_STALE_ROUNDS
             self._seqs = {s: st for s, st in self._seqs.items() if st.seen > stale}
+
+    def _calibrate(self, costs: RoundCosts) -> None:
+        """Compare the round's realized tokens/s with what the model, as it stands,
+        predicts for what the round ran (module docstring: Calibration)."""
+        if self._observed < len(_COLD_START) or self._verify.theta is None or not costs.seqs or not costs.wall_s > 0:
+            return
+        load = _Load()
+        for r in costs.seqs:
+            if r.proposed <= 0:  # AR, or a speculation clipped to nothing at a length limit
+                load.add(1, "ar" if r.mode != "ssd" else "ssd", 0, 1.0, 1.0)
+                continue
+            alphas, miss, pooled, hit = self._curve(temperature_bucket(r.temperature))
+            k = min(r.proposed, self.max_k)
+            e = _expected_tokens(alphas, self._seq_scale(r.seq_id, pooled), k)[k]
+            if r.mode == "ssd":
+                e = hit * e + (1.0 - hit) * _expected_tokens(miss, 1.0, k)[k]
+            load.add(1, r.mode, r.proposed, e, hit)
+        t = self._costs().round_time(load)
+        if t > 0:  # time only: emitted tokens are the acceptance model's, and far noisier per round
+            self._calibration.add(_Calibration.kind(load), t / costs.wall_s)
+
+    def _curve(self, b: int) -> tuple[list[float], list[float], float, float]:
+        """Bucket ``b``'s acceptance by position (SD and hits; misses), pooled rate and hit rate."""
+        d = self._accept[b]
+        return d.alphas(), self._miss[b].alphas(), d.pooled(), self._hit[b].value
 
     def _observe_seq(self, r: SeqResult) -> None:
         st = self._seqs.get(r.seq_id)
@@ -628,6 +766,10 @@ class AutoPolicy:
         else:
             self._chosen += 1
             choices = self._search(auto, fixed)
+            if any(c.mode != "ar" for c in choices):
+                temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
+                if self._guard.hold(_Guard.context(len(temps), temps)):
+                    choices = [Choice("ar", 0) for _ in auto]
         counts = {m: 0 for m in AUTO_MODES}
         for c in choices:
             counts[c.mode] += 1
@@ -656,7 +798,7 @@ class AutoPolicy:
         # unmeasured costs: priors relative to the measured verification
         draft = self._drafting.theta or [0.0, _DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
         ssd = self._ssd.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, _DRAFT_STEP_PRIOR * ver[0], 0.0]
-        ctl = self._ctl.theta or [0.0] * 5
+        ctl = self._ctl.theta or [0.0] * 7
         return _Costs((ver[0], ver[1]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3]), tuple(ctl))  # type: ignore[arg-type]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
@@ -672,8 +814,7 @@ class AutoPolicy:
 
         def curve(b: int) -> tuple[list[float], list[float], float, float]:
             if b not in curves:
-                d = self._accept[b]
-                curves[b] = (d.alphas(), self._miss[b].alphas(), d.pooled(), self._hit[b].value)
+                curves[b] = self._curve(b)
             return curves[b]
 
         out: list[Choice | None] = [None] * len(auto)
@@ -747,7 +888,8 @@ class AutoPolicy:
         for g, opt in zip(groups, opts):
             load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit)
         t = costs.round_time(load)
-        return (load.e / t if t > 0 else math.inf), math.exp(load.log_hit)
+        rate = load.e / t * self._calibration.factor(_Calibration.kind(load)) if t > 0 else math.inf
+        return rate, math.exp(load.log_hit)
 
     def _optimise(self, groups: list[_Group], base: _Load, costs: _Costs) -> float:
         """Sets every group's ``opt``; returns the predicted tokens per second.
@@ -922,7 +1064,7 @@ class AutoPolicy:
             "verify_s": coef(self._verify, ("a", "per_token")),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
             "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k")),
-            "control_s": coef(self._ctl, ("a", "per_seq", "drafting", "per_draft_step", "ssd")),
+            "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {
                 name: {
                     "draft": [round(a, 4) for a in self._accept[b].alphas()],
@@ -933,6 +1075,8 @@ class AutoPolicy:
             },
             "last_choice": dict(self._last_counts),
             "predicted_tokens_per_s": self._last_rate,  # what the last search expected of its choice
+            "calibration": self._calibration.snapshot(),
+            "guard_held": self._guard.held,  # rounds whose speculating choice gave way to measured-faster AR  # modelled / measured round time per kind of round
         }
 
 
