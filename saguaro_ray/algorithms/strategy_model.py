@@ -68,19 +68,6 @@ What the model assumes, and why:
   rounds, the span a choice is expected to hold — a hysteresis band that
   keeps a sequence near the SD/SSD boundary from flapping every round.
 
-**Calibration.** Whatever the features above miss for a kind of round —
-an overhead no term has, workers contending for one host's cores, a K
-whose acceptance is not the pooled curve's — is measured instead of
-modelled: after each round the model predicts that round's time from what
-it actually ran (before refitting on it), and the ratio predicted / measured
-is kept per kind of round (which modes it ran × the batch size's power of
-two), exponentially decayed and shrunk towards 1. A candidate's predicted
-rate is scaled by its kind's ratio, so a mode whose rounds keep coming out
-slower than modelled loses the comparison it should lose; a kind never run
-keeps the model alone (and exploration tries it). Only time is calibrated:
-the tokens a round emits are the acceptance model's business, and per round
-they are far noisier than its time.
-
 **The AR guard.** Speculation must never lose to AR, whatever the model
 gets wrong. So the measured throughput of rounds that speculated and of
 rounds that ran AR alone is kept per context (the batch size's power of
@@ -151,9 +138,6 @@ GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 
 GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
 GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
 GUARD_RETEST = 16  # a context held at AR lets the model's choice run once every this many rounds
-CALIBRATION_DECAY = 0.95  # per round of a kind: its realized/predicted ratio weighs its last ~20 rounds
-CALIBRATION_PRIOR = 1.0  # pseudo-rounds at ratio 1: one round moves the factor half-way
-CALIBRATION_CLAMP = 10.0  # one round's ratio is taken within [1/10, 10]
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
 ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
@@ -500,35 +484,6 @@ class _Costs:
         return t
 
 
-class _Calibration:
-    """Modelled over measured round time per kind of round (module docstring)."""
-
-    def __init__(self) -> None:
-        self._log: dict[tuple[bool, bool, bool, int], tuple[float, float]] = {}  # kind -> decayed (Σ log ratio, weight)
-
-    @staticmethod
-    def kind(load: _Load) -> tuple[bool, bool, bool, int]:
-        """Which modes a round runs (plain, sequential drafting, SSD) and its batch's power of two."""
-        return (load.n > load.n_sd + load.n_ssd, load.n_sd > 0, load.n_ssd > 0, max(0, load.n).bit_length())
-
-    def add(self, kind: tuple[bool, bool, bool, int], ratio: float) -> None:
-        if not ratio > 0 or not math.isfinite(ratio):
-            return
-        total, weight = self._log.get(kind, (0.0, 0.0))
-        ratio = min(max(ratio, 1.0 / CALIBRATION_CLAMP), CALIBRATION_CLAMP)
-        self._log[kind] = (CALIBRATION_DECAY * total + math.log(ratio), CALIBRATION_DECAY * weight + 1.0)
-
-    def factor(self, kind: tuple[bool, bool, bool, int]) -> float:
-        total, weight = self._log.get(kind, (0.0, 0.0))
-        return math.exp(total / (weight + CALIBRATION_PRIOR))
-
-    def snapshot(self) -> dict[str, float]:
-        names = ("plain", "drafting", "ssd")
-        return {
-            "+".join(n for n, on in zip(names, k[:3]) if on) + f"@b<{2 ** k[3]}": round(self.factor(k), 4) for k in sorted(self._log)
-        }
-
-
 class _Guard:
     """Measured tokens/s of speculating rounds against AR rounds, per context (module docstring)."""
 
@@ -639,7 +594,6 @@ class AutoPolicy:
         self._explored = 0
         self._last_counts = {m: 0 for m in AUTO_MODES}
         self._last_rate = 0.0  # the last search's predicted tokens/s: the next one's starting λ
-        self._calibration = _Calibration()
         self._guard = _Guard()
         # the last search's batch shape, how many more rounds its choice may stand, and that choice
         self._reuse: tuple[Any, int, list[tuple[str, int]]] = (None, 0, [])
@@ -648,7 +602,6 @@ class AutoPolicy:
 
     def observe(self, costs: RoundCosts) -> None:
         """Fit the model to one finished round (fixed-strategy sequences included)."""
-        self._calibrate(costs)
         if costs.seqs:
             self._guard.add(
                 _Guard.context(costs.batch, [r.temperature for r in costs.seqs]),
@@ -690,26 +643,6 @@ class AutoPolicy:
         if self._observed % SEQ_STALE_ROUNDS == 0:
             stale = self._observed - SEQ_STALE_ROUNDS
             self._seqs = {s: st for s, st in self._seqs.items() if st.seen > stale}
-
-    def _calibrate(self, costs: RoundCosts) -> None:
-        """Compare the round's realized tokens/s with what the model, as it stands,
-        predicts for what the round ran (module docstring: Calibration)."""
-        if self._observed < len(_COLD_START) or self._verify.theta is None or not costs.seqs or not costs.wall_s > 0:
-            return
-        load = _Load()
-        for r in costs.seqs:
-            if r.proposed <= 0:  # AR, or a speculation clipped to nothing at a length limit
-                load.add(1, "ar" if r.mode != "ssd" else "ssd", 0, 1.0, 1.0)
-                continue
-            alphas, miss, pooled, hit = self._curve(temperature_bucket(r.temperature))
-            k = min(r.proposed, self.max_k)
-            e = _expected_tokens(alphas, self._seq_scale(r.seq_id, pooled), k)[k]
-            if r.mode == "ssd":
-                e = hit * e + (1.0 - hit) * _expected_tokens(miss, 1.0, k)[k]
-            load.add(1, r.mode, r.proposed, e, hit)
-        t = self._costs().round_time(load)
-        if t > 0:  # time only: emitted tokens are the acceptance model's, and far noisier per round
-            self._calibration.add(_Calibration.kind(load), t / costs.wall_s)
 
     def _curve(self, b: int) -> tuple[list[float], list[float], float, float]:
         """Bucket ``b``'s acceptance by position (SD and hits; misses), pooled rate and hit rate."""
@@ -888,8 +821,7 @@ class AutoPolicy:
         for g, opt in zip(groups, opts):
             load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit)
         t = costs.round_time(load)
-        rate = load.e / t * self._calibration.factor(_Calibration.kind(load)) if t > 0 else math.inf
-        return rate, math.exp(load.log_hit)
+        return (load.e / t if t > 0 else math.inf), math.exp(load.log_hit)
 
     def _optimise(self, groups: list[_Group], base: _Load, costs: _Costs) -> float:
         """Sets every group's ``opt``; returns the predicted tokens per second.
@@ -1075,8 +1007,7 @@ class AutoPolicy:
             },
             "last_choice": dict(self._last_counts),
             "predicted_tokens_per_s": self._last_rate,  # what the last search expected of its choice
-            "calibration": self._calibration.snapshot(),
-            "guard_held": self._guard.held,  # rounds whose speculating choice gave way to measured-faster AR  # modelled / measured round time per kind of round
+            "guard_held": self._guard.held,  # rounds whose speculating choice gave way to AR (measuring it, or faster)
         }
 
 
