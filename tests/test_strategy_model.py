@@ -40,6 +40,7 @@ class Truth:
     ver_a: float = 0.010
     ver_b: float = 0.0001  # per token past the knee
     knee: int = 0  # tokens below this are free (memory-bound)
+    ver_seq: float = 0.0  # per sequence verified (its own attention and KV)
     draft_r: float = 0.0  # the drafting's per-round part (catching up), then per step c + d·n
     step_c: float = 0.001
     step_d: float = 0.00002
@@ -56,8 +57,8 @@ class Truth:
     hit: dict = field(default_factory=lambda: {0.0: 0.8, 0.7: 0.5})
     noise: float = 0.03
 
-    def verify(self, tokens: float) -> float:
-        return self.ver_a + self.ver_b * max(0.0, tokens - self.knee)
+    def verify(self, tokens: float, n: int = 0) -> float:
+        return self.ver_a + self.ver_b * max(0.0, tokens - self.knee) + self.ver_seq * n
 
     def step(self, n: float) -> float:
         return self.step_c + self.step_d * n
@@ -90,7 +91,7 @@ class Truth:
 
     def expected_time(self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool]) -> float:
         tokens = sum(k + 1 for _, k in choices)
-        t = self.control(choices) + self.verify(tokens) + self.drafting(choices)
+        t = self.control(choices) + self.verify(tokens, len(choices)) + self.drafting(choices)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
             t += self.ssd_base
@@ -130,7 +131,7 @@ def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids) 
             acc += 1
         seqs.append(SeqResult(sid, t, m, k, acc, hit))
     tokens = sum(k + 1 for _, k in choices)
-    verify = truth.verify(tokens) * noise()
+    verify = truth.verify(tokens, len(choices)) * noise()
     sd = [k for m, k in choices if m == "sd"]
     draft = truth.drafting(choices) * noise()
     n_ssd = sum(m == "ssd" for m, _ in choices)
@@ -467,7 +468,23 @@ def test_verify_fit_recovers_the_truths_line():
     policy, *_ = simulate(truth, [0.0] * 8, rounds=150)
     fit = policy.snapshot()["verify_s"]
     assert fit["per_token"] == pytest.approx(truth.ver_b, rel=0.05)
-    assert fit["a"] == pytest.approx(truth.ver_a, rel=0.05)
+    # at one batch size the intercept and the per-sequence term are one number
+    assert fit["a"] + 8 * fit["per_seq"] == pytest.approx(truth.ver_a, rel=0.05)
+
+
+def test_a_per_sequence_verify_cost_is_told_from_a_per_token_one():
+    """Eight sequences of one token cost the target more than one sequence of
+    eight (each brings its own attention and KV): with batch 1 and 8
+    interleaved, the fit tells the two apart, and batch 1 still speculates
+    with a K the per-token cost alone would not allow."""
+    truth = Truth(noise=0.0, ver_b=0.0002, ver_seq=0.002)
+    policy = AutoPolicy(max_k=MAX_K, seed=2)
+    for chunk in range(6):
+        simulate(truth, [0.0], rounds=25, seed=chunk, policy=policy)
+        simulate(truth, [0.0] * 8, rounds=25, seed=50 + chunk, policy=policy)
+    fit = policy.snapshot()["verify_s"]
+    assert fit["per_seq"] == pytest.approx(truth.ver_seq, rel=0.15)
+    assert fit["per_token"] == pytest.approx(truth.ver_b, rel=0.15)
 
 
 def test_switching_into_or_out_of_ssd_has_a_hysteresis_band():

@@ -14,8 +14,11 @@ sequences are learned from as well as auto ones.
 
 What the model assumes, and why:
 
-* **Verification** costs ``a + b·tokens`` (tokens = Σ (K_i + 1) over the
-  batch), an exponentially weighted least-squares line over recent rounds. A
+* **Verification** costs ``a + b·tokens + c·batch`` (tokens = Σ (K_i + 1)
+  over the batch; each sequence also brings its own attention and KV, so
+  eight sequences of one token cost more than one of eight — measured on the
+  real model, where without c a batch-8 AR round made K = 7 at batch 1 look
+  as dear), an exponentially weighted least-squares fit over recent rounds. A
   target is memory-bound at small token counts (tokens nearly free) and
   compute-bound past a knee; the line is the chord over the token counts run
   lately. Extended beyond them a convex cost's chord errs low, so a token
@@ -463,7 +466,7 @@ class _Load:
 class _Costs:
     """The fitted coefficients one choice is made with (plain floats, read once per round)."""
 
-    ver: tuple[float, float]  # a, per token
+    ver: tuple[float, float, float]  # a, per token, per sequence
     draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
     ssd: tuple[float, float, float, float]  # a, per SSD sequence, per backup step when any misses, per missed K
     # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
@@ -474,7 +477,7 @@ class _Costs:
         c = self.ctl
         ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
         ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
-        t = max(0.0, ctl) + max(0.0, self.ver[0] + self.ver[1] * load.tokens)
+        t = max(0.0, ctl) + max(0.0, self.ver[0] + self.ver[1] * load.tokens + self.ver[2] * load.n)
         if sequential:
             d = self.draft
             t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
@@ -575,7 +578,7 @@ class AutoPolicy:
         self.max_k = max_k
         self.explore = float(explore)
         self._rng = random.Random(seed)
-        self._verify = _EwLeastSquares(2, COST_DECAY)
+        self._verify = _EwLeastSquares(3, COST_DECAY)
         self._drafting = _EwLeastSquares(3, COST_DECAY)
         self._ssd = _EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._ctl = _EwLeastSquares(7, COST_DECAY)
@@ -611,7 +614,7 @@ class AutoPolicy:
             )
         self._observed += 1
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
-            self._verify.add((1.0, float(costs.verify_tokens)), costs.verify_s)
+            self._verify.add((1.0, float(costs.verify_tokens), float(costs.batch)), costs.verify_s)
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
         if steps > 0:
             self._drafting.add((1.0, float(steps), float(steps * costs.draft_batch)), costs.draft_s)
@@ -732,7 +735,7 @@ class AutoPolicy:
         draft = self._drafting.theta or [0.0, _DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
         ssd = self._ssd.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, _DRAFT_STEP_PRIOR * ver[0], 0.0]
         ctl = self._ctl.theta or [0.0] * 7
-        return _Costs((ver[0], ver[1]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3]), tuple(ctl))  # type: ignore[arg-type]
+        return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3]), tuple(ctl))  # type: ignore[arg-type]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
@@ -993,7 +996,7 @@ class AutoPolicy:
             "rounds_observed": self._observed,
             "rounds_chosen": self._chosen,
             "rounds_explored": self._explored,
-            "verify_s": coef(self._verify, ("a", "per_token")),
+            "verify_s": coef(self._verify, ("a", "per_token", "per_seq")),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
             "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k")),
             "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
