@@ -152,3 +152,35 @@ def test_the_request_strategy_is_validated_when_it_is_made():
     for bad, field in [("fast", "speculation.mode"), ({"mode": "sd", "k": 0}, "speculation.k"), ({"mode": "ar", "k": 2}, "speculation.k"), ({"kk": 1}, "unknown")]:
         with pytest.raises(ConfigError, match=field):
             SamplingParams(speculation=bad)
+
+
+class AlwaysAR(Cycling):
+    def choose(self, auto, fixed=()):  # type: ignore[override]
+        return [Choice("ar", 0) for _ in auto]
+
+
+def test_an_auto_sequence_running_ar_keeps_its_drafts_near(engine, ar_tokens):
+    """While ``auto`` runs a sequence AR, its drafts are sent the tokens they
+    missed every CATCH_UP_TOKENS tokens (a K = 0 propose, not waited for), so a
+    later switch into speculation does not pay for all of them at once."""
+    from saguaro_ray.engine.round_loop import CATCH_UP_TOKENS
+
+    catch_ups: list[int] = []  # the position each catch-up brought the draft to
+    draft = engine.workers["draft"].logic
+    real_propose = draft.propose
+
+    def spying_propose(steps, ks, *args, **kw):
+        if ks and not any(ks):
+            catch_ups.extend(st.start + len(st.new_tokens) for st in steps)
+        return real_propose(steps, ks, *args, **kw)
+
+    engine.loop.assigner.policy, saved = AlwaysAR(), engine.loop.assigner.policy
+    draft.propose = spying_propose
+    try:
+        [r] = engine.generate([PROMPTS[1]], greedy(Strategy("auto")))
+    finally:
+        engine.loop.assigner.policy = saved
+        draft.propose = real_propose
+    assert r.token_ids == ar_tokens[1] and r.stats["strategy"] == {"ar": MAX_TOKENS - 1}
+    assert len(catch_ups) >= (MAX_TOKENS - 1) // CATCH_UP_TOKENS
+    assert all(b - a == CATCH_UP_TOKENS for a, b in zip(catch_ups, catch_ups[1:]))  # one every CATCH_UP_TOKENS tokens

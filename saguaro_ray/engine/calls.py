@@ -95,6 +95,13 @@ def released(worker: str, fut: "Future[Timed]") -> None:
         log.warning("release on %s failed: %s", worker, e)
 
 
+def caught_up(worker: str, fut: "Future[Timed]") -> None:
+    """Report a draft catch-up that failed (see ``RoundLoop._keep_drafts_near``):
+    harmless — the next call the draft cannot serve is re-sent self-contained."""
+    if fut.exception() is not None:
+        log.info("catch-up on %s failed: %s", worker, fut.exception())
+
+
 def discarded(worker: str, fut: "Future[Timed]") -> None:
     """Report a discard that failed (see ``RoundLoop.discard``): its sender keeps the transfer until the data plane is rebuilt."""
     if fut.exception() is not None:

@@ -35,8 +35,8 @@ class SequenceState:
     k: int = 0  # ... and its K
     chosen: dict[str, int] = field(default_factory=dict)  # rounds run per mode (the per-request ``strategy`` stat)
     k_total: int = 0  # sum of K over its speculative rounds (mean K)
-    # per worker kind: the committed length of the last step sent to it (a draft that sat out
-    # rounds catches up from there; see RoundLoop.step)
+    # per worker kind: the tokens it holds at least, as of the last step sent to it (a draft
+    # that sat out rounds catches up from there; see RoundLoop.step)
     fed: dict[str, int] = field(default_factory=dict)
 
     @property
