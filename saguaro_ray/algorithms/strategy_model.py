@@ -30,7 +30,9 @@ What the model assumes, and why:
   round's own part (the draft first catches up with the tokens just
   accepted).
 * **SSD drafting** hides behind verification (its whole point) except what is
-  exposed: the tree build's overrun, ``e0 + e1·n`` for n SSD sequences, and
+  exposed: the tree build's overrun, ``e0 + e1·n + e4·n·K_max`` for n SSD
+  sequences (the tree grows with the sequences and their K: at batch 8 a
+  K = 7 build outlived verification on the real model), and
   the backup of misses — a neural backup is K sequential steps of the draft
   whenever any sequence missed, so ``e2·K_max·[a miss] + e3·ΣK_missed``,
   predicted with P(a miss) = 1 − Π h_i and E[ΣK_missed] = Σ (1 − h_i)·K_i
@@ -468,7 +470,8 @@ class _Costs:
 
     ver: tuple[float, float, float]  # a, per token, per sequence
     draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
-    ssd: tuple[float, float, float, float]  # a, per SSD sequence, per backup step when any misses, per missed K
+    # a, per SSD sequence, per backup step when any misses, per missed K, per SSD sequence and K (the build's size)
+    ssd: tuple[float, float, float, float, float]
     # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
     ctl: tuple[float, float, float, float, float, float, float]
 
@@ -483,7 +486,8 @@ class _Costs:
             t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
         if load.n_ssd:
             p_any = 1.0 - math.exp(load.log_hit)
-            t += max(0.0, self.ssd[0] + self.ssd[1] * load.n_ssd + self.ssd[2] * load.ssd_k * p_any + self.ssd[3] * load.miss_k)
+            e = self.ssd
+            t += max(0.0, e[0] + e[1] * load.n_ssd + e[2] * load.ssd_k * p_any + e[3] * load.miss_k + e[4] * load.n_ssd * load.ssd_k)
         return t
 
 
@@ -580,7 +584,7 @@ class AutoPolicy:
         self._rng = random.Random(seed)
         self._verify = _EwLeastSquares(3, COST_DECAY)
         self._drafting = _EwLeastSquares(3, COST_DECAY)
-        self._ssd = _EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
+        self._ssd = _EwLeastSquares(5, COST_DECAY, intercept_share=0.5)
         self._ctl = _EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
         self._accept = [_Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
@@ -624,7 +628,7 @@ class AutoPolicy:
         if costs.ssd_batch > 0 and ssd:
             missed = [r.proposed for r in ssd if self._missed(r)]
             k_max = max(r.proposed for r in ssd)
-            x = (1.0, float(costs.ssd_batch), float(k_max if missed else 0), float(sum(missed)))
+            x = (1.0, float(costs.ssd_batch), float(k_max if missed else 0), float(sum(missed)), float(costs.ssd_batch * k_max))
             self._ssd.add(x, _clamp_time(costs.ssd_exposed_s), self._ssd_prior(x, costs.ssd_exposed_s))
         else:
             self._ssd.decay_only()
@@ -687,7 +691,7 @@ class AutoPolicy:
         if self._ssd.has_prior or draft is None:
             return None
         rest = max(0.0, y - draft[1] * x[2] - draft[2] * x[3])
-        return [0.5 * rest, 0.5 * rest / max(1.0, x[1]), draft[1], draft[2]]
+        return [0.5 * rest, 0.5 * rest / max(1.0, x[1]), draft[1], draft[2], 0.0]
 
     # ------------------------------------------------------------------ choosing
 
@@ -733,9 +737,9 @@ class AutoPolicy:
         assert ver is not None
         # unmeasured costs: priors relative to the measured verification
         draft = self._drafting.theta or [0.0, _DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
-        ssd = self._ssd.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, _DRAFT_STEP_PRIOR * ver[0], 0.0]
+        ssd = self._ssd.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, _DRAFT_STEP_PRIOR * ver[0], 0.0, 0.0]
         ctl = self._ctl.theta or [0.0] * 7
-        return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3]), tuple(ctl))  # type: ignore[arg-type]
+        return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3], ssd[4]), tuple(ctl))  # type: ignore[arg-type]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
@@ -838,7 +842,7 @@ class AutoPolicy:
         off: a step count held fixed would hide its own fixed cost. λ starts
         at the last round's ratio, where it usually already is."""
         b_tok, d_step = costs.ver[1], costs.draft[2]
-        _, e_seq, e_any, e_miss = costs.ssd
+        _, e_seq, e_any, e_miss, e_build = costs.ssd
         s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
         q_max = max([g.cap for g in groups if "ssd" in g.modes] + [base.ssd_k])
         s_values = ([0] if not base.steps else []) + list(range(max(1, base.steps), s_max + 1))
@@ -859,7 +863,11 @@ class AutoPolicy:
             for g, inc, w in zip(groups, best_opts, weights):
                 miss = 1.0 - g.hit
                 sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
-                ssd = [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * miss * k) for k in range(1, g.cap + 1)] if "ssd" in g.modes else []
+                ssd = (
+                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + (e_miss * miss + e_build) * k) for k in range(1, g.cap + 1)]
+                    if "ssd" in g.modes
+                    else []
+                )
                 c = len(g.members)
                 joined = g.hit**c
                 others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
@@ -998,7 +1006,7 @@ class AutoPolicy:
             "rounds_explored": self._explored,
             "verify_s": coef(self._verify, ("a", "per_token", "per_seq")),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
-            "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k")),
+            "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k", "per_seq_k")),
             "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {
                 name: {
