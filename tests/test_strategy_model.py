@@ -27,7 +27,7 @@ from saguaro_ray.algorithms.strategy_model import (
     SeqView,
     temperature_bucket,
 )
-from saguaro_ray.algorithms import strategy_model
+from saguaro_ray.algorithms import strategy_guard
 from saguaro_ray.errors import ConfigError
 
 MAX_K = 8
@@ -297,7 +297,7 @@ def test_measured_ar_overrules_a_model_that_keeps_speculating(guarded, monkeypat
     at AR by the measured rates — but for the rounds that re-test it. With
     the guard off (``guarded=False``, the test's own control) it is not."""
     if not guarded:
-        monkeypatch.setattr(strategy_model, "GUARD_EVIDENCE", math.inf)
+        monkeypatch.setattr(strategy_guard, "GUARD_EVIDENCE", math.inf)
     truth = Truth(step_c=0.010, step_d=0.0001)
     temps = [0.0, 0.7] * 2
     assert truth.best_fixed(temps)[1] == ("ar", 0)
@@ -308,7 +308,7 @@ def test_measured_ar_overrules_a_model_that_keeps_speculating(guarded, monkeypat
     assert (achieved(tokens, times) >= 0.9 * ar_rate) == guarded, (achieved(tokens, times), ar_rate)
     if guarded:  # held at AR, re-tested now and then
         late = [r[0][0] for r in history[-100:]]
-        assert 0 < late.count("sd") <= 100 // strategy_model.GUARD_RETEST + 1 and policy.snapshot()["guard_held"] > 0
+        assert 0 < late.count("sd") <= 100 // strategy_guard.GUARD_RETEST + 1 and policy.snapshot()["guard_held"] > 0
 
 
 def test_exploration_stays_within_its_bound_and_is_counted():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import test_exactness_greedy
 
-from saguaro_ray.algorithms.strategy_model import Choice, RoundCosts, SeqView
+from saguaro_ray.algorithms.strategy_views import Choice, RoundCosts, SeqView
 from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.errors import ConfigError

@@ -115,6 +115,14 @@ max_k/2 (the draft's per-round and per-step costs), then three of SSD at
 max_k/2 (an entry and steady rounds: exposure and hit rate); afterwards
 unmeasured costs are priors relative to the measured verification (a draft
 step a fifth of a verification step).
+
+**Where the parts live.** The data the engine and the policy exchange is
+:mod:`~saguaro_ray.algorithms.strategy_views`, the estimators
+:mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
+:mod:`~saguaro_ray.algorithms.strategy_guard`. This module keeps the model
+and its search together (~770 lines, most of them this explanation and the
+search's): the search linearises exactly the round-time model it evaluates,
+so splitting them would put one formula in two places.
 """
 
 from __future__ import annotations
@@ -127,35 +135,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX, Acceptance, DecayedRate, EwLeastSquares
+from saguaro_ray.algorithms.strategy_guard import ARGuard
+from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy's interface, re-exported
+    AUTO_MODES,
+    BUCKETS,
+    RESULT_MODES,
+    Choice,
+    RoundCosts,
+    SeqResult,
+    SeqView,
+    temperature_bucket,
+)
+from saguaro_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-AUTO_MODES = ("ar", "sd", "ssd")  # the fixed modes auto chooses among
-RESULT_MODES = (*AUTO_MODES, "pyramid")  # what a finished round may report (fixed requests included)
 _SEQUENTIAL = ("sd", "pyramid")  # modes drafted step by step before verification
-BUCKETS = ("t=0", "t<=0.5", "t<=1", "t>1")
 SWITCH_HORIZON = 16  # rounds a choice is expected to hold: the SSD switch cost is spread over them
 EXPLORE_MARGIN = 0.3  # a choice whose drafting cost is uncertain is explored within this share of the best
 EVIDENCE_MIN = 3.0  # fewer (decayed) rounds than this behind a cost: its estimate is uncertain
-UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
-GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 rounds
-GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
-GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
-GUARD_RETEST = 16  # a context held at AR lets the model's choice run once every this many rounds
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
-ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 
 # acceptance priors per bucket (a moderately good draft, worse as sampling spreads) and the
 # pseudo-observations they are worth
 _ACCEPT_PRIOR = (0.7, 0.6, 0.5, 0.4)
 _HIT_PRIOR = 0.5
-_PRIOR_WEIGHT = 4.0  # bucket pooled rate ← prior; hit rate ← prior
-_POSITION_WEIGHT = 16.0  # a position's rate ← the pooled rate (a draft's conditional rate varies slowly along K)
 _SEQ_WEIGHT = 32.0  # a sequence's own rate ← its bucket's
 _SCALE_STEPS = 10  # a sequence's rate relative to its bucket's is quantised to 10% for grouping
-_ALPHA_MAX = 0.99
 _DRAFT_STEP_PRIOR = 0.2  # an unmeasured draft step costs this share of a verification of as many tokens
 _SSD_EXPOSED_PRIOR = 0.1  # unmeasured SSD exposure: this share of the verification intercept
 _DINKELBACH_ITERS = 4
@@ -165,248 +173,7 @@ _ENTRY_EXPLORE_LOOKUPS = 8
 _ENTRY_EXPLORE_MAX = 6
 # the first rounds' (mode, K as a share of max_k) (see AutoPolicy._cold_start)
 _COLD_START = (("ar", 0.0), ("sd", 0.25), ("sd", 0.5), ("ssd", 0.5), ("ssd", 0.5), ("ssd", 0.5))
-_FIT_PRIOR_WEIGHT = 0.001
 _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
-
-
-def temperature_bucket(temperature: float) -> int:
-    """The index in :data:`BUCKETS` of a sequence sampled at ``temperature``."""
-    if temperature <= 0.0:
-        return 0
-    if temperature <= 0.5:
-        return 1
-    return 2 if temperature <= 1.0 else 3
-
-
-@dataclass(frozen=True)
-class SeqView:
-    """One sequence before a round. ``k_cap``: the largest K allowed this round
-    (0: only AR). ``modes``: the fixed modes allowed for it (``ar`` always).
-    ``current``: the mode it ran last round (None: new) — leaving ``ssd``
-    drops its cached speculation, entering it costs a backup proposal."""
-
-    seq_id: int
-    temperature: float
-    k_cap: int
-    modes: tuple[str, ...]
-    current: str | None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.k_cap, int) or self.k_cap < 0:
-            raise ConfigError(f"SeqView.k_cap must be an integer >= 0, got {self.k_cap!r}")
-        if "ar" not in self.modes or any(m not in AUTO_MODES for m in self.modes):
-            raise ConfigError(f"SeqView.modes must include 'ar' and name only {', '.join(AUTO_MODES)}; got {self.modes!r}")
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A sequence's strategy for one round: ``ar`` with K = 0, or ``sd``/``ssd``
-    (``pyramid`` for a fixed request) with K >= 1 draft tokens."""
-
-    mode: str
-    k: int
-
-    def __post_init__(self) -> None:
-        if self.mode not in RESULT_MODES:
-            raise ConfigError(f"Choice.mode must be one of {', '.join(RESULT_MODES)}; got {self.mode!r}")
-        if not isinstance(self.k, int) or (self.k != 0 if self.mode == "ar" else self.k < 1):
-            raise ConfigError(f"Choice.k must be 0 for 'ar' and >= 1 otherwise; got {self.mode!r} with k={self.k!r}")
-
-
-@dataclass(frozen=True)
-class SeqResult:
-    """One sequence in a finished round: ``proposed`` draft tokens verified (0
-    for AR), ``accepted`` of them; ``hit``: its SSD lookup's outcome."""
-
-    seq_id: int
-    temperature: float
-    mode: str
-    proposed: int
-    accepted: int
-    hit: bool | None  # None: not SSD, no lookup (an SSD entry), or the sequence finished
-
-
-@dataclass(frozen=True)
-class RoundCosts:
-    """One finished round, times in seconds."""
-
-    batch: int  # sequences verified
-    verify_tokens: int  # tokens the target scored: Σ (proposed + 1)
-    verify_s: float  # the target's verification time
-    draft_steps: int  # sequential draft steps before verification (the SD group's largest K; 0: none)
-    draft_batch: int  # sequences in those steps
-    draft_s: float  # their time (0.0 when none)
-    ssd_batch: int  # SSD sequences this round
-    ssd_exposed_s: float  # SSD drafting not hidden behind verification (build overrun + miss backups)
-    wall_s: float  # the whole round as the coordinator saw it
-    seqs: tuple[SeqResult, ...]
-
-
-class _EwLeastSquares:
-    """``y ≈ θ·x`` (x[0] = 1, the intercept) by exponentially weighted least
-    squares, anchored to a prior θ0 (set at the first observation, so it
-    needs no time scale: given, or that observation split between the
-    intercept and the features) only as firmly as :data:`_FIT_PRIOR_WEIGHT` of an
-    observation: enough to settle a direction the data leave open (every
-    round at one token count), too little to pull against a real spread. Every
-    coefficient is kept non-negative (each is a cost): a negative slope fitted
-    from noise would send the search to the largest load, a negative intercept
-    make the loads it was not fitted on look free."""
-
-    def __init__(self, n: int, decay: float, intercept_share: float = 0.8) -> None:
-        self.n = n
-        self.decay = decay
-        self.intercept_share = intercept_share
-        self.weight = 0.0  # effective number of observations
-        self._xtx = [[0.0] * n for _ in range(n)]
-        self._xty = [0.0] * n
-        self._prior: list[float] | None = None
-        self._ridge: list[float] = [0.0] * n
-        self._theta: list[float] | None = None
-
-    def _set_prior(self, x: Sequence[float], y: float, prior: Sequence[float] | None) -> None:
-        if prior is None:
-            share = (1.0 - self.intercept_share) / max(1, self.n - 1)
-            prior = [self.intercept_share * y] + [share * y / xi if xi > 0 else 0.0 for xi in x[1:]]
-        self._prior = list(prior)
-        self._ridge = [_FIT_PRIOR_WEIGHT * max(xi, 1.0) ** 2 for xi in (1.0, *x[1:])]
-
-    @property
-    def has_prior(self) -> bool:
-        return self._prior is not None
-
-    def add(self, x: Sequence[float], y: float, prior: Sequence[float] | None = None) -> None:
-        """One observation; ``prior``: θ0, used only if this is the first."""
-        if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
-            return
-        if self._prior is None:
-            self._set_prior(x, y, prior)
-        g = self.decay
-        for i in range(self.n):
-            row = self._xtx[i]
-            for j in range(self.n):
-                row[j] = g * row[j] + x[i] * x[j]
-            self._xty[i] = g * self._xty[i] + x[i] * y
-        self.weight = g * self.weight + 1.0
-        self._theta = None
-
-    def decay_only(self) -> None:
-        """A round without an observation of this cost: its evidence ages."""
-        self.weight *= self.decay
-
-    @property
-    def theta(self) -> list[float] | None:
-        """The fitted coefficients (None before any observation)."""
-        if self._prior is None:
-            return None
-        if self._theta is None:
-            self._theta = self._solve()
-        return self._theta
-
-    def _solve(self) -> list[float]:
-        assert self._prior is not None
-        free = list(range(self.n))
-        while True:
-            theta = [0.0] * self.n
-            sol = _solve_linear(
-                [[self._xtx[i][j] + (self._ridge[i] if i == j else 0.0) for j in free] for i in free],
-                [self._xty[i] + self._ridge[i] * self._prior[i] for i in free],
-            )
-            for i, v in zip(free, sol):
-                theta[i] = v
-            negative = [i for i in free if theta[i] < 0.0]
-            if not negative:
-                return theta
-            free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
-
-
-def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting for the tiny (n <= 4) normal equations."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-300:
-            return [0.0] * n
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            for j in range(c, n + 1):
-                m[r][j] -= f * m[c][j]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        out[r] = (m[r][n] - sum(m[r][j] * out[j] for j in range(r + 1, n))) / m[r][r]
-    return out
-
-
-class _Acceptance:
-    """Decayed per-position counts of one kind of proposal in one bucket.
-
-    The prior is a pseudo-count that ages with the data: estimates keep what
-    was last seen while nothing new arrives (only the evidence fades, which is
-    what exploration reads), instead of sliding back to the prior."""
-
-    def __init__(self, max_k: int, prior: "float | _Acceptance") -> None:
-        self.prior = prior  # a rate, or the table whose pooled rate is this one's prior
-        self.prior_weight = _PRIOR_WEIGHT
-        self.tested = [0.0] * max_k
-        self.accepted = [0.0] * max_k
-
-    def age(self) -> None:
-        if not isinstance(self.prior, _Acceptance):  # a live parent stays as firm as it is
-            self.prior_weight *= ACCEPT_DECAY
-        for j in range(len(self.tested)):
-            self.tested[j] *= ACCEPT_DECAY
-            self.accepted[j] *= ACCEPT_DECAY
-
-    def add(self, proposed: int, accepted: int) -> None:
-        # position j (1-based) was tested iff the first j-1 were accepted
-        for j in range(min(proposed, accepted + 1, len(self.tested))):
-            self.tested[j] += 1.0
-            if accepted > j:
-                self.accepted[j] += 1.0
-
-    def pooled(self) -> float:
-        prior = self.prior.pooled() if isinstance(self.prior, _Acceptance) else self.prior
-        return (sum(self.accepted) + self.prior_weight * prior) / (sum(self.tested) + self.prior_weight)
-
-    def alphas(self) -> list[float]:
-        r = self.pooled()
-        return [min(_ALPHA_MAX, (a + _POSITION_WEIGHT * r) / (t + _POSITION_WEIGHT)) for a, t in zip(self.accepted, self.tested)]
-
-    def upper(self) -> list[float]:
-        """Optimistic per-position rates: :data:`UPPER_Z` standard errors above the estimate."""
-        return [min(_ALPHA_MAX, _upper(a, t)) for a, t in zip(self.alphas(), self.tested)]
-
-
-class _Rate:
-    """A decayed Bernoulli rate whose prior pseudo-count ages with the data (as :class:`_Acceptance`)."""
-
-    def __init__(self, prior: float) -> None:
-        self.hits = _PRIOR_WEIGHT * prior
-        self.total = _PRIOR_WEIGHT
-        self.n = 0.0  # real observations (decayed): the evidence
-
-    def age(self) -> None:
-        self.hits *= ACCEPT_DECAY
-        self.total *= ACCEPT_DECAY
-        self.n *= ACCEPT_DECAY
-
-    def add(self, hit: bool) -> None:
-        self.n += 1.0
-        self.total += 1.0
-        self.hits += 1.0 if hit else 0.0
-
-    @property
-    def value(self) -> float:
-        return self.hits / self.total
-
-    def upper(self) -> float:
-        return min(1.0, _upper(self.value, self.n))
-
-
-def _upper(p: float, n: float) -> float:
-    return p + UPPER_Z * math.sqrt(p * (1.0 - p) / (n + 1.0))
 
 
 @dataclass
@@ -421,7 +188,7 @@ def _expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[
     out = [1.0]
     run = 1.0
     for j in range(k_max):
-        run *= min(_ALPHA_MAX, alphas[j] * scale)
+        run *= min(ALPHA_MAX, alphas[j] * scale)
         out.append(out[-1] + run)
     return out
 
@@ -491,41 +258,6 @@ class _Costs:
         return t
 
 
-class _Guard:
-    """Measured tokens/s of speculating rounds against AR rounds, per context (module docstring)."""
-
-    def __init__(self) -> None:
-        self._arms: dict[tuple[tuple[int, tuple[int, ...]], bool], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
-        self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
-        self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
-
-    @staticmethod
-    def context(batch: int, temperatures: Sequence[float]) -> tuple[int, tuple[int, ...]]:
-        return (max(0, batch).bit_length(), tuple(sorted({temperature_bucket(t) for t in temperatures})))
-
-    def add(self, context: tuple[int, tuple[int, ...]], speculated: bool, tokens: float, seconds: float) -> None:
-        if not seconds > 0 or not math.isfinite(seconds):
-            return
-        tok, sec, w = self._arms.get((context, speculated), (0.0, 0.0, 0.0))
-        self._arms[context, speculated] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
-
-    def hold(self, context: tuple[int, tuple[int, ...]]) -> bool:
-        """Should a speculating choice in ``context`` give way to AR this round?
-        Yes while AR measures faster (but for every :data:`GUARD_RETEST`-th
-        round), and — to have the rate speculation must beat — every
-        :data:`GUARD_RETEST`-th round while AR's is not known yet."""
-        plain, spec = self._arms.get((context, False)), self._arms.get((context, True))
-        if spec is None or spec[2] < GUARD_EVIDENCE:
-            return False
-        n = self._holds[context] = self._holds.get(context, 0) + 1
-        if plain is None or plain[2] < GUARD_EVIDENCE:
-            hold = n % GUARD_RETEST == 0
-        else:
-            hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * plain[0] / plain[1] and n % GUARD_RETEST != 0
-        self.held += hold
-        return hold
-
-
 class _Group:
     """Sequences the model cannot tell apart: one choice for all of them."""
 
@@ -582,17 +314,17 @@ class AutoPolicy:
         self.max_k = max_k
         self.explore = float(explore)
         self._rng = random.Random(seed)
-        self._verify = _EwLeastSquares(3, COST_DECAY)
-        self._drafting = _EwLeastSquares(3, COST_DECAY)
-        self._ssd = _EwLeastSquares(5, COST_DECAY, intercept_share=0.5)
-        self._ctl = _EwLeastSquares(7, COST_DECAY)
+        self._verify = EwLeastSquares(3, COST_DECAY)
+        self._drafting = EwLeastSquares(3, COST_DECAY)
+        self._ssd = EwLeastSquares(5, COST_DECAY, intercept_share=0.5)
+        self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
-        self._accept = [_Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
+        self._accept = [Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
         # SSD misses (the backup's proposal), a priori accepted like the draft: backup="auto"
         # serves misses neurally where they are rare (small batches), which is where a prior
         # matters; where the point-mass backup wins, misses are common and the data soon rule
-        self._miss = [_Acceptance(max_k, d) for d in self._accept]
-        self._hit = [_Rate(_HIT_PRIOR) for _ in BUCKETS]
+        self._miss = [Acceptance(max_k, d) for d in self._accept]
+        self._hit = [DecayedRate(_HIT_PRIOR) for _ in BUCKETS]
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
         self._held: dict[int, tuple[Choice, int]] = {}  # an exploration in progress: choice, rounds left
@@ -601,7 +333,7 @@ class AutoPolicy:
         self._explored = 0
         self._last_counts = {m: 0 for m in AUTO_MODES}
         self._last_rate = 0.0  # the last search's predicted tokens/s: the next one's starting λ
-        self._guard = _Guard()
+        self._guard = ARGuard()
         # the last search's batch shape, how many more rounds its choice may stand, and that choice
         self._reuse: tuple[Any, int, list[tuple[str, int]]] = (None, 0, [])
 
@@ -611,7 +343,7 @@ class AutoPolicy:
         """Fit the model to one finished round (fixed-strategy sequences included)."""
         if costs.seqs:
             self._guard.add(
-                _Guard.context(costs.batch, [r.temperature for r in costs.seqs]),
+                ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
                 any(r.mode != "ar" for r in costs.seqs),
                 float(sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)),
                 costs.wall_s,
@@ -708,7 +440,7 @@ class AutoPolicy:
             choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
-                if self._guard.hold(_Guard.context(len(temps), temps)):
+                if self._guard.hold(ARGuard.context(len(temps), temps)):
                     choices = [Choice("ar", 0) for _ in auto]
         counts = {m: 0 for m in AUTO_MODES}
         for c in choices:
@@ -996,7 +728,7 @@ class AutoPolicy:
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for engine metrics and the benchmark."""
 
-        def coef(fit: _EwLeastSquares, names: tuple[str, ...]) -> dict[str, float] | None:
+        def coef(fit: EwLeastSquares, names: tuple[str, ...]) -> dict[str, float] | None:
             theta = fit.theta
             return None if theta is None else {n: float(v) for n, v in zip(names, theta)}
 

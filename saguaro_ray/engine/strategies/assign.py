@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from saguaro_ray.algorithms.strategy_model import AutoPolicy, Choice, RoundCosts, SeqResult, SeqView
+from saguaro_ray.algorithms.strategy_model import AutoPolicy
+from saguaro_ray.algorithms.strategy_views import Choice, RoundCosts, SeqResult, SeqView
 from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.timeline import RoundRecord, round_components
 

@@ -1,0 +1,184 @@
+"""The online estimators ``auto``'s cost model is made of: an exponentially weighted
+least-squares fit with non-negative coefficients, and decayed acceptance and hit rates whose
+priors age with the data (see :mod:`saguaro_ray.algorithms.strategy_model` for why each is
+what it is).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
+ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
+PRIOR_WEIGHT = 4.0  # bucket pooled rate ← prior; hit rate ← prior
+POSITION_WEIGHT = 16.0  # a position's rate ← the pooled rate (a draft's conditional rate varies slowly along K)
+ALPHA_MAX = 0.99
+FIT_PRIOR_WEIGHT = 0.001
+
+
+class EwLeastSquares:
+    """``y ≈ θ·x`` (x[0] = 1, the intercept) by exponentially weighted least
+    squares, anchored to a prior θ0 (set at the first observation, so it
+    needs no time scale: given, or that observation split between the
+    intercept and the features) only as firmly as :data:`FIT_PRIOR_WEIGHT` of an
+    observation: enough to settle a direction the data leave open (every
+    round at one token count), too little to pull against a real spread. Every
+    coefficient is kept non-negative (each is a cost): a negative slope fitted
+    from noise would send the search to the largest load, a negative intercept
+    make the loads it was not fitted on look free."""
+
+    def __init__(self, n: int, decay: float, intercept_share: float = 0.8) -> None:
+        self.n = n
+        self.decay = decay
+        self.intercept_share = intercept_share
+        self.weight = 0.0  # effective number of observations
+        self._xtx = [[0.0] * n for _ in range(n)]
+        self._xty = [0.0] * n
+        self._prior: list[float] | None = None
+        self._ridge: list[float] = [0.0] * n
+        self._theta: list[float] | None = None
+
+    def _set_prior(self, x: Sequence[float], y: float, prior: Sequence[float] | None) -> None:
+        if prior is None:
+            share = (1.0 - self.intercept_share) / max(1, self.n - 1)
+            prior = [self.intercept_share * y] + [share * y / xi if xi > 0 else 0.0 for xi in x[1:]]
+        self._prior = list(prior)
+        self._ridge = [FIT_PRIOR_WEIGHT * max(xi, 1.0) ** 2 for xi in (1.0, *x[1:])]
+
+    @property
+    def has_prior(self) -> bool:
+        return self._prior is not None
+
+    def add(self, x: Sequence[float], y: float, prior: Sequence[float] | None = None) -> None:
+        """One observation; ``prior``: θ0, used only if this is the first."""
+        if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
+            return
+        if self._prior is None:
+            self._set_prior(x, y, prior)
+        g = self.decay
+        for i in range(self.n):
+            row = self._xtx[i]
+            for j in range(self.n):
+                row[j] = g * row[j] + x[i] * x[j]
+            self._xty[i] = g * self._xty[i] + x[i] * y
+        self.weight = g * self.weight + 1.0
+        self._theta = None
+
+    def decay_only(self) -> None:
+        """A round without an observation of this cost: its evidence ages."""
+        self.weight *= self.decay
+
+    @property
+    def theta(self) -> list[float] | None:
+        """The fitted coefficients (None before any observation)."""
+        if self._prior is None:
+            return None
+        if self._theta is None:
+            self._theta = self._solve()
+        return self._theta
+
+    def _solve(self) -> list[float]:
+        assert self._prior is not None
+        free = list(range(self.n))
+        while True:
+            theta = [0.0] * self.n
+            sol = solve_linear(
+                [[self._xtx[i][j] + (self._ridge[i] if i == j else 0.0) for j in free] for i in free],
+                [self._xty[i] + self._ridge[i] * self._prior[i] for i in free],
+            )
+            for i, v in zip(free, sol):
+                theta[i] = v
+            negative = [i for i in free if theta[i] < 0.0]
+            if not negative:
+                return theta
+            free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
+
+
+def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for the tiny (n <= 4) normal equations."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            return [0.0] * n
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for j in range(c, n + 1):
+                m[r][j] -= f * m[c][j]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][j] * out[j] for j in range(r + 1, n))) / m[r][r]
+    return out
+
+
+class Acceptance:
+    """Decayed per-position counts of one kind of proposal in one bucket.
+
+    The prior is a pseudo-count that ages with the data: estimates keep what
+    was last seen while nothing new arrives (only the evidence fades, which is
+    what exploration reads), instead of sliding back to the prior."""
+
+    def __init__(self, max_k: int, prior: "float | Acceptance") -> None:
+        self.prior = prior  # a rate, or the table whose pooled rate is this one's prior
+        self.prior_weight = PRIOR_WEIGHT
+        self.tested = [0.0] * max_k
+        self.accepted = [0.0] * max_k
+
+    def age(self) -> None:
+        if not isinstance(self.prior, Acceptance):  # a live parent stays as firm as it is
+            self.prior_weight *= ACCEPT_DECAY
+        for j in range(len(self.tested)):
+            self.tested[j] *= ACCEPT_DECAY
+            self.accepted[j] *= ACCEPT_DECAY
+
+    def add(self, proposed: int, accepted: int) -> None:
+        # position j (1-based) was tested iff the first j-1 were accepted
+        for j in range(min(proposed, accepted + 1, len(self.tested))):
+            self.tested[j] += 1.0
+            if accepted > j:
+                self.accepted[j] += 1.0
+
+    def pooled(self) -> float:
+        prior = self.prior.pooled() if isinstance(self.prior, Acceptance) else self.prior
+        return (sum(self.accepted) + self.prior_weight * prior) / (sum(self.tested) + self.prior_weight)
+
+    def alphas(self) -> list[float]:
+        r = self.pooled()
+        return [min(ALPHA_MAX, (a + POSITION_WEIGHT * r) / (t + POSITION_WEIGHT)) for a, t in zip(self.accepted, self.tested)]
+
+    def upper(self) -> list[float]:
+        """Optimistic per-position rates: :data:`UPPER_Z` standard errors above the estimate."""
+        return [min(ALPHA_MAX, upper_bound(a, t)) for a, t in zip(self.alphas(), self.tested)]
+
+
+class DecayedRate:
+    """A decayed Bernoulli rate whose prior pseudo-count ages with the data (as :class:`Acceptance`)."""
+
+    def __init__(self, prior: float) -> None:
+        self.hits = PRIOR_WEIGHT * prior
+        self.total = PRIOR_WEIGHT
+        self.n = 0.0  # real observations (decayed): the evidence
+
+    def age(self) -> None:
+        self.hits *= ACCEPT_DECAY
+        self.total *= ACCEPT_DECAY
+        self.n *= ACCEPT_DECAY
+
+    def add(self, hit: bool) -> None:
+        self.n += 1.0
+        self.total += 1.0
+        self.hits += 1.0 if hit else 0.0
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.total
+
+    def upper(self) -> float:
+        return min(1.0, upper_bound(self.value, self.n))
+
+
+def upper_bound(p: float, n: float) -> float:
+    return p + UPPER_Z * math.sqrt(p * (1.0 - p) / (n + 1.0))

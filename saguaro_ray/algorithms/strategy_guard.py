@@ -1,0 +1,53 @@
+"""``auto``'s AR guard: measured speculation that runs slower than measured AR gives way to AR.
+
+Whatever the cost model gets wrong, speculation must never lose to AR; this compares what the
+rounds measured, per context, and nothing else (see the guard's paragraph in
+:mod:`saguaro_ray.algorithms.strategy_model`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from saguaro_ray.algorithms.strategy_views import temperature_bucket
+
+GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 rounds
+GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
+GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
+GUARD_RETEST = 16  # a context held at AR lets the model's choice run once every this many rounds
+
+
+class ARGuard:
+    """Measured tokens/s of speculating rounds against AR rounds, per context (module docstring)."""
+
+    def __init__(self) -> None:
+        self._arms: dict[tuple[tuple[int, tuple[int, ...]], bool], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
+        self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
+
+    @staticmethod
+    def context(batch: int, temperatures: Sequence[float]) -> tuple[int, tuple[int, ...]]:
+        return (max(0, batch).bit_length(), tuple(sorted({temperature_bucket(t) for t in temperatures})))
+
+    def add(self, context: tuple[int, tuple[int, ...]], speculated: bool, tokens: float, seconds: float) -> None:
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        tok, sec, w = self._arms.get((context, speculated), (0.0, 0.0, 0.0))
+        self._arms[context, speculated] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
+
+    def hold(self, context: tuple[int, tuple[int, ...]]) -> bool:
+        """Should a speculating choice in ``context`` give way to AR this round?
+        Yes while AR measures faster (but for every :data:`GUARD_RETEST`-th
+        round), and — to have the rate speculation must beat — every
+        :data:`GUARD_RETEST`-th round while AR's is not known yet."""
+        plain, spec = self._arms.get((context, False)), self._arms.get((context, True))
+        if spec is None or spec[2] < GUARD_EVIDENCE:
+            return False
+        n = self._holds[context] = self._holds.get(context, 0) + 1
+        if plain is None or plain[2] < GUARD_EVIDENCE:
+            hold = n % GUARD_RETEST == 0
+        else:
+            hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * plain[0] / plain[1] and n % GUARD_RETEST != 0
+        self.held += hold
+        return hold

@@ -1,0 +1,89 @@
+"""What the ``auto`` policy and the round loop exchange: a sequence's view before a round, its
+choice, and what a finished round cost (see :mod:`saguaro_ray.algorithms.strategy_model`).
+
+Pure data with its validation, so the engine's side (``engine/strategies/assign.py``) and the
+policy agree on one shape; a bad value is a :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saguaro_ray.errors import ConfigError
+
+AUTO_MODES = ("ar", "sd", "ssd")  # the fixed modes auto chooses among
+RESULT_MODES = (*AUTO_MODES, "pyramid")  # what a finished round may report (fixed requests included)
+BUCKETS = ("t=0", "t<=0.5", "t<=1", "t>1")
+
+
+def temperature_bucket(temperature: float) -> int:
+    """The index in :data:`BUCKETS` of a sequence sampled at ``temperature``."""
+    if temperature <= 0.0:
+        return 0
+    if temperature <= 0.5:
+        return 1
+    return 2 if temperature <= 1.0 else 3
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One sequence before a round. ``k_cap``: the largest K allowed this round
+    (0: only AR). ``modes``: the fixed modes allowed for it (``ar`` always).
+    ``current``: the mode it ran last round (None: new) — leaving ``ssd``
+    drops its cached speculation, entering it costs a backup proposal."""
+
+    seq_id: int
+    temperature: float
+    k_cap: int
+    modes: tuple[str, ...]
+    current: str | None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k_cap, int) or self.k_cap < 0:
+            raise ConfigError(f"SeqView.k_cap must be an integer >= 0, got {self.k_cap!r}")
+        if "ar" not in self.modes or any(m not in AUTO_MODES for m in self.modes):
+            raise ConfigError(f"SeqView.modes must include 'ar' and name only {', '.join(AUTO_MODES)}; got {self.modes!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A sequence's strategy for one round: ``ar`` with K = 0, or ``sd``/``ssd``
+    (``pyramid`` for a fixed request) with K >= 1 draft tokens."""
+
+    mode: str
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.mode not in RESULT_MODES:
+            raise ConfigError(f"Choice.mode must be one of {', '.join(RESULT_MODES)}; got {self.mode!r}")
+        if not isinstance(self.k, int) or (self.k != 0 if self.mode == "ar" else self.k < 1):
+            raise ConfigError(f"Choice.k must be 0 for 'ar' and >= 1 otherwise; got {self.mode!r} with k={self.k!r}")
+
+
+@dataclass(frozen=True)
+class SeqResult:
+    """One sequence in a finished round: ``proposed`` draft tokens verified (0
+    for AR), ``accepted`` of them; ``hit``: its SSD lookup's outcome."""
+
+    seq_id: int
+    temperature: float
+    mode: str
+    proposed: int
+    accepted: int
+    hit: bool | None  # None: not SSD, no lookup (an SSD entry), or the sequence finished
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """One finished round, times in seconds."""
+
+    batch: int  # sequences verified
+    verify_tokens: int  # tokens the target scored: Σ (proposed + 1)
+    verify_s: float  # the target's verification time
+    draft_steps: int  # sequential draft steps before verification (the SD group's largest K; 0: none)
+    draft_batch: int  # sequences in those steps
+    draft_s: float  # their time (0.0 when none)
+    ssd_batch: int  # SSD sequences this round
+    ssd_exposed_s: float  # SSD drafting not hidden behind verification (build overrun + miss backups)
+    wall_s: float  # the whole round as the coordinator saw it
+    seqs: tuple[SeqResult, ...]
