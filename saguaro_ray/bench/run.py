@@ -20,6 +20,7 @@ from saguaro_ray.bench.plan import BenchMode, TemperatureSetting, parse_modes, t
 from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
 from saguaro_ray.model_set import needed_specs
 from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
+from saguaro_ray.engine.sequence import strategy_totals
 from saguaro_ray.prompt_sets import load_prompts
 
 
@@ -188,15 +189,7 @@ def chosen_strategies(stats: list[dict[str, Any]]) -> dict[str, Any]:
     rounds, ``mean_k`` over the rounds not in ``ar``), as
     :class:`RunResult`'s ``strategy``, ``k_total`` and ``k_rounds``: summed,
     so a cell's mean K weighs every round alike."""
-    strategy: dict[str, int] = {}
-    k_total, k_rounds = 0.0, 0
-    for s in stats:
-        for mode, n in s["strategy"].items():
-            strategy[mode] = strategy.get(mode, 0) + n
-        drafted = sum(n for mode, n in s["strategy"].items() if mode != "ar")
-        if drafted:
-            k_total += s["mean_k"] * drafted
-            k_rounds += drafted
+    strategy, k_total, k_rounds = strategy_totals(stats)
     return {"strategy": strategy, "k_total": k_total, "k_rounds": k_rounds}
 
 

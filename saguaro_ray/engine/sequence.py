@@ -66,6 +66,24 @@ class SequenceState:
         return kept
 
 
+def strategy_totals(stats: list[dict[str, Any]]) -> tuple[dict[str, int], float, int]:
+    """Several samples' ``strategy`` (mode → rounds) and ``mean_k`` stats
+    summed: the rounds per mode, and K summed over the speculative (not AR)
+    rounds with their number — so a mean K over them weighs every round
+    alike (``k_total / k_rounds``), not every sample."""
+    counts: dict[str, int] = {}
+    k_total, k_rounds = 0.0, 0
+    for s in stats:
+        modes = s.get("strategy") or {}
+        for mode, n in modes.items():
+            counts[mode] = counts.get(mode, 0) + int(n)
+        drafted = sum(int(n) for mode, n in modes.items() if mode != "ar")
+        if drafted and s.get("mean_k") is not None:
+            k_total += s["mean_k"] * drafted
+            k_rounds += drafted
+    return counts, k_total, k_rounds
+
+
 @dataclass
 class GenerationResult:
     """What a caller gets back for one sample (the CLI prints it as JSON)."""

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from saguaro_ray.config import Strategy
+from saguaro_ray.engine.sequence import strategy_totals
 from saguaro_ray.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -295,17 +296,14 @@ def saguaro_summary(strategy: Strategy, default: str, stats: list[dict[str, Any]
     rounds run in each mode, ``mean_k`` the mean K of the speculative rounds."""
     known = [s for s in stats if s]
     rounds = sum(int(s.get("rounds") or 0) for s in known) if known else None
-    per_mode: dict[str, int] = {}
-    for s in known:
-        for mode, n in (s.get("strategy") or {}).items():
-            per_mode[mode] = per_mode.get(mode, 0) + int(n)
+    per_mode, k_total, k_rounds = strategy_totals(known)
     return {
         "mode": strategy.mode,
         "k": strategy.k,
         "default_mode": default,
         "rounds": rounds,
         "strategy": per_mode if any(s.get("strategy") is not None for s in known) else None,
-        "mean_k": _mean_k(known),
+        "mean_k": k_total / k_rounds if k_rounds else None,
         "mean_accepted": _mean(s.get("mean_accepted") for s in known),
         "cache_hit_rate": _mean(s.get("cache_hit_rate") for s in known),
         "lossy": any(bool(s.get("lossy")) for s in known),
@@ -316,14 +314,6 @@ def saguaro_summary(strategy: Strategy, default: str, stats: list[dict[str, Any]
 def _mean(values: Any) -> float | None:
     xs = [float(v) for v in values if v is not None]
     return sum(xs) / len(xs) if xs else None
-
-
-def _mean_k(stats: list[dict[str, Any]]) -> float | None:
-    """The mean K over every speculative round of the choices: each choice's
-    ``mean_k`` weighted by its speculative (not AR) rounds."""
-    weighted = [(s["mean_k"], sum(n for m, n in (s.get("strategy") or {}).items() if m != "ar")) for s in stats if s.get("mean_k") is not None]
-    total = sum(w for _, w in weighted)
-    return sum(k * w for k, w in weighted) / total if total else _mean(k for k, _ in weighted)
 
 
 CHOICE_STATS = ("rounds", "strategy", "mean_k", "mean_accepted", "cache_hit_rate", "lossy")  # one choice's saguaro stats
