@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saguaro_ray.config import Strategy
+from saguaro_ray.config import STRATEGY_MODES, Strategy
 from saguaro_ray.errors import ConfigError
 
-ENGINE_MODES = ("ar", "sd", "ssd", "pyramid", "auto")
 PEER_MODES = ("hf-ar", "hf-assisted")  # run by saguaro_ray.bench.peers
 SWEEP_MODES = ("sd", "ssd")  # the modes a label may give a K (``sd:K``)
 
@@ -46,8 +45,8 @@ def parse_mode(label: str) -> BenchMode:
     if label in PEER_MODES:
         return BenchMode(label, None)
     mode, sep, k = label.partition(":")
-    if mode not in ENGINE_MODES:
-        raise ConfigError(f"--modes: unknown mode {label!r}; choose from {', '.join(ENGINE_MODES + PEER_MODES)}, or sd:K / ssd:K")
+    if mode not in STRATEGY_MODES:
+        raise ConfigError(f"--modes: unknown mode {label!r}; choose from {', '.join(STRATEGY_MODES + PEER_MODES)}, or sd:K / ssd:K")
     if not sep:
         return BenchMode(label, Strategy(mode))
     if mode not in SWEEP_MODES:

@@ -325,12 +325,12 @@ class RoundLoop:
 
     def _finish_stats(self, s: SequenceState) -> None:
         s.proposal = None
-        spec_rounds = sum(n for m, n in s.chosen.items() if m != "ar")
+        drafted_rounds = sum(n for m, n in s.chosen.items() if m != "ar")  # K counted in k_total
         s.stats.update(
             rounds=s.rounds,
             mean_accepted=s.accepted_total / s.spec_rounds if s.spec_rounds else None,
             cache_hit_rate=s.hits / s.lookups if s.lookups else None,
             lossy=self.spec.lossy and self.strategy_of(s).mode == "pyramid",
             strategy=dict(s.chosen),
-            mean_k=s.k_total / spec_rounds if spec_rounds else None,
+            mean_k=s.k_total / drafted_rounds if drafted_rounds else None,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from saguaro_ray.algorithms.strategy_views import AUTO_MODES
 from saguaro_ray.config import SpeculationConfig, Strategy
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.model_set import allowed_modes
@@ -37,7 +38,7 @@ class StrategyMenu:
     @property
     def auto_modes(self) -> tuple[str, ...]:
         """The fixed modes ``auto`` chooses among: AR, and SD/SSD with a draft."""
-        return ("ar", "sd", "ssd") if self.has_draft else ("ar",)
+        return AUTO_MODES if self.has_draft else ("ar",)
 
     def resolve(self, requested: Strategy | None) -> Strategy:
         """``requested`` (None: the default) with its K filled in: the
