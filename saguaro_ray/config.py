@@ -6,6 +6,7 @@ all reject the same bad values with the same message.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -31,6 +32,65 @@ MAX_STOPS = 16  # stop strings per request: each is searched for after every tok
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_DEADLINE_S = 86_400.0
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+LOGPROBS_MODES = ("raw", "processed")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output for one request (OpenAI's ``response_format``).
+
+    ``type``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON valid against ``schema``, kept as canonical JSON
+    text so the format is hashable and rides the wire as one string; the
+    compiled grammar is cached by it).
+    """
+
+    type: str = "text"
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in RESPONSE_FORMATS:
+            raise ConfigError(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}; got {self.type!r}")
+        if (self.type == "json_schema") != (self.schema is not None):
+            raise ConfigError("response_format.json_schema.schema is required for type json_schema, and only there")
+        if self.schema is not None:
+            try:
+                parsed = json.loads(self.schema)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"response_format.json_schema.schema must be JSON text: {e}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ConfigError("response_format.json_schema.schema must be a JSON object")
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+    @classmethod
+    def of(cls, value: "ResponseFormat | dict | None") -> "ResponseFormat | None":
+        """``value`` as a :class:`ResponseFormat`: OpenAI's dict shape
+        (``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``),
+        a ``{"type", "schema"}`` dict, or one already. ``text`` becomes None."""
+        if value is None or isinstance(value, ResponseFormat):
+            return None if value is None or not value.constrained else value
+        if not isinstance(value, dict):
+            raise ConfigError(f"response_format must be an object with a type, got {value!r}")
+        kind = value.get("type", "text")
+        schema = value.get("schema")
+        if "json_schema" in value:
+            js = value["json_schema"]
+            if not isinstance(js, dict) or "schema" not in js:
+                raise ConfigError("response_format.json_schema must be an object with a schema")
+            schema = js["schema"]
+        unknown = sorted(set(value) - {"type", "schema", "json_schema"})
+        if unknown:
+            raise ConfigError(f"response_format has unknown field(s) {unknown}; valid: type, json_schema")
+        if schema is not None and not isinstance(schema, str):
+            schema = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        fmt = cls(type=kind, schema=schema)
+        return fmt if fmt.constrained else None
 
 
 @dataclass(frozen=True)
@@ -50,6 +110,18 @@ class SamplingParams:
     request's :class:`Strategy` (a mode name or a dict is accepted too);
     ``None`` leaves it to the engine's default (``auto`` unless configured
     otherwise). It changes speed, never the output.
+
+    The OpenAI surface (issue 21), exact in every mode:
+    ``logprobs``: return the target's log-probability of each emitted token and
+    of its ``logprobs`` most likely alternatives (``0``: the token's alone;
+    ``None``: off), from the distribution ``logprobs_mode`` names — ``raw``
+    (the model's log-softmax, before any processing) or ``processed`` (after
+    penalties, bias, grammar, temperature, top-k and top-p: the law sampled).
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI, over the generated
+    tokens), ``repetition_penalty`` (Keskar et al., over prompt and generated
+    tokens; 1 = off) and ``logit_bias`` (token id → added logit) change the
+    target's law at every position, the proposed prefix counted as history.
+    ``response_format``: structured output (:class:`ResponseFormat`).
     """
 
     temperature: float = 1.0
@@ -62,9 +134,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     deadline_s: float | None = None
     speculation: "Strategy | None" = None
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculation", Strategy.of(self.speculation))
+        self._check_openai_fields()
         # a single string or any sequence is accepted; kept as a tuple (hashable, and it rides the wire as one)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or any(
@@ -101,9 +181,45 @@ class SamplingParams:
         if self.seed is not None and self.seed + n - 1 > INT64_MAX:
             raise ConfigError(f"seed must be at most {INT64_MAX - n + 1} with n={n} (sample i uses seed + i), got {self.seed}")
 
+    def _check_openai_fields(self) -> None:
+        n = self.logprobs
+        if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {self.logprobs_mode!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise ConfigError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or not 0 < rp <= 10:
+            raise ConfigError(f"repetition_penalty must be a number in (0, 10] (1 disables it), got {rp!r}")
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = [(int(t) if isinstance(t, str) and t.strip().isdigit() else t, b) for t, b in items]
+        except (TypeError, ValueError):
+            pairs = None
+        if pairs is None or len(pairs) > MAX_LOGIT_BIAS or any(
+            not _is_int(t) or not 0 <= t < 2**31 or not _is_number(b) or not -100 <= b <= 100 for t, b in pairs
+        ):
+            raise ConfigError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100], got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in dict(pairs).items())))
+        object.__setattr__(self, "response_format", ResponseFormat.of(self.response_format))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Do penalties depend on this sequence's history (the worker must know its tokens)?"""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Is the law changed before temperature (penalties, bias or a grammar)?"""
+        return self.penalized or bool(self.logit_bias) or self.response_format is not None
 
     def with_seed(self, seed: int | None) -> "SamplingParams":
         return replace(self, seed=seed)

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgpack
 import torch
 
-from saguaro_ray.config import SamplingParams, Strategy
+from saguaro_ray.config import ResponseFormat, SamplingParams, Strategy
 
 # the frame errors and their reasons live in saguaro_ray.errors; the codec re-exports them
 from saguaro_ray.errors import BAD_MAC, BAD_TENSOR, MALFORMED, MISADDRESSED, REASONS, REPLAYED, UNKNOWN_TYPE, BadFrame, EncodeError  # noqa: F401
@@ -122,7 +122,7 @@ def registered_types() -> dict[str, type]:
     return dict(_BY_NAME)
 
 
-for _cls in (SamplingParams, Strategy, SeqStep, Proposal, VerifyItem, BuildItem, KVDelta, LookupResult, NextRound, Outcome, Timed):
+for _cls in (SamplingParams, Strategy, ResponseFormat, SeqStep, Proposal, VerifyItem, BuildItem, KVDelta, LookupResult, NextRound, Outcome, Timed):
     register(_cls)
 
 
