@@ -9,6 +9,7 @@ never a traceback (anything else is a bug and keeps its traceback).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,9 +33,24 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
     group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    group.add_argument(
+        "--response-format", type=_json_object, default=None,
+        help='structured output, as OpenAI\'s response_format: \'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
+    )
 
 
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")  # SamplingParams fields, one flag each
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "response_format")  # SamplingParams fields, one flag each
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (SamplingParams checks what it says)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def sampling_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> "SamplingParams":

@@ -25,6 +25,7 @@ valid continuation, until ``max_tokens``).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from saguaro_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
 _BITS = 32  # xgrammar packs a mask as int32 words, bit i of word w = token 32*w + i
 
 
@@ -51,7 +53,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
         if not eos_ids:
-            raise ConfigError("structured output needs the model's end-of-sequence token id; the checkpoint names none")
+            raise ConfigError("response_format needs the model's end-of-sequence token id; the checkpoint names none")
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(self.eos_ids))
@@ -71,7 +73,7 @@ class GrammarCompiler:
         try:
             compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
         except (RuntimeError, ValueError, TypeError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = _LOCATION.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"response_format.json_schema.schema cannot be compiled to a grammar: {reason}") from None
         self._compiled[fmt] = compiled
         log.debug("compiled response_format %s (%d chars of schema)", fmt.type, len(fmt.schema or ""))

@@ -2,7 +2,9 @@
 
 Validation happens here, before any model work: empty prompts, token ids
 outside the vocabulary, prompts that (with ``max_tokens``) do not fit the
-context window of *every* model. Sample i of a prompt gets seed ``seed + i``.
+context window of *every* model, a ``response_format`` the grammar library
+cannot compile for this tokenizer (compiled once here, so a bad schema is a
+clear error naming it, never a worker failure). Sample i of a prompt gets seed ``seed + i``.
 The in-process engine and the Ray coordinator both put a :class:`Frontend`
 in front of their :class:`Scheduler`, so they answer identically.
 
@@ -23,7 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
-from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.algorithms.grammar import GrammarCompiler
+from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.stops import StopChecker
@@ -81,21 +84,26 @@ class _Stream:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_context: int, menu: StrategyMenu, scheduler: Scheduler | None) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_context: int, menu: StrategyMenu, scheduler: Scheduler | None, eos_ids: Sequence[int] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.menu = menu
         self.scheduler = scheduler
+        self.eos_ids = tuple(eos_ids)
         self._next_id = 0
         self._id_lock = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request (~0.1 s)
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def for_models(cls, models: ModelSet, spec: SpeculationConfig, scheduler: Scheduler | None = None) -> "Frontend":
         """The front of an engine of ``spec`` running ``models`` (its vocabulary,
         context window and the strategies it offers)."""
         menu = StrategyMenu.of(spec, "draft" in models.refs, "qualifier" in models.refs)
-        return cls(models.tokenizer, models.vocab_size, models.max_context, menu, scheduler)
+        return cls(models.tokenizer, models.vocab_size, models.max_context, menu, scheduler, models.eos_ids)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -129,6 +137,8 @@ class Frontend:
                 )
             if any(t >= self.vocab_size for t in p.stop_token_ids):
                 raise ConfigError(f"stop_token_ids must be in [0, {self.vocab_size})")
+            if p.response_format is not None:
+                self.check_response_format(p.response_format)
             base = p.seed if p.seed is not None else secrets.randbelow(2**31)
             for j in range(n):
                 stopper = StopChecker(self.tokenizer, p.stop, p.stop_token_ids) if p.stop or p.stop_token_ids else None
@@ -136,6 +146,14 @@ class Frontend:
                     SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j, stopper=stopper, strategy=strategy)
                 )
         return seqs
+
+    def check_response_format(self, fmt: ResponseFormat) -> None:
+        """Raise :class:`ConfigError` (naming ``response_format``) unless the
+        grammar library compiles ``fmt`` for this tokenizer."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+            self._grammars.compile(fmt)
 
     def _new_id(self) -> int:
         with self._id_lock:

@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import Request
 
-from saguaro_ray.config import SamplingParams, Strategy
+from saguaro_ray.config import ResponseFormat, SamplingParams, Strategy
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.limits import check_prompt_bytes
@@ -207,6 +207,7 @@ def sampling_params(body: _Common, max_tokens: int, stops: list[str], speculatio
             ignore_eos=body.ignore_eos,
             stop=tuple(stops),
             speculation=speculation,
+            response_format=ResponseFormat.of(body.response_format),
         )
         params.check_samples(body.n)
     except ConfigError as exc:

@@ -67,6 +67,7 @@ _PARAM_OF = {
     "speculation.k": "speculation.k",
     "speculation": "speculation",
     "prompt": "prompt",
+    "response_format": "response_format",
 }
 
 
@@ -152,6 +153,8 @@ class _Common(BaseModel):
     # extension: the request's strategy ({"mode", "k"} or a mode name), checked by Strategy.of (its messages name the field)
     speculation: Any = None
     timeout: float | None = None  # extension: seconds before the request fails with 504 (capped by the deployment)
+    # structured output: OpenAI's chat field, an extension on completions; checked by ResponseFormat.of and the Frontend
+    response_format: dict[str, Any] | None = None
     # accepted, but only at their neutral values
     logprobs: Any = None
     presence_penalty: float | None = None
@@ -251,15 +254,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools", code="unsupported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format", code="unsupported")
         if self.top_logprobs:
             raise APIError(400, "logprobs are not supported by this server", param="top_logprobs", code="unsupported")
 
