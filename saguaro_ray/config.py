@@ -43,7 +43,7 @@ class ResponseFormat:
     """Structured output for one request (OpenAI's ``response_format``).
 
     ``type``: ``text`` (no constraint), ``json_object`` (any JSON object) or
-    ``json_schema`` (JSON valid against ``schema``, kept as canonical JSON
+    ``json_schema`` (JSON valid against ``schema``, kept as compact JSON
     text so the format is hashable and rides the wire as one string; the
     compiled grammar is cached by it).
     """
@@ -88,7 +88,8 @@ class ResponseFormat:
         if unknown:
             raise ConfigError(f"response_format has unknown field(s) {unknown}; valid: type, json_schema")
         if schema is not None and not isinstance(schema, str):
-            schema = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # key order kept: a grammar writes the properties in the order the schema lists them (as OpenAI does)
+            schema = json.dumps(schema, separators=(",", ":"))
         fmt = cls(type=kind, schema=schema)
         return fmt if fmt.constrained else None
 

@@ -43,7 +43,7 @@ def test_openai_shapes_are_normalised():
     assert not SamplingParams(response_format={"type": "text"}).adjusts_logits
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     p = SamplingParams(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
-    assert p.response_format == ResponseFormat("json_schema", '{"properties":{"a":{"type":"integer"}},"type":"object"}')
+    assert p.response_format == ResponseFormat("json_schema", '{"type":"object","properties":{"a":{"type":"integer"}}}')  # key order kept
     assert p.adjusts_logits and not p.penalized
     assert SamplingParams(repetition_penalty=1.2).penalized
 

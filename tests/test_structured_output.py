@@ -1,0 +1,100 @@
+"""Structured output (response_format): the grammar masks, and exactness under speculation.
+
+The unit tests drive :mod:`saguaro_ray.algorithms.grammar` with the tiny zoo's
+tokenizer; the engine tests check that every mode emits AR's tokens under the
+same grammar at T = 0, that outputs parse and validate, and the law at T > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from saguaro_ray.algorithms.grammar import GrammarCompiler, apply_bitmask, new_bitmask
+from saguaro_ray.config import ResponseFormat
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.tokenizer import load_tokenizer
+
+JSON_OBJECT = ResponseFormat.of({"type": "json_object"})
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["name", "age", "ok"],
+}
+PERSON_FORMAT = ResponseFormat.of({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(zoo_tiny):
+    return load_tokenizer(zoo_tiny / "target")
+
+
+def allowed(compiler: GrammarCompiler, fmt: ResponseFormat, history: list[int]) -> set[int]:
+    """The allowed next tokens after ``history``, from a fresh state (the reference)."""
+    bm = new_bitmask(1, compiler.vocab_size)
+    compiler.start(fmt).fill(history, bm, 0)
+    row = apply_bitmask(torch.zeros(1, compiler.vocab_size), bm, [0])[0]
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+def test_masks_follow_any_walk_over_histories(tokenizer):
+    """One state asked for prefixes in any order (proposals, rejections, tree
+    branches) gives exactly the masks of fresh states fed each prefix."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    doc = tokenizer.encode(json.dumps({"name": "Ada", "age": 36, "ok": True}))
+    wrong = tokenizer.encode("]")[0]
+    rng = random.Random(0)
+    histories = [doc[: rng.randint(0, len(doc))] for _ in range(30)]
+    histories += [doc[:n] + [wrong] for n in (1, 4)] + [doc[:3]]  # off-grammar branches ("]" after "{", after a key), then back on it
+    state = compiler.start(PERSON_FORMAT)
+    bm = new_bitmask(len(histories), compiler.vocab_size)
+    for i, h in enumerate(histories):
+        state.fill(h, bm, i)
+    rows = apply_bitmask(torch.zeros(len(histories), compiler.vocab_size), bm, list(range(len(histories))))
+    for i, h in enumerate(histories):
+        got = set(torch.isfinite(rows[i]).nonzero().flatten().tolist())
+        assert got == allowed(compiler, PERSON_FORMAT, h), f"history {i} ({len(h)} tokens)"
+        if h and h[-1] == wrong:
+            assert got == {tokenizer.eos_token_id}  # a history outside the grammar: EOS only, never an empty law
+        elif len(h) < len(doc):
+            assert doc[len(h)] in got and len(got) < compiler.vocab_size
+
+
+def test_complete_grammar_allows_only_eos_and_padding_never(tokenizer):
+    """After a complete object only EOS is allowed; the model's padding ids
+    past the tokenizer's vocabulary are never allowed."""
+    vocab = len(tokenizer) + 40
+    compiler = GrammarCompiler(tokenizer, vocab, (tokenizer.eos_token_id,))
+    doc = tokenizer.encode('{"a": [1, 2]}')
+    assert allowed(compiler, JSON_OBJECT, doc) == {tokenizer.eos_token_id}
+    assert allowed(compiler, JSON_OBJECT, doc + [tokenizer.eos_token_id]) == {tokenizer.eos_token_id}
+    for n in range(len(doc)):
+        assert not allowed(compiler, JSON_OBJECT, doc[:n]) & set(range(len(tokenizer), vocab))
+    assert tokenizer.eos_token_id not in allowed(compiler, JSON_OBJECT, doc[:-1])
+
+
+def test_properties_come_in_the_schema_order(tokenizer):
+    """OpenAI writes a schema's properties in the order it lists them; so
+    does the grammar (the format keeps the schema's key order)."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    in_order = tokenizer.encode('{"name": "A", "age": 3, "ok": true}')
+    assert allowed(compiler, PERSON_FORMAT, in_order) == {tokenizer.eos_token_id}
+    assert allowed(compiler, PERSON_FORMAT, tokenizer.encode('{"age": 3')) == {tokenizer.eos_token_id}  # off the grammar
+
+
+def test_json_object_needs_an_object(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    first = allowed(compiler, JSON_OBJECT, [])
+    assert all(tokenizer.decode([t]).lstrip().startswith("{") for t in first)
+
+
+def test_unusable_schema_is_a_config_error_naming_response_format(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    bad = ResponseFormat.of({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}})
+    with pytest.raises(ConfigError, match=r"^response_format\.json_schema\.schema cannot be compiled to a grammar: Cannot find"):
+        compiler.compile(bad)
+    with pytest.raises(ConfigError, match="^response_format needs the model's end-of-sequence"):
+        GrammarCompiler(tokenizer, len(tokenizer), ())
