@@ -16,7 +16,7 @@ import pytest
 import test_exactness_greedy
 from engine_helpers import settle
 
-from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
+from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
 
