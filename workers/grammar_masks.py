@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=4)
 def _compiler(tokenizer_dir: str, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarCompiler:
     """One compiler per tokenizer and vocabulary in a process (~0.1 s to build)."""
-    return GrammarCompiler(load_tokenizer(tokenizer_dir), vocab_size, eos_ids)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    eos = eos_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    return GrammarCompiler(tokenizer, vocab_size, eos)
 
 
 class GrammarMasks:
@@ -40,6 +42,15 @@ class GrammarMasks:
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._key = (str(tokenizer_dir), vocab_size, tuple(eos_ids))
         self._states: dict[int, tuple[ResponseFormat, SequenceGrammar]] = {}
+
+    @classmethod
+    def for_runner(cls, runner: Any) -> "GrammarMasks":
+        """The masks of a worker running ``runner`` (a :class:`ModelRunner` or
+        its tensor-parallel proxy): its checkpoint's tokenizer, its logit
+        width, and its end-of-sequence ids (the tokenizer's when the config
+        names none, as :attr:`ModelSet.eos_ids` reads them). Nothing is loaded
+        until a structured request arrives."""
+        return cls(str(runner.checkpoint.path), runner.vocab_size, runner.eos_token_ids)
 
     def apply(self, logits: torch.Tensor, rows: "Sequence[RowContext]") -> torch.Tensor:
         """``logits [R, V]`` with each constrained row's disallowed tokens at -inf

@@ -4,8 +4,9 @@ One call for every row a worker samples, verifies or ranks from — the
 target's verification rows, the draft's drafting rows, its SSD glue rows and
 tree steps, the qualifier's rows — so the target's law and the drafts'
 proposals see the same penalties, bias and grammar (issue 21). The math is in
-:mod:`saguaro_ray.algorithms.penalties`; this class only knows each row's
-history and hands it over.
+:mod:`saguaro_ray.algorithms.penalties` and :mod:`saguaro_ray.algorithms.grammar`
+(through the worker's :class:`~saguaro_ray.workers.grammar_masks.GrammarMasks`);
+this class only knows each row's history and hands it over.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 from saguaro_ray.algorithms.penalties import apply_penalties
 from saguaro_ray.config import SamplingParams
+from saguaro_ray.errors import ConfigError
+from saguaro_ray.workers.grammar_masks import GrammarMasks
 from saguaro_ray.workers.token_history import TokenHistory
 
 
@@ -37,10 +40,14 @@ class RowContext:
 
 
 class LogitAdjuster:
-    """A worker's logit adjustments, reading histories from its :class:`TokenHistory`."""
+    """A worker's logit adjustments, reading histories from its :class:`TokenHistory`.
 
-    def __init__(self, history: TokenHistory) -> None:
+    ``grammar``: the worker's structured-output masks (None: a worker without
+    a tokenizer, which refuses ``response_format`` rows)."""
+
+    def __init__(self, history: TokenHistory, grammar: GrammarMasks | None = None) -> None:
         self.history = history
+        self.grammar = grammar
 
     def rows_after(self, seq_id: int, params: SamplingParams, n: int) -> list[RowContext]:
         """Contexts of the last ``n`` rows a forward returned for ``seq_id``:
@@ -50,8 +57,19 @@ class LogitAdjuster:
         return [RowContext(seq_id, params, held, len(held) - n + 1 + j, (), plen) for j in range(n)]
 
     def adjust(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:
-        """``logits [R, V]`` with each row's penalties and bias applied
-        (a new tensor; when no row adjusts, ``logits`` itself)."""
+        """``logits [R, V]`` with each row's penalties and bias applied, then
+        its grammar mask — last, so no bias can revive a token the grammar
+        forbids (a new tensor; when no row adjusts, ``logits`` itself)."""
         if not any(r.params.adjusts_logits for r in rows):
             return logits
-        return apply_penalties(logits, rows)
+        logits = apply_penalties(logits, rows)
+        if any(r.params.response_format is not None for r in rows):
+            if self.grammar is None:
+                raise ConfigError("response_format needs a worker that holds its model's tokenizer")
+            logits = self.grammar.apply(logits, rows)
+        return logits
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """Forget the per-sequence state of finished sequences (their grammar states)."""
+        if self.grammar is not None:
+            self.grammar.release(seq_ids)

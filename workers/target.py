@@ -17,6 +17,7 @@ from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_uniforms, pr
 from saguaro_ray.algorithms.pyramid import target_check
 from saguaro_ray.algorithms.verification import greedy_outcomes, point_mass
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
+from saguaro_ray.workers.grammar_masks import GrammarMasks
 from saguaro_ray.workers.logit_adjust import LogitAdjuster
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.token_history import TokenHistory
@@ -137,7 +138,7 @@ class RunnerLogic:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.history = TokenHistory()
-        self.adjuster = LogitAdjuster(self.history)
+        self.adjuster = LogitAdjuster(self.history, GrammarMasks.for_runner(runner))
 
     def feed(self, steps: Sequence[SeqStep], extra: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
         """:func:`feed` on this worker's runner and history."""
@@ -159,6 +160,7 @@ class RunnerLogic:
         for s in seq_ids:
             self.runner.free_sequence(s)
             self.history.drop(s)
+        self.adjuster.release(seq_ids)
 
 
 class TargetLogic(RunnerLogic):
