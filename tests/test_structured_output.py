@@ -171,3 +171,72 @@ def test_every_mode_emits_ar_tokens_under_the_grammar_and_outputs_validate(engin
     for mode in MODES:
         got = engine.generate(PROMPTS, structured(fmt, mode))
         assert [r.token_ids for r in got] == [r.token_ids for r in ar], mode
+
+
+def test_workers_forget_grammar_states_of_finished_sequences(engine):
+    from engine_helpers import settle
+
+    engine.generate(PROMPTS, structured(FORMATS["json_object"], "ssd"))
+    settle(engine)
+    assert {role: len(w.logic.adjuster.grammar) for role, w in engine.workers.items()} == {role: 0 for role in engine.workers}
+
+
+# ------------------------------------------------------------------ the law at T > 0
+
+LAW_M = 6  # generated tokens whose joint law is tested
+LAW_N = 3000
+LAW_SEED = 70_000
+
+
+def grammar_law(zoo_tiny, tokenizer, fmt: ResponseFormat, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first LAW_M tokens = x) under the grammar, T = 1, top-k 2, by
+    enumeration: the target through ``transformers``, each row masked by a
+    fresh grammar state of its prefix, then processed as the engine does."""
+    from helpers import load_hf_model
+
+    from saguaro_ray.algorithms.sampling import process_logits
+
+    hf = load_hf_model(zoo_tiny / "target")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    law: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(LAW_M):
+        nxt: dict[tuple[int, ...], float] = {}
+        for prefix, pr in law.items():
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
+            bm = new_bitmask(1, compiler.vocab_size)
+            compiler.start(fmt).fill(list(prefix), bm, 0)
+            p = process_logits(apply_bitmask(logits, bm, [0]), [1.0], [2])[0].double()
+            p = p / p.sum()
+            for tok in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (tok,)] = pr * float(p[tok])
+        law = nxt
+    return law
+
+
+def test_the_law_at_t1_is_the_masked_target_law_in_sd_and_ssd(zoo_tiny, tokenizer):
+    from test_exactness_sampling import assert_law
+
+    from saguaro_ray.engine import LocalEngine
+    from saguaro_ray.runtime.engine_config import EngineConfig
+
+    prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    law = grammar_law(zoo_tiny, tokenizer, JSON_OBJECT, prompt)
+    assert len(law) > 8  # the grammar leaves choices open
+    eng = LocalEngine(
+        EngineConfig(
+            target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), threads_per_worker=1,
+            max_batch_size=LAW_N, max_kv_tokens=(len(prompt) + 16) * LAW_N,
+        )
+    )
+    try:
+        for strategy in ("sd", "ssd"):
+            params = SamplingParams(
+                temperature=1.0, top_k=2, max_tokens=LAW_M, ignore_eos=True, seed=LAW_SEED, response_format=JSON_OBJECT,
+                speculation={"mode": strategy, "k": 2},
+            )
+            results = eng.generate([prompt], params, n=LAW_N)
+            assert all(len(r.token_ids) == LAW_M for r in results)
+            assert_law(results, law, strategy)
+    finally:
+        eng.close()

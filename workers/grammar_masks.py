@@ -66,6 +66,10 @@ class GrammarMasks:
             self._state(r.seq_id, r.params.response_format).fill(generated, bitmask, j)
         return apply_bitmask(logits, bitmask, picked)
 
+    def __len__(self) -> int:
+        """How many sequences hold a grammar state here."""
+        return len(self._states)
+
     def release(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             self._states.pop(s, None)
