@@ -20,6 +20,7 @@ from saguaro_ray.cli_flags import (
     add_sampling_args,
     add_speculation_args,
     engine_options_from_args,
+    json_object,
     run_command,
     sampling_from_args,
     speculation_from_args,
@@ -235,6 +236,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="SSD, one draft: the draft starts the next build itself (default: on through Ray, off in process)",
     )
     p.add_argument("--address", default=None)
+    p.add_argument("--response-format", type=json_object, default=None, help="every request's structured output, as OpenAI's response_format JSON (engine modes only)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
     p.set_defaults(func=_cmd_bench)
@@ -245,6 +247,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from saguaro_ray.bench.plot import plot, require_matplotlib
     from saguaro_ray.bench.report import format_table
     from saguaro_ray.bench.run import BenchArgs, run_bench
+    from saguaro_ray.config import SamplingParams
 
     if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
@@ -256,6 +259,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--target-tp needs the ray runtime; drop inprocess from --runtimes")
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
         raise ConfigError("--repeats and --batch-sizes must be positive")
+    if args.response_format is not None:
+        SamplingParams(response_format=args.response_format)  # a bad one fails before any engine starts
+        if any(not m.strategy for m in parse_modes(args.modes)):
+            raise ConfigError("--response-format runs on the engine's modes only; drop the hf-* peers from --modes")
     if args.plot:
         require_matplotlib()
     report = run_bench(
@@ -283,6 +290,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             target_tp=args.target_tp,
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
             dtype=args.dtype,
+            response_format=args.response_format,
         )
     )
     print(format_table(report))

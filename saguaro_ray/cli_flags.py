@@ -34,7 +34,7 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     group.add_argument(
-        "--response-format", type=_json_object, default=None,
+        "--response-format", type=json_object, default=None,
         help='structured output, as OpenAI\'s response_format: \'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
     )
 
@@ -42,7 +42,7 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "response_format")  # SamplingParams fields, one flag each
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
     """A flag's JSON object (SamplingParams checks what it says)."""
     try:
         value = json.loads(text)

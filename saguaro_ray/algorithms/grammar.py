@@ -111,7 +111,8 @@ class SequenceGrammar:
             self._matcher.rollback(len(done) - keep)
             del done[keep:]
         for t in generated[keep:]:
-            if not self._matcher.accept_token(int(t)):
+            # past the accepted EOS nothing is in the grammar (asking would only make xgrammar warn)
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(t)):
                 return False
             done.append(int(t))
         return True
