@@ -12,6 +12,8 @@ import random
 
 import pytest
 import torch
+from test_serve import client, handle, ray_cluster, server  # noqa: F401 (the Serve app's fixtures)
+from test_serve import models  # noqa: F401
 
 from saguaro_ray.algorithms.grammar import GrammarCompiler, apply_bitmask, new_bitmask
 from saguaro_ray.config import ResponseFormat, SamplingParams
@@ -118,7 +120,7 @@ FORMATS = {
     "json_object": {"type": "json_object"},
     "json_schema": {"type": "json_schema", "json_schema": {"name": "person", "schema": BOUNDED_PERSON}},
 }
-MAX_TOKENS = 40
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +242,49 @@ def test_the_law_at_t1_is_the_masked_target_law_in_sd_and_ssd(zoo_tiny, tokenize
             assert_law(results, law, strategy)
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ Serve, through Ray, with the official client
+
+
+def test_serve_chat_and_completions_with_response_format(client, handle, server):
+    """The openai client gets validating JSON on chat (json_schema, streamed and
+    not) and completions (the extension), each mode equal to AR over Ray's actors;
+    a schema the library cannot compile is a 400 naming response_format, and
+    the engine serves the next request as before."""
+    import httpx
+    import jsonschema
+    import openai
+    from test_serve import MESSAGES, MODEL, TIMEOUT_S, KEY
+
+    fmt = FORMATS["json_schema"]
+    texts = {}
+    for mode in ("ar", "ssd", "sd"):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=fmt, extra_body={"speculation": mode}
+        )
+        [choice] = resp.choices
+        assert choice.finish_reason == "stop"
+        texts[mode] = choice.message.content
+    assert len(set(texts.values())) == 1, texts
+    jsonschema.validate(json.loads(texts["ar"]), BOUNDED_PERSON)
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=fmt, stream=True, extra_body={"speculation": "ssd"}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == texts["ar"]
+    [ref] = handle.generate([PROMPTS[1]], structured(FORMATS["json_object"], "ar"))
+    done = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, extra_body={"response_format": FORMATS["json_object"], "speculation": "ssd"}
+    )
+    assert done.choices[0].text == ref.text and ref.text.startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, response_format=bad)
+    assert info.value.body["param"] == "response_format" and "cannot be compiled" in info.value.body["message"]
+    resp = httpx.post(
+        server + "/v1/completions", json={"model": MODEL, "prompt": "x", "response_format": {"type": "yaml"}},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=fmt)
+    assert again.choices[0].message.content == texts["ar"]
