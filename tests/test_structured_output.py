@@ -192,28 +192,17 @@ LAW_SEED = 70_000
 
 def grammar_law(zoo_tiny, tokenizer, fmt: ResponseFormat, prompt: list[int]) -> dict[tuple[int, ...], float]:
     """P(first LAW_M tokens = x) under the grammar, T = 1, top-k 2, by
-    enumeration: the target through ``transformers``, each row masked by a
-    fresh grammar state of its prefix, then processed as the engine does."""
-    from helpers import load_hf_model
+    enumeration: each row of the target masked by a fresh grammar state of its prefix."""
+    from test_exactness_sampling import exact_law
 
-    from saguaro_ray.algorithms.sampling import process_logits
-
-    hf = load_hf_model(zoo_tiny / "target")
     compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
-    law: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(LAW_M):
-        nxt: dict[tuple[int, ...], float] = {}
-        for prefix, pr in law.items():
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
-            bm = new_bitmask(1, compiler.vocab_size)
-            compiler.start(fmt).fill(list(prefix), bm, 0)
-            p = process_logits(apply_bitmask(logits, bm, [0]), [1.0], [2])[0].double()
-            p = p / p.sum()
-            for tok in torch.nonzero(p).flatten().tolist():
-                nxt[prefix + (tok,)] = pr * float(p[tok])
-        law = nxt
-    return law
+
+    def mask(prefix: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
+        bm = new_bitmask(1, compiler.vocab_size)
+        compiler.start(fmt).fill(list(prefix), bm, 0)
+        return apply_bitmask(logits, bm, [0])
+
+    return exact_law(zoo_tiny / "target", m=LAW_M, temperature=1.0, top_k=2, prompt=prompt, adjust=mask)
 
 
 def test_the_law_at_t1_is_the_masked_target_law_in_sd_and_ssd(zoo_tiny, tokenizer):
