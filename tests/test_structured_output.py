@@ -87,6 +87,23 @@ def test_properties_come_in_the_schema_order(tokenizer):
     assert allowed(compiler, PERSON_FORMAT, tokenizer.encode('{"age": 3')) == {tokenizer.eos_token_id}  # off the grammar
 
 
+def test_both_unpackings_agree_and_rows_are_masked_in_place(tokenizer):
+    """The CPU's byte unpacking and the accelerators' shift unpacking give the
+    same mask; a subset of rows is masked, the others are left as they were."""
+    from saguaro_ray.algorithms.grammar import banned_by_bytes, banned_by_shifts
+
+    gen = torch.Generator().manual_seed(0)
+    bm = torch.randint(-(2**31), 2**31 - 1, (3, 70), generator=gen, dtype=torch.int32)
+    for vocab in (70 * 32, 70 * 32 - 13):
+        assert torch.equal(banned_by_bytes(bm, vocab), banned_by_shifts(bm, vocab))
+    logits = torch.randn(5, 70 * 32 - 13, generator=gen)
+    out = apply_bitmask(logits, bm[:2], [1, 3])
+    banned = banned_by_bytes(bm[:2], logits.shape[1])
+    assert torch.equal(out[[0, 2, 4]], logits[[0, 2, 4]])
+    assert torch.equal(out[[1, 3]], logits[[1, 3]].masked_fill(banned, float("-inf")))
+    assert all(bool(((bm[0, t // 32] >> (t % 32)) & 1) == 0) == bool(banned[0, t]) for t in (0, 31, 32, 1000))
+
+
 def test_json_object_needs_an_object(tokenizer):
     compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
     first = allowed(compiler, JSON_OBJECT, [])

