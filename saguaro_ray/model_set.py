@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from saguaro_ray.errors import ConfigError, IncompatibleModelsError
 from saguaro_ray.models.resolve import resolve_models
 from saguaro_ray.models.spec import ModelRef, Spec
-from saguaro_ray.tokenizer import check_same_vocabulary, load_tokenizer
+from saguaro_ray.tokenizer import check_same_vocabulary, end_of_sequence_ids, load_tokenizer
 from saguaro_ray.workers.checkpoint import Checkpoint, open_checkpoint
 
 if TYPE_CHECKING:
@@ -144,6 +144,5 @@ class ModelSet:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """The target's end-of-sequence ids (its config's, else its tokenizer's)."""
-        eos = self.checkpoints["target"].config.eos_token_ids
-        return eos or tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        return end_of_sequence_ids(self.checkpoints["target"].config.eos_token_ids, self.tokenizer)
 

@@ -26,6 +26,11 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         raise CheckpointError(f"{root}: cannot load the tokenizer ({exc})") from exc
 
 
+def end_of_sequence_ids(config_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
+    """A model's end-of-sequence ids: its config's, else its tokenizer's."""
+    return config_eos or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+
+
 def check_same_vocabulary(target_tok: Any, other_tok: Any, other_name: str) -> None:
     """Raise :class:`IncompatibleModelsError` unless both tokenizers map every
     token string to the same id."""

@@ -110,6 +110,21 @@ def test_json_object_needs_an_object(tokenizer):
     assert all(tokenizer.decode([t]).lstrip().startswith("{") for t in first)
 
 
+def test_the_compiled_grammar_cache_is_bounded(tokenizer):
+    """Every request may bring its own schema: the compiler keeps the latest
+    MAX_CACHED_GRAMMARS, a recent one is served from the cache."""
+    from saguaro_ray.algorithms.grammar import MAX_CACHED_GRAMMARS
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    fmts = [ResponseFormat.of({"type": "json_schema", "json_schema": {"schema": {"enum": [f"v{i}"]}}}) for i in range(MAX_CACHED_GRAMMARS + 1)]
+    first = compiler.compile(fmts[0])
+    for f in fmts[1:]:
+        compiler.compile(f)
+    assert len(compiler) == MAX_CACHED_GRAMMARS
+    assert compiler.compile(fmts[-1]) is compiler.compile(fmts[-1])
+    assert compiler.compile(fmts[0]) is not first  # evicted, compiled again
+
+
 def test_unusable_schema_is_a_config_error_naming_response_format(tokenizer):
     compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
     bad = ResponseFormat.of({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}})

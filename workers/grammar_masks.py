@@ -18,7 +18,7 @@ import torch
 
 from saguaro_ray.algorithms.grammar import GrammarCompiler, SequenceGrammar, apply_bitmask, new_bitmask
 from saguaro_ray.config import ResponseFormat
-from saguaro_ray.tokenizer import load_tokenizer
+from saguaro_ray.tokenizer import end_of_sequence_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from saguaro_ray.workers.logit_adjust import RowContext
@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 def _compiler(tokenizer_dir: str, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarCompiler:
     """One compiler per tokenizer and vocabulary in a process (~0.1 s to build)."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    eos = eos_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    return GrammarCompiler(tokenizer, vocab_size, eos)
+    return GrammarCompiler(tokenizer, vocab_size, end_of_sequence_ids(eos_ids, tokenizer))
 
 
 class GrammarMasks:

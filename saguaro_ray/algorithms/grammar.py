@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,15 +40,16 @@ from saguaro_ray.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
-_BITS = 32  # xgrammar packs a mask as int32 words, bit i of word w = token 32*w + i
+_BITS = 32
+MAX_CACHED_GRAMMARS = 64  # compiled formats kept per compiler (running sequences hold their own reference)  # xgrammar packs a mask as int32 words, bit i of word w = token 32*w + i
 
 
 class GrammarCompiler:
     """Compiles response formats for one tokenizer and model vocabulary.
 
     One per worker: building xgrammar's tokenizer index costs ~0.1 s, a
-    compile a few ms, so both are done once and compiled grammars are cached
-    by their :class:`ResponseFormat` (hashable; the schema is canonical text).
+    compile a few ms, so both are done once and the latest compiled grammars
+    are cached by their :class:`ResponseFormat` (hashable; the schema is its text).
     ``vocab_size`` is the model's logit width, which may exceed the
     tokenizer's: the padding ids are never allowed.
     """
@@ -58,14 +60,15 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(self.eos_ids))
-        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1)
-        self._compiled: dict[ResponseFormat, xgrammar.CompiledGrammar] = {}
+        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)  # ours is bounded
+        self._compiled: OrderedDict[ResponseFormat, xgrammar.CompiledGrammar] = OrderedDict()
 
     def compile(self, fmt: ResponseFormat) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``fmt``; a schema xgrammar cannot compile
         raises :class:`ConfigError` naming ``response_format``."""
         hit = self._compiled.get(fmt)
         if hit is not None:
+            self._compiled.move_to_end(fmt)
             return hit
         # json_object: any object (not strict: every property allowed); json_schema: the schema as
         # OpenAI's strict mode reads it. Fixed separators (", " and ": ", as json.dumps writes them):
@@ -77,8 +80,14 @@ class GrammarCompiler:
             reason = _LOCATION.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"response_format.json_schema.schema cannot be compiled to a grammar: {reason}") from None
         self._compiled[fmt] = compiled
+        if len(self._compiled) > MAX_CACHED_GRAMMARS:  # every request may bring its own schema: keep the recent ones
+            self._compiled.popitem(last=False)
         log.debug("compiled response_format %s (%d chars of schema)", fmt.type, len(fmt.schema or ""))
         return compiled
+
+    def __len__(self) -> int:
+        """How many compiled formats the cache holds."""
+        return len(self._compiled)
 
     def start(self, fmt: ResponseFormat) -> "SequenceGrammar":
         """A fresh grammar state for one sequence generating under ``fmt``."""
