@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -47,8 +48,9 @@ MAX_CACHED_GRAMMARS = 64  # compiled formats kept per compiler (running sequence
 class GrammarCompiler:
     """Compiles response formats for one tokenizer and model vocabulary.
 
-    One per worker: building xgrammar's tokenizer index costs ~0.1 s, a
-    compile a few ms, so both are done once and the latest compiled grammars
+    One per tokenizer in a process (its workers share it): building
+    xgrammar's tokenizer index costs ~0.1 s, a compile a few ms, so both are
+    done once and the latest compiled grammars
     are cached by their :class:`ResponseFormat` (hashable; the schema is its text).
     ``vocab_size`` is the model's logit width, which may exceed the
     tokenizer's: the padding ids are never allowed.
@@ -62,14 +64,24 @@ class GrammarCompiler:
         self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(self.eos_ids))
         self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)  # ours is bounded
         self._compiled: OrderedDict[ResponseFormat, xgrammar.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, fmt: ResponseFormat) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``fmt``; a schema xgrammar cannot compile
-        raises :class:`ConfigError` naming ``response_format``."""
-        hit = self._compiled.get(fmt)
-        if hit is not None:
-            self._compiled.move_to_end(fmt)
-            return hit
+        raises :class:`ConfigError` naming ``response_format``. Thread-safe:
+        the workers of one process (threads of the in-process engine) share a compiler."""
+        with self._lock:
+            hit = self._compiled.get(fmt)
+            if hit is not None:
+                self._compiled.move_to_end(fmt)
+                return hit
+            compiled = self._compile(fmt)
+            self._compiled[fmt] = compiled
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:  # every request may bring its own schema: keep the recent ones
+                self._compiled.popitem(last=False)
+            return compiled
+
+    def _compile(self, fmt: ResponseFormat) -> xgrammar.CompiledGrammar:
         # json_object: any object (not strict: every property allowed); json_schema: the schema as
         # OpenAI's strict mode reads it. Fixed separators (", " and ": ", as json.dumps writes them):
         # free whitespace is a known way for small models to loop inside a grammar, and carries no content.
@@ -79,9 +91,6 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = _LOCATION.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"response_format.json_schema.schema cannot be compiled to a grammar: {reason}") from None
-        self._compiled[fmt] = compiled
-        if len(self._compiled) > MAX_CACHED_GRAMMARS:  # every request may bring its own schema: keep the recent ones
-            self._compiled.popitem(last=False)
         log.debug("compiled response_format %s (%d chars of schema)", fmt.type, len(fmt.schema or ""))
         return compiled
 
