@@ -91,6 +91,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"--- prompt {r.prompt_index} sample {r.sample_index} [{r.mode}, {r.finish_reason}] ---")
             print(prompts[r.prompt_index] + r.text, flush=True)
+            for i, lp in enumerate(r.logprobs or ()):
+                top = " ".join(f"{t}:{v:.4f}" for t, v in lp.top)
+                print(f"  [{i}] token {lp.token} logprob {lp.logprob:.4f}" + (f"  top {top}" if top else ""), flush=True)
     return 0
 
 
