@@ -225,3 +225,29 @@ def test_a_ray_engine_returns_the_same_logprobs(ray_instance, zoo_tiny, engine):
         assert g.token_ids == w.token_ids
         assert_same(g.logprobs, w.logprobs)
     assert_same([e for c in chunks for e in c.logprobs or []], got[0].logprobs)
+
+
+def test_cli_prints_them_and_refuses_bad_values_in_one_line(zoo_tiny):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "saguaro_ray", "generate", "--in-process", "--target", str(zoo_tiny / "target"), "--prompt", PROMPTS[0]]
+    run = lambda *flags: subprocess.run([*base, *flags], capture_output=True, text=True, timeout=300)  # noqa: E731
+    out = run("--json", "--temperature", "0", "--max-tokens", "4", "--logprobs", "2", "--logprobs-mode", "processed")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert [(e["token"], e["logprob"], e["top"]) for e in row["logprobs"]] == [(t, 0.0, [[t, 0.0]]) for t in row["token_ids"]]
+    text = run("--temperature", "0", "--max-tokens", "3", "--logprobs", "1")
+    assert text.returncode == 0 and text.stdout.count(" logprob ") == 3
+    bad = run("--logprobs", "21")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "logprobs" in bad.stderr
+
+
+def test_bench_requests_ask_for_logprobs():
+    from saguaro_ray.bench.plan import temperature_settings
+    from saguaro_ray.bench.run import request_params
+
+    [setting] = temperature_settings([0.0], None)
+    assert {p.logprobs for p in request_params(3, setting, 8, 0, None, 5)} == {5}
+    assert {p.logprobs for p in request_params(3, setting, 8, 0, None)} == {None}
