@@ -76,7 +76,8 @@ def row_logprobs(raw: torch.Tensor, adjusted: torch.Tensor, mode: str, temperatu
 def token_logprobs(logp: torch.Tensor, tokens: Sequence[int], n: int) -> list[TokenLogprobs]:
     """Row j of ``logp`` scores ``tokens[j]``: its logprob and the top ``n``."""
     out = []
-    for row, t in zip(logp, tokens):
+    # one copy of the few emitted rows off an accelerator, rather than a sync per value read
+    for row, t in zip(logp.cpu(), tokens):
         v = float(row[t])
         out.append(TokenLogprobs(int(t), v if v > float("-inf") else IMPOSSIBLE, top_n(row, n)))
     return out
