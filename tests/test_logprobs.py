@@ -17,6 +17,7 @@ engine drops takes its logprob with it. The Serve shapes are tested in
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -146,6 +147,44 @@ def test_processed_logprobs_are_the_law_sampled_from(engine, hf):
         law = processed_law(reference_rows(hf, engine, prompt, r.token_ids), temperature, top_k, top_p)
         assert_matches(r.logprobs, r.token_ids, law, N)
         assert all(e.logprob > IMPOSSIBLE for e in r.logprobs)
+
+
+def adjusted_by_hand(logits: torch.Tensor, prompt_ids: list[int], generated: list[int], params: SamplingParams) -> torch.Tensor:
+    """Row j of ``logits`` with the penalties and bias of its history
+    (prompt + ``generated[:j]``) applied as OpenAI / Hugging Face define them:
+    repetition over the whole history, presence and frequency over the
+    generated tokens, then the bias."""
+    out = logits.clone()
+    for j, row in enumerate(out):
+        r = params.repetition_penalty
+        for t in set(prompt_ids + generated[:j]):
+            row[t] = row[t] / r if row[t] > 0 else row[t] * r
+        for t, c in Counter(generated[:j]).items():
+            row[t] -= params.frequency_penalty * c + params.presence_penalty
+        for t, b in params.logit_bias:
+            row[t] += b
+    return out
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_raw_logprobs_ignore_penalties_and_bias_processed_ones_include_them(engine, hf, mode):
+    """With penalties and a logit bias on, ``raw`` is still the model's
+    log-softmax; ``processed`` is the law of the adjusted logits."""
+    favoured = engine.frontend.encode(" ")[0]
+    params = [
+        SamplingParams(
+            temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=21 + i, logprobs=N, logprobs_mode=mode, speculation=s,
+            presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={favoured: 2.5},
+        )
+        for i, s in enumerate(STRATEGIES)
+    ]
+    for prompt, p, r in zip(PROMPTS, params, engine.generate(PROMPTS, params)):
+        logits = reference_rows(hf, engine, prompt, r.token_ids)
+        if mode == "raw":
+            ref = torch.log_softmax(logits, -1)
+        else:
+            ref = processed_law(adjusted_by_hand(logits, engine.frontend.encode(prompt), r.token_ids, p), p.temperature, 0, p.top_p)
+        assert_matches(r.logprobs, r.token_ids, ref, N)
 
 
 def test_processed_logprobs_at_temperature_zero_are_one_hot(engine):

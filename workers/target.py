@@ -196,7 +196,7 @@ class TargetLogic(RunnerLogic):
         for i, it in enumerate(items):
             groups.setdefault((it.rule, it.tau, it.div), []).append(i)
         if len(groups) == 1:
-            return with_logprobs(self._check(next(iter(groups)), logits, steps, proposals), logits, logits, steps, proposals)
+            return with_logprobs(self._check(next(iter(groups)), logits, steps, proposals), raw, logits, steps, proposals)
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n + 1)
@@ -205,7 +205,7 @@ class TargetLogic(RunnerLogic):
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx])
             for i, o in zip(idx, self._check(key, logits[rows], [steps[i] for i in idx], [proposals[i] for i in idx])):
                 out[i] = o
-        return with_logprobs(out, logits, logits, steps, proposals)  # type: ignore[arg-type]
+        return with_logprobs(out, raw, logits, steps, proposals)  # type: ignore[arg-type]
 
     @staticmethod
     def _check(rule_key: tuple[str, float, str], logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal]) -> list[Outcome]:
