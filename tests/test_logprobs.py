@@ -229,11 +229,15 @@ def test_stream_chunks_carry_their_tokens_logprobs(engine):
 
 
 def test_top_n_ranks_ties_to_the_lower_id_and_leaves_out_impossible_tokens():
-    row = torch.tensor([0.0, 2.0, float("-inf"), 2.0, 1.0, 2.0]).log_softmax(-1)
-    assert [t for t, _ in top_n(row, 2)] == [1, 3]
-    assert [t for t, _ in top_n(row, 4)] == [1, 3, 5, 4]
-    assert [t for t, _ in top_n(row, 10)] == [1, 3, 5, 4, 0]
-    assert top_n(row, 0) == []
+    rows = torch.tensor([[0.0, 2.0, float("-inf"), 2.0, 1.0, 2.0], [3.0, 2.0, 2.0, 1.0, 0.0, 2.5]]).log_softmax(-1)
+    ids = lambda n: [[t for t, _ in row] for row in top_n(rows, n)]  # noqa: E731
+    assert ids(2) == [[1, 3], [0, 5]]
+    assert ids(3) == [[1, 3, 5], [0, 5, 1]]
+    assert ids(4) == [[1, 3, 5, 4], [0, 5, 1, 2]]
+    assert ids(10) == [[1, 3, 5, 4, 0], [0, 5, 1, 2, 3, 4]]
+    assert top_n(rows, 0) == [[], []]
+    one_hot = torch.tensor([[float("-inf"), 0.0, float("-inf")]])
+    assert top_n(one_hot, 2) == [[(1, 0.0)]]
 
 
 def test_outcome_logprobs_cross_the_wire():

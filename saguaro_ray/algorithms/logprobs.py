@@ -45,19 +45,32 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-def top_n(logp: torch.Tensor, n: int) -> list[tuple[int, float]]:
-    """The ``n`` most likely tokens of one row of log-probabilities, ties to
-    the lower id, tokens of probability 0 left out (``torch.topk`` leaves the
-    order of ties unspecified: every token tied with the n-th is a candidate,
-    and a stable sort of the candidates decides)."""
+def top_n(logp: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
+    """The ``n`` most likely tokens of each row of log-probabilities
+    ``[R, V]``, ties to the lower id, tokens of probability 0 left out.
+
+    ``torch.topk`` leaves the order of ties unspecified, so its picks are
+    re-sorted by (value, id); where more tokens than n tie with the n-th,
+    topk's choice among them need not be the lower ids', and that row's
+    candidates — every token at least as likely as the n-th — are sorted
+    instead."""
     n = min(n, logp.shape[-1])
     if n <= 0:
-        return []
-    cut = torch.topk(logp, n).values[-1]
-    ids = torch.nonzero(logp >= cut).squeeze(-1)  # ascending ids
-    order = torch.sort(logp[ids], descending=True, stable=True).indices[:n]
-    vals = logp[ids[order]]
-    return [(int(i), float(v)) for i, v in zip(ids[order].tolist(), vals.tolist()) if v > float("-inf")]
+        return [[] for _ in range(logp.shape[0])]
+    vals, ids = torch.topk(logp, n, dim=-1)
+    cut = vals[:, -1:]
+    # a cut at -inf means topk took every possible token: nothing was left to choose
+    ambiguous = ((cut[:, 0] > float("-inf")) & ((logp >= cut).sum(-1) > n)).tolist()
+    out = []
+    for r, (row_vals, row_ids) in enumerate(zip(vals.tolist(), ids.tolist())):
+        if ambiguous[r]:
+            row = logp[r]
+            cand = torch.nonzero(row >= cut[r]).squeeze(-1)  # ascending ids
+            order = torch.sort(row[cand], descending=True, stable=True).indices[:n]
+            row_ids, row_vals = cand[order].tolist(), row[cand[order]].tolist()
+        pairs = sorted(zip(row_ids, row_vals), key=lambda p: (-p[1], p[0]))
+        out.append([(int(t), float(v)) for t, v in pairs if v > float("-inf")])
+    return out
 
 
 def row_logprobs(raw: torch.Tensor, adjusted: torch.Tensor, mode: str, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -70,14 +83,12 @@ def row_logprobs(raw: torch.Tensor, adjusted: torch.Tensor, mode: str, temperatu
         raise ValueError(f"unknown logprobs mode {mode!r} (SamplingParams checks it: raw or processed)")
     rows = adjusted.shape[0]
     p = process_logits(adjusted, [temperature] * rows, [top_k] * rows, [top_p] * rows)
-    return torch.log(p)
+    # log(0) is slow on CPUs (a one-hot row is all zeros but one): take logs of the rest only
+    return torch.where(p > 0, p, 1.0).log().masked_fill_(p == 0, float("-inf"))
 
 
 def token_logprobs(logp: torch.Tensor, tokens: Sequence[int], n: int) -> list[TokenLogprobs]:
     """Row j of ``logp`` scores ``tokens[j]``: its logprob and the top ``n``."""
-    out = []
-    # one copy of the few emitted rows off an accelerator, rather than a sync per value read
-    for row, t in zip(logp.cpu(), tokens):
-        v = float(row[t])
-        out.append(TokenLogprobs(int(t), v if v > float("-inf") else IMPOSSIBLE, top_n(row, n)))
-    return out
+    logp = logp.cpu()  # one copy of the few emitted rows off an accelerator, rather than a sync per value read
+    own = logp.gather(-1, torch.tensor(list(tokens), dtype=torch.long).unsqueeze(-1)).squeeze(-1).tolist()
+    return [TokenLogprobs(int(t), v if v > float("-inf") else IMPOSSIBLE, top) for t, v, top in zip(tokens, own, top_n(logp, n))]
