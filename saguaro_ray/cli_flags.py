@@ -33,13 +33,18 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
     group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    from saguaro_ray.config import LOGPROBS_MODES
+
+    group.add_argument("--logprobs", type=int, default=None, help="the target's logprob of each token and of its N likeliest alternatives (0: the token's alone)")
+    group.add_argument("--logprobs-mode", default="raw", choices=LOGPROBS_MODES, help="raw: the model's log-softmax; processed: the law sampled from")
     group.add_argument(
         "--response-format", type=json_object, default=None,
         help='structured output, as OpenAI\'s response_format: \'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
     )
 
 
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "response_format")  # SamplingParams fields, one flag each
+# SamplingParams fields, one flag each
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "logprobs", "logprobs_mode", "response_format")
 
 
 def json_object(text: str) -> dict[str, Any]:

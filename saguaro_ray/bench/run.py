@@ -52,6 +52,7 @@ class BenchArgs:
     target_tp: int = 1
     build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
     dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
+    logprobs: int | None = None  # every request asks for its tokens' logprobs and N alternatives (None: off)
     response_format: dict[str, Any] | None = None  # every request's structured output (OpenAI's response_format)
     progress: bool = True
 
@@ -135,14 +136,14 @@ class _Engine:
 class _Runner:
     """One benched mode on its engine: the runs' requests carry its strategy."""
 
-    def __init__(self, engine: _Engine, mode: BenchMode, response_format: dict[str, Any] | None = None) -> None:
-        self.engine, self.bench_mode, self.response_format = engine, mode, response_format
+    def __init__(self, engine: _Engine, mode: BenchMode, logprobs: int | None = None, response_format: dict[str, Any] | None = None) -> None:
+        self.engine, self.bench_mode, self.logprobs, self.response_format = engine, mode, logprobs, response_format
         self.mode, self.runtime, self.num_drafts = mode.label, engine.runtime, engine.num_drafts
 
     def run(self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
         """Generate every prompt, ``batch_size`` at a time (default: all at once),
         request j at ``temperatures.for_request(j)``."""
-        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, self.response_format)
+        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, self.logprobs, self.response_format)
         b = batch_size or len(prompts)
         before = len(self.engine.timeline())
         t0 = time.perf_counter()
@@ -176,18 +177,25 @@ class _Runner:
 
 
 def request_params(
-    n: int, temperatures: TemperatureSetting, max_tokens: int, seed: int, strategy: Strategy | None, response_format: dict[str, Any] | None = None
+    n: int,
+    temperatures: TemperatureSetting,
+    max_tokens: int,
+    seed: int,
+    strategy: Strategy | None,
+    logprobs: int | None = None,
+    response_format: dict[str, Any] | None = None,
 ) -> list[SamplingParams]:
     """The sampling parameters of a run's ``n`` requests: each ``max_tokens``
     long (end-of-sequence ignored, so every mode decodes as many tokens),
-    request j at ``temperatures.for_request(j)`` and carrying ``strategy``.
-    Under a ``response_format`` EOS ends a request: past a complete document
-    the grammar allows nothing else, and decoding those forced rows would
-    flatter every mode."""
+    request j at ``temperatures.for_request(j)``, carrying ``strategy``,
+    asking for ``logprobs`` (None: none) and under ``response_format``
+    (None: none). Under a response format EOS ends a request: past a complete
+    document the grammar allows nothing else, and decoding those forced rows
+    would flatter every mode."""
     return [
         SamplingParams(
             temperature=temperatures.for_request(j), top_k=0, max_tokens=max_tokens, seed=seed, ignore_eos=response_format is None,
-            speculation=strategy, response_format=response_format,
+            speculation=strategy, logprobs=logprobs, response_format=response_format,
         )
         for j in range(n)
     ]
@@ -275,7 +283,7 @@ def _run_group(
             engine = _Engine(runtime, nd, modes, args)
             engines.append(engine)
             closers.append(engine.close)
-            runners += [_Runner(engine, m, args.response_format) for m in modes]
+            runners += [_Runner(engine, m, args.logprobs, args.response_format) for m in modes]
         for mode in peers:
             runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
             closers.append(runners[-1].close)
