@@ -20,6 +20,7 @@ from saguaro_ray.cli_flags import (
     add_sampling_args,
     add_speculation_args,
     engine_options_from_args,
+    json_object,
     run_command,
     sampling_from_args,
     speculation_from_args,
@@ -219,6 +220,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         metavar="T1,T2",
         help="also a mixed-traffic cell: a run's requests alternate between these temperatures, submitted together (default 0,0.7)",
     )
+    p.add_argument(
+        "--sampling",
+        type=json_object,
+        action="append",
+        default=None,
+        metavar="JSON",
+        help="request fields every run's requests carry besides the bench's own, e.g. "
+        '\'{"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}\'; '
+        "repeat it (--sampling '{}' for plain) to compare settings interleaved in one run",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runtimes", type=_csv(str), default=["ray"], help="ray,inprocess")
     p.add_argument("--k", type=int, default=4)
@@ -241,14 +252,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from saguaro_ray.bench.plan import parse_modes, temperature_settings
+    from saguaro_ray.bench.plan import parse_modes, sampling_settings, temperature_settings
     from saguaro_ray.bench.plot import plot, require_matplotlib
     from saguaro_ray.bench.report import format_table
     from saguaro_ray.bench.run import BenchArgs, run_bench
 
     if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
-    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed fails before any engine starts
+    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed or --sampling fails before any engine starts
+    sampling_settings(args.sampling)
     unknown = set(args.runtimes) - {"ray", "inprocess"}
     if unknown:
         raise ConfigError(f"--runtimes takes ray and/or inprocess, got {sorted(unknown)}")
@@ -283,6 +295,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             target_tp=args.target_tp,
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
             dtype=args.dtype,
+            sampling=args.sampling,
         )
     )
     print(format_table(report))

@@ -9,6 +9,7 @@ never a traceback (anything else is a bug and keeps its traceback).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,9 +33,28 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
     group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]: subtracted once from every token already generated")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]: subtracted per occurrence in the generated tokens")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 10], 1 = off: logits of tokens in the prompt or output divided by it (multiplied when negative)")
+    group.add_argument("--logit-bias", type=json_object, default={}, metavar="JSON", help='added to the logits of token ids: \'{"50256": -100}\' (biases in [-100, 100])')
 
 
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")  # SamplingParams fields, one flag each
+SAMPLING_FLAGS = (
+    "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+)  # SamplingParams fields, one flag each
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a flag's value as a JSON object (its contents are the
+    config's to check), else argparse's one-line usage error naming the flag."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def sampling_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> "SamplingParams":

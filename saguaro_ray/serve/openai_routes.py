@@ -207,6 +207,10 @@ def sampling_params(body: _Common, max_tokens: int, stops: list[str], speculatio
             ignore_eos=body.ignore_eos,
             stop=tuple(stops),
             speculation=speculation,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias or (),
         )
         params.check_samples(body.n)
     except ConfigError as exc:

@@ -6,8 +6,10 @@ extension); values (temperature, top_p, max_tokens, seed ...) are validated by
 wire can carry — so the HTTP server rejects exactly what the CLI and the
 Python API reject, with the same message. Unknown fields are ignored (clients send ``user`` and the like);
 fields that would change the output in ways the engine cannot honour
-(``logprobs``, ``echo``, ``best_of > 1``, penalties, ``logit_bias``, tools)
-are refused with a 400 rather than silently dropped.
+(``logprobs``, ``echo``, ``best_of > 1``, tools) are refused with a 400
+rather than silently dropped. The penalties and ``logit_bias`` are honoured
+exactly (``repetition_penalty`` is an extension, vLLM's name); their values
+are SamplingParams' to check, like every other sampling value.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ _PARAM_OF = {
     "speculation.mode": "speculation.mode",
     "speculation.k": "speculation.k",
     "speculation": "speculation",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
     "prompt": "prompt",
 }
 
@@ -152,21 +158,17 @@ class _Common(BaseModel):
     # extension: the request's strategy ({"mode", "k"} or a mode name), checked by Strategy.of (its messages name the field)
     speculation: Any = None
     timeout: float | None = None  # extension: seconds before the request fails with 504 (capped by the deployment)
-    # accepted, but only at their neutral values
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's name): 1 = off
+    logit_bias: dict[str, Any] | None = None  # OpenAI's {"token id": bias in [-100, 100]}, checked by SamplingParams
+    # accepted, but only at their neutral values
+    logprobs: Any = None
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (it would change the sampled law)", param=name, code="unsupported")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
 
     def stop_list(self, limit: int, max_chars: int) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
