@@ -53,7 +53,7 @@ from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order
 from saguaro_ray.workers import ssd_protocol
 from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner, TreeState
-from saguaro_ray.workers.target import RunnerLogic, feed
+from saguaro_ray.workers.target import RunnerLogic
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ class DraftLogic(RunnerLogic):
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
         self._forget_builds({st.seq_id for st in steps})
-        logits = feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
+        ones = [1] * len(steps)
+        logits = self.adjusted(self.feed(steps, [[]] * len(steps), ones), steps, ones)
         tokens: list[list[int]] = [[] for _ in steps]
         qrows: list[list[torch.Tensor]] = [[] for _ in steps]
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -138,6 +139,9 @@ class DraftLogic(RunnerLogic):
             active = [i for i in active if len(tokens[i]) < ks[i]]
             if active:
                 logits = self.runner.forward([steps[i].seq_id for i in active], [[tokens[i][-1]] for i in active])
+                for i in active:
+                    self.history.append(steps[i].seq_id, tokens[i][-1:])
+                logits = self.adjusted(logits, [steps[i] for i in active], [1] * len(active))
         return [Proposal(t, torch.stack(q) if q else None, ProposalSource.DRAFT) for t, q in zip(tokens, qrows)]
 
     def _forget_builds(self, seqs: set[int]) -> None:
@@ -183,6 +187,7 @@ class DraftLogic(RunnerLogic):
             else:
                 self.runner.truncate(seq, ext.start)
                 self.runner.append_kv(seq, ext.kv)
+                self.history.put(seq, ext.start, ext.tokens)
         m = 0
         if usable and self.runner.seq_len(seq) >= ext.start + len(ext.tokens):
             while m < min(len(glue), len(ext.tokens)) and glue[m] == ext.tokens[m]:
@@ -192,11 +197,12 @@ class DraftLogic(RunnerLogic):
             return replace(st, new_tokens=glue), []
         known = ext.rankings[: min(m, n_rows)]
         self.runner.truncate(seq, ext.start + m)
+        self.history.truncate(seq, ext.start + m)
         if own is not None:  # the KV now holds its first m tokens: what a later build of this round may reuse
             self._delta_in_kv[seq] = replace(own, tokens=own.tokens[:m], rankings=own.rankings[:m])
         if m == len(glue):
             return None, known
-        return SeqStep(seq, ext.start + m, glue[m:], st.params, st.seed, st.output_pos, []), known
+        return replace(st, start=ext.start + m, new_tokens=glue[m:], recent=[]), known
 
     def build(self, items: Sequence[BuildItem], round_id: int | None = None, ahead: bool = False) -> dict[str, object] | Timed:
         """Pre-compute next round's speculation for the likely outcomes (SSD).
@@ -253,7 +259,8 @@ class DraftLogic(RunnerLogic):
         if fwd:
             want = [min(len(st.new_tokens), n_rows[i]) for i, st in fwd]
             self.glue_tokens += sum(len(st.new_tokens) for _, st in fwd)
-            glue = feed(self.runner, [st for _, st in fwd], [[]] * len(fwd), want)
+            glue_steps = [st for _, st in fwd]
+            glue = self.adjusted(self.feed(glue_steps, [[]] * len(fwd), want), glue_steps, want)
             offset = 0
             for (i, _), w in zip(fwd, want):
                 rows[i].extend(glue[offset : offset + w].unbind(0))
@@ -293,12 +300,20 @@ class DraftLogic(RunnerLogic):
         # branch (k, t): t sits at output_pos + k, its j-th successor at output_pos + k + 1 + j
         b_pos = [it.step.output_pos + k + 1 for it, (_, k, _) in zip(b_item, branches)]
         all_greedy = all(p.greedy for p in b_params)
+        # a branch's history: the sequence's held ids up to its prefix, then its own tokens
+        b_hist: list[list[int]] | None = None
+        if any(p.adjusts_logits for p in b_params):
+            b_hist = [[t] for _, _, t in branches]
+            b_rows = [self.adjuster.rows_after(it.step.seq_id, it.step.params, 1)[0] for it in b_item]
+            b_prefix = [it.step.start + len(it.step.new_tokens) + k for it, (_, k, _) in zip(b_item, branches)]
         cur = torch.tensor([[t] for _, _, t in branches])
         steps: list[torch.Tensor] = []  # sampled tokens per step [N] (rows past a branch's length unused)
         step_q: list[tuple[list[int], torch.Tensor] | None] = []  # (live rows, their q rows) per step
         step_logits = []
         for j in range(depth):
             logits = self.runner.tree_forward(tree, cur)[:, 0]
+            if b_hist is not None:
+                logits = self.adjuster.adjust(logits, [replace(c, upto=u, extra=tuple(h)) for c, u, h in zip(b_rows, b_prefix, b_hist)])
             step_logits.append(logits)
             if all_greedy:  # every proposal is a point mass: no law to keep
                 toks = argmax_lowest(logits)
@@ -317,6 +332,9 @@ class DraftLogic(RunnerLogic):
                 toks[torch.tensor(live)] = toks_live
                 step_q.append(None if q is None else (live, q))
             steps.append(toks)
+            if b_hist is not None:
+                for h, x in zip(b_hist, toks.tolist()):
+                    h.append(x)
             cur = toks.unsqueeze(1)
         tokens = torch.stack(steps, dim=1).tolist()
         q_rows: list[list[torch.Tensor]] = [[] for _ in branches]
@@ -436,6 +454,7 @@ class DraftLogic(RunnerLogic):
         start = tree.prefix_lens[spec.branch]
         kv = self.runner.tree_export(tree, spec.branch, n) if share_kv else None
         self.runner.tree_commit(tree, spec.branch, n)
+        self.history.put(seq_id, start, [t] + list(spec.tokens[: n - 1]))
         rows = [lg[spec.branch] for lg in self._tree_logits[:n]]
         ext = KVDelta(seq_id, start, [t] + list(spec.tokens[: n - 1]), rows)
         self._own[seq_id] = ext

@@ -38,6 +38,9 @@ class SeqStep:
     # slightly behind — a draft whose last proposed token was never fed
     # because everything was accepted — catch up without a full resend
     recent: list[int] = field(default_factory=list)
+    # how many of the sequence's tokens are the prompt: penalties and grammars
+    # read the generated tokens apart (None: not said; steps made by hand)
+    prompt_len: int | None = None
 
 
 class ProposalSource(str, enum.Enum):

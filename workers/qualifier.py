@@ -13,14 +13,15 @@ from typing import Sequence
 from saguaro_ray.algorithms.pyramid import qualify
 from saguaro_ray.algorithms.sampling import STREAM_QUALIFIER
 from saguaro_ray.workers.messages import Proposal, ProposalSource, VerifyItem
-from saguaro_ray.workers.target import RunnerLogic, feed, verification_batch
+from saguaro_ray.workers.target import RunnerLogic, verification_batch
 
 
 class QualifierLogic(RunnerLogic):
     def qualify(self, items: Sequence[VerifyItem]) -> list[Proposal]:
         steps = [it.step for it in items]
         proposals = [it.proposal for it in items]
-        logits = feed(self.runner, steps, [p.tokens for p in proposals], [len(p.tokens) + 1 for p in proposals])
+        n_rows = [len(p.tokens) + 1 for p in proposals]
+        logits = self.adjusted(self.feed(steps, [p.tokens for p in proposals], n_rows), steps, n_rows)
         vb = verification_batch(logits, steps, proposals, STREAM_QUALIFIER)
         res = qualify(items[0].rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, items[0].tau, items[0].div)
         out = []

@@ -62,7 +62,7 @@ def step_after(step: SeqStep, tokens: Sequence[int], k: int, t: int) -> SeqStep:
     step the round loop sends next (``RoundLoop.step``)."""
     held = list(step.new_tokens) + list(tokens[:k])
     recent = (list(step.recent) + held)[-RECENT_TOKENS:]
-    return SeqStep(step.seq_id, step.start + len(held), [t], step.params, step.seed, step.output_pos + k + 1, recent)
+    return SeqStep(step.seq_id, step.start + len(held), [t], step.params, step.seed, step.output_pos + k + 1, recent, step.prompt_len)
 
 
 @dataclass

@@ -17,14 +17,19 @@ from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_uniforms, pr
 from saguaro_ray.algorithms.pyramid import target_check
 from saguaro_ray.algorithms.verification import greedy_outcomes, point_mass
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
+from saguaro_ray.workers.logit_adjust import LogitAdjuster
 from saguaro_ray.workers.runner import ModelRunner
+from saguaro_ray.workers.token_history import TokenHistory
 
 
-def feed(runner: ModelRunner, steps: Sequence[SeqStep], extra: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
+def feed(
+    runner: ModelRunner, history: TokenHistory, steps: Sequence[SeqStep], extra: Sequence[Sequence[int]], num_logits: Sequence[int]
+) -> torch.Tensor:
     """Roll each sequence back to ``step.start`` and append ``new_tokens + extra``.
 
     Shared by every worker kind: this is where rejected speculation is dropped
-    from the KV cache. Returns the requested trailing logit rows, flat.
+    from the KV cache (and from ``history``, which follows the KV). Returns the
+    requested trailing logit rows, flat.
     """
     added = []
     catch_up: list[list[int]] = []
@@ -34,23 +39,40 @@ def feed(runner: ModelRunner, steps: Sequence[SeqStep], extra: Sequence[Sequence
                 raise NeedsPrefillError(f"sequence {st.seq_id} is unknown here; resend it from position 0")
             runner.add_sequence(st.seq_id)
             added.append(st.seq_id)
-        gap = st.start - runner.seq_len(st.seq_id)
+        held = _valid_length(history.tokens(st.seq_id), runner.seq_len(st.seq_id), st)
+        gap = st.start - held
         if gap > len(st.recent):
-            raise NeedsPrefillError(f"sequence {st.seq_id} holds {runner.seq_len(st.seq_id)} tokens, step starts at {st.start}")
+            raise NeedsPrefillError(f"sequence {st.seq_id} holds {held} valid tokens, step starts at {st.start}")
         catch_up.append(st.recent[len(st.recent) - gap :] if gap > 0 else [])
-    for st in steps:
-        if runner.seq_len(st.seq_id) > st.start:
-            runner.truncate(st.seq_id, st.start)
+        if runner.seq_len(st.seq_id) > min(held, st.start):
+            runner.truncate(st.seq_id, min(held, st.start))
+    fed = [c + st.new_tokens + list(x) for st, c, x in zip(steps, catch_up, extra)]
     try:
-        return runner.forward(
-            [st.seq_id for st in steps],
-            [c + st.new_tokens + list(x) for st, c, x in zip(steps, catch_up, extra)],
-            num_logits=num_logits,
-        )
+        logits = runner.forward([st.seq_id for st in steps], fed, num_logits=num_logits)
     except Exception:
         for s in added:  # a refused step leaves no half-registered sequence behind
             runner.free_sequence(s)
+            history.drop(s)
         raise
+    for st, c, tokens in zip(steps, catch_up, fed):
+        history.put(st.seq_id, st.start - len(c), tokens)
+        if st.prompt_len is not None:
+            history.set_prompt_len(st.seq_id, st.prompt_len)
+    return logits
+
+
+def _valid_length(held: Sequence[int], kv_len: int, step: SeqStep) -> int:
+    """How many of the ``kv_len`` tokens a worker holds are the sequence's:
+    all up to the first that differs from the committed tokens the step
+    repeats (``recent``). A worker that sat out rounds after drafting holds
+    its proposal past the tokens it was last sent; where the sequence went
+    on otherwise, that speculation must go before the catch-up is appended,
+    or the worker would draft after tokens the sequence never had."""
+    base = step.start - len(step.recent)
+    for pos in range(max(base, 0), min(kv_len, step.start, len(held))):
+        if held[pos] != step.recent[pos - base]:
+            return pos
+    return kv_len
 
 
 @dataclass
@@ -114,13 +136,29 @@ class RunnerLogic:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.history = TokenHistory()
+        self.adjuster = LogitAdjuster(self.history)
+
+    def feed(self, steps: Sequence[SeqStep], extra: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
+        """:func:`feed` on this worker's runner and history."""
+        return feed(self.runner, self.history, steps, extra, num_logits)
+
+    def adjusted(self, logits: torch.Tensor, steps: Sequence[SeqStep], num_logits: Sequence[int]) -> torch.Tensor:
+        """The rows :meth:`feed` just returned (``num_logits[i]`` trailing rows
+        of ``steps[i]``'s sequence, flat), adjusted by each sequence's penalties,
+        bias and grammar; ``logits`` itself when no sequence asks for any."""
+        if not any(st.params.adjusts_logits for st in steps):
+            return logits
+        rows = [ctx for st, n in zip(steps, num_logits) for ctx in self.adjuster.rows_after(st.seq_id, st.params, n)]
+        return self.adjuster.adjust(logits, rows)
 
     def prefill(self, steps: Sequence[SeqStep]) -> None:
-        feed(self.runner, steps, [[]] * len(steps), [1] * len(steps))
+        self.feed(steps, [[]] * len(steps), [1] * len(steps))
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             self.runner.free_sequence(s)
+            self.history.drop(s)
 
 
 class TargetLogic(RunnerLogic):
@@ -134,7 +172,8 @@ class TargetLogic(RunnerLogic):
         steps = [it.step for it in items]
         proposals = [it.proposal for it in items]
         lens = [len(p.tokens) for p in proposals]
-        logits = feed(self.runner, steps, [p.tokens for p in proposals], [n + 1 for n in lens])
+        raw = self.feed(steps, [p.tokens for p in proposals], [n + 1 for n in lens])
+        logits = self.adjusted(raw, steps, [n + 1 for n in lens])
         groups: dict[tuple[str, float, str], list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault((it.rule, it.tau, it.div), []).append(i)

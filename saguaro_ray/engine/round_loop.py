@@ -136,7 +136,7 @@ class RoundLoop:
         since = committed if kind == "target" else min(committed, s.fed.get(kind, committed))
         s.fed[kind] = len(ids)  # once it has run the step, a worker holds at least every token up to here
         recent = ids[max(0, min(committed - RECENT_TOKENS, since)) : committed]
-        return SeqStep(s.seq_id, committed, ids[committed:], s.params, s.seed, len(s.output_ids), recent)
+        return SeqStep(s.seq_id, committed, ids[committed:], s.params, s.seed, len(s.output_ids), recent, len(s.prompt_ids))
 
     def strategy_of(self, s: SequenceState) -> Strategy:
         """``s``'s strategy (its request's, or the engine's default)."""
