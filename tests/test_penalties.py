@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,8 @@ import pytest
 import torch
 from helpers import load_hf_model, perturbed_checkpoint, save_tiny_checkpoint, torch_threads
 from test_exactness_sampling import ALPHA, REJECT, chi_square, counts_of
-from test_serve import KEY, MODEL, assert_openai_error, bounded, raw_post  # noqa: F401  (fixtures below, by name)
-from test_serve import client, handle, models, ray_cluster, server  # noqa: F401
+from test_serve import MODEL, assert_openai_error, bounded, raw_post
+from test_serve import client, handle, models, ray_cluster, server, tokenizer  # noqa: F401  (the Serve tests' Ray, engine and app: fixtures)
 from test_strategy_per_sequence import Cycling
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
@@ -52,6 +53,9 @@ from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.serve.chat import chat_prompt_ids
+from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
+from saguaro_ray.workers.token_history import TokenHistory
 
 MAX_TOKENS = 24
 # prompts the tiny zoo's target repeats itself on at T = 0 (a run of "d", blank lines, a recursion)
@@ -113,6 +117,39 @@ def test_the_reference_repetition_penalty_is_transformers():
     want = RepetitionPenaltyLogitsProcessor(1.7)(ids, scores.clone())
     got = torch.stack([reference_adjust(s, row.tolist(), 12, SamplingParams(repetition_penalty=1.7)) for row, s in zip(ids, scores)])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_engines_penalties_are_the_reference_on_every_row(seed):
+    """``apply_penalties`` through the workers' ``LogitAdjuster`` on rows as
+    verification and SSD trees make them: several rows per sequence sharing
+    one history list (row j after ``upto`` held ids, some inside the prompt),
+    branch tokens beyond it (``extra``), sequences with other settings, one
+    plain — each row equals the reference on its own history."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 300  # past the settings' biased ids
+    rows: list[RowContext] = []
+    settings = [SamplingParams(**SETTINGS[s]) for s in ("presence", "frequency", "repetition", "all")]
+    settings.append(SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5, repetition_penalty=0.7, logit_bias={3: 5, 299: -2}))
+    settings.append(SamplingParams())  # plain: left alone
+    for seq, params in enumerate(settings):
+        prompt_len = int(torch.randint(1, 6, (), generator=gen))
+        tokens = torch.randint(0, 12, (prompt_len + int(torch.randint(0, 10, (), generator=gen)),), generator=gen).tolist()  # repeats
+        for upto in range(max(1, len(tokens) - 4), len(tokens) + 1):
+            rows.append(RowContext(seq, params, tokens, upto, (), prompt_len))
+        for _ in range(3):  # SSD branches after the held tokens
+            extra = torch.randint(0, 16, (int(torch.randint(1, 4, (), generator=gen)),), generator=gen).tolist()
+            rows.append(RowContext(seq, params, tokens, len(tokens), extra, prompt_len))
+    rows.append(RowContext(99, settings[-1], [1, 2, 3], 2, (4,), 1))
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    before = logits.clone()
+    got = LogitAdjuster(TokenHistory()).adjust(logits, rows)
+    assert torch.equal(logits, before)  # a new tensor: the raw rows stay for raw logprobs
+    for r, h in enumerate(rows):
+        want = reference_adjust(logits[r], list(h.tokens[: h.upto]) + list(h.extra), h.prompt_len, h.params)
+        torch.testing.assert_close(got[r], want, rtol=1e-6, atol=1e-5, msg=lambda m: f"row {r} ({h}): {m}")
+        if not h.params.adjusts_logits:
+            assert torch.equal(got[r], logits[r])
 
 
 # ------------------------------------------------------------------ T = 0
@@ -300,6 +337,22 @@ def test_the_statistic_rejects_the_unpenalised_law(law_models, sd_samples, law):
     assert chi_square(counts_of(sd_samples), law)[2] >= ALPHA  # the control, on the same counts
 
 
+def test_the_statistic_rejects_penalties_that_miss_the_proposed_prefix(law_models, law, monkeypatch):
+    """The bug vLLM and SGLang shipped: every row of a proposal penalised
+    with the committed history alone (the proposal's earlier tokens not counted)."""
+    real = LogitAdjuster.adjust
+
+    def committed_only(self: LogitAdjuster, logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+        committed: dict[int, int] = {}
+        for r in rows:
+            committed[r.seq_id] = min(committed.get(r.seq_id, r.upto), r.upto)
+        return real(self, logits, [replace(r, upto=committed[r.seq_id], extra=()) for r in rows])
+
+    monkeypatch.setattr(LogitAdjuster, "adjust", committed_only)
+    res = sample(law_models, "sd", LAW, n=N_POWER, k=2)
+    assert chi_square(counts_of(res), law)[2] < REJECT
+
+
 # ------------------------------------------------------------------ Ray and Serve
 
 
@@ -310,17 +363,20 @@ def test_the_ray_runtime_applies_them_in_every_mode(handle, ar_tokens):
         assert [r.token_ids for r in res] == ar_tokens["all"], mode
 
 
-def test_serve_takes_the_penalties_from_the_openai_client(client, handle, server):
+def test_serve_takes_the_penalties_from_the_openai_client(client, handle, server, tokenizer):
     body = dict(presence_penalty=0.4, frequency_penalty=0.6, logit_bias={str(NEWLINE): -3, "283": 1.5})
     extra = {"repetition_penalty": 1.2, "ignore_eos": True}
     for mode in ("sd", "ssd", "auto"):
         want = bounded(handle.generate, [PROMPTS[1]], greedy("all", Strategy(mode), 16))[0].text
         got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, extra_body={**extra, "speculation": mode}, **body)
         assert got.choices[0].text == want, mode
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=16, temperature=0, extra_body=extra, **body
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    with_penalties, plain = (
+        bounded(handle.generate, [chat_prompt_ids(tokenizer, messages)], greedy(s, Strategy("ssd"), 16))[0].text for s in ("all", None)
     )
-    assert chat.choices[0].message.content
+    assert with_penalties != plain
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, extra_body={**extra, "speculation": "ssd"}, **body)
+    assert chat.choices[0].message.content == with_penalties
     base = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     for field, value in [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"x": 1}),
                          ("logit_bias", {"5": 101}), ("logit_bias", {"99999": 1})]:  # fmt: skip
@@ -329,3 +385,4 @@ def test_serve_takes_the_penalties_from_the_openai_client(client, handle, server
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logit_bias={"99999": 1})
     assert info.value.body["param"] == "logit_bias"
+
