@@ -26,6 +26,7 @@ unscaled q instead of q') it rejects with p-values far below α.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -71,10 +72,17 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def exact_law(
-    path: Path, m: int = M, temperature: float = TEMPERATURE, top_k: int = TOP_K, prompt: list[int] = PROMPT
+    path: Path,
+    m: int = M,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    prompt: list[int] = PROMPT,
+    adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> dict[tuple[int, ...], float]:
     """P(first m generated tokens = x) for every x with positive probability,
-    by enumeration: one forward per prefix in the support."""
+    by enumeration: one forward per prefix in the support. ``adjust(logits
+    [1, V], history)``: what is done to a row before temperature and top-k
+    (penalties: ``test_penalties.py``), history = prompt + prefix."""
     hf = load_hf_model(path)
     law: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(m):
@@ -82,6 +90,8 @@ def exact_law(
         for prefix, pr in law.items():
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
+            if adjust is not None:
+                logits = adjust(logits, prompt + list(prefix))
             p = process_logits(logits, [temperature], [top_k])[0].double()
             p = p / p.sum()  # fp32 softmax rows sum to 1 only within ~1e-7
             for tok in torch.nonzero(p).flatten().tolist():

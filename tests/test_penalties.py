@@ -41,13 +41,12 @@ import openai
 import pytest
 import torch
 from helpers import load_hf_model, perturbed_checkpoint, save_tiny_checkpoint, torch_threads
-from test_exactness_sampling import ALPHA, REJECT, chi_square, counts_of
+from test_exactness_sampling import ALPHA, REJECT, chi_square, counts_of, exact_law
 from test_serve import MODEL, assert_openai_error, bounded, raw_post
 from test_serve import client, handle, models, ray_cluster, server, tokenizer  # noqa: F401  (the Serve tests' Ray, engine and app: fixtures)
 from test_strategy_per_sequence import Cycling
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from saguaro_ray.algorithms.sampling import process_logits
 from saguaro_ray.cli import main as cli_main
 from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine import LocalEngine
@@ -119,13 +118,19 @@ def test_the_reference_repetition_penalty_is_transformers():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+def history_of(row: RowContext) -> list[int]:
+    """The history a row predicts after."""
+    return list(row.tokens[: row.upto]) + list(row.extra)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_engines_penalties_are_the_reference_on_every_row(seed):
     """``apply_penalties`` through the workers' ``LogitAdjuster`` on rows as
     verification and SSD trees make them: several rows per sequence sharing
     one history list (row j after ``upto`` held ids, some inside the prompt),
     branch tokens beyond it (``extra``), sequences with other settings, one
-    plain — each row equals the reference on its own history."""
+    plain — each row equals the reference on its own history (and, with the
+    repetition penalty alone, transformers' processor)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = 300  # past the settings' biased ids
     rows: list[RowContext] = []
@@ -146,10 +151,13 @@ def test_the_engines_penalties_are_the_reference_on_every_row(seed):
     got = LogitAdjuster(TokenHistory()).adjust(logits, rows)
     assert torch.equal(logits, before)  # a new tensor: the raw rows stay for raw logprobs
     for r, h in enumerate(rows):
-        want = reference_adjust(logits[r], list(h.tokens[: h.upto]) + list(h.extra), h.prompt_len, h.params)
+        want = reference_adjust(logits[r], history_of(h), h.prompt_len, h.params)
         torch.testing.assert_close(got[r], want, rtol=1e-6, atol=1e-5, msg=lambda m: f"row {r} ({h}): {m}")
         if not h.params.adjusts_logits:
             assert torch.equal(got[r], logits[r])
+        if h.params == settings[2]:  # repetition alone: transformers' processor on the same history
+            hf = RepetitionPenaltyLogitsProcessor(h.params.repetition_penalty)(torch.tensor([history_of(h)]), logits[r : r + 1].clone())
+            torch.testing.assert_close(got[r], hf[0], rtol=1e-6, atol=1e-5)
 
 
 # ------------------------------------------------------------------ T = 0
@@ -271,20 +279,9 @@ def law_models(tmp_path_factory) -> dict[str, Path]:
 def penalised_law(path: Path, params: SamplingParams, prompt: list[int] = LAW_PROMPT, m: int = M) -> dict[tuple[int, ...], float]:
     """P(first m generated tokens = x) under ``params``, by enumeration: the
     reference penalties on transformers' logits, then temperature and top-k."""
-    hf = load_hf_model(path)
-    law: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(m):
-        nxt: dict[tuple[int, ...], float] = {}
-        for prefix, pr in law.items():
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
-            adjusted = reference_adjust(logits, prompt + list(prefix), len(prompt), params)
-            p = process_logits(adjusted[None], [params.temperature], [params.top_k])[0].double()
-            p = p / p.sum()
-            for tok in torch.nonzero(p).flatten().tolist():
-                nxt[prefix + (tok,)] = pr * float(p[tok])
-        law = nxt
-    return law
+    return exact_law(
+        path, m, params.temperature, params.top_k, prompt, adjust=lambda logits, history: reference_adjust(logits[0], history, len(prompt), params)[None]
+    )
 
 
 def sample(models: dict[str, Path], mode: str, params: SamplingParams, n: int = N, **spec: Any) -> list:
