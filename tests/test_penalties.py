@@ -367,6 +367,8 @@ def test_serve_takes_the_penalties_from_the_openai_client(client, handle, server
         want = bounded(handle.generate, [PROMPTS[1]], greedy("all", Strategy(mode), 16))[0].text
         got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, extra_body={**extra, "speculation": mode}, **body)
         assert got.choices[0].text == want, mode
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True, extra_body=extra, **body)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want
     messages = [{"role": "user", "content": PROMPTS[0]}]
     with_penalties, plain = (
         bounded(handle.generate, [chat_prompt_ids(tokenizer, messages)], greedy(s, Strategy("ssd"), 16))[0].text for s in ("all", None)
