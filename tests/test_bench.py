@@ -317,13 +317,29 @@ def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
     assert "mix:0,0.7" in table and sum("best " in line for line in table.splitlines()) == 2
 
 
-def test_sampling_settings_are_cells_of_their_own():
+def test_sampling_settings_are_cells_of_their_own(monkeypatch, capsys):
     """``--sampling`` (repeatable): each setting's requests carry its fields, and
     its rows are compared with the modes of the same setting only."""
+    import saguaro_ray.bench.run
     from saguaro_ray.bench.plan import sampling_settings, temperature_settings
     from saguaro_ray.bench.report import format_table, summarise
     from saguaro_ray.bench.run import request_params
+    from saguaro_ray.cli import main
     from saguaro_ray.errors import ConfigError
+
+    ran = []
+    monkeypatch.setattr(saguaro_ray.bench.run, "run_bench", lambda args: ran.append(args) or {"results": []})
+    pen = '{"presence_penalty": 0.5, "logit_bias": {"5": -1}}'
+    assert main(["bench", "--modes", "ar", "--sampling", "{}", "--sampling", pen]) == 0
+    assert [a.sampling for a in ran] == [[{}, {"presence_penalty": 0.5, "logit_bias": {"5": -1}}]]
+    for bad, says in [('{"seed": 1}', "the bench's own flags"), ('{"top_k": -1}', "top_k")]:
+        code = main(["bench", "--modes", "ar", "--sampling", bad])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and says in err, (bad, err)
+    with pytest.raises(SystemExit) as usage:  # not JSON: argparse's usage error, as for any flag of the wrong type
+        main(["bench", "--modes", "ar", "--sampling", "[1]"])
+    assert usage.value.code == 2 and "argument --sampling: must be a JSON object" in capsys.readouterr().err.splitlines()[-1]
+    assert len(ran) == 1  # every bad command failed before an engine started
 
     plain, pen = sampling_settings([{}, {"presence_penalty": 0.5, "logit_bias": {"5": -1}, "top_k": 3}])
     assert [s.label for s in sampling_settings(None)] == [None] and plain.label is None
