@@ -92,6 +92,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"--- prompt {r.prompt_index} sample {r.sample_index} [{r.mode}, {r.finish_reason}] ---")
             print(prompts[r.prompt_index] + r.text, flush=True)
+            for i, lp in enumerate(r.logprobs or ()):
+                top = " ".join(f"{t}:{v:.4f}" for t, v in lp.top)
+                print(f"  [{i}] token {lp.token} logprob {lp.logprob:.4f}" + (f"  top {top}" if top else ""), flush=True)
     return 0
 
 
@@ -246,6 +249,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="SSD, one draft: the draft starts the next build itself (default: on through Ray, off in process)",
     )
     p.add_argument("--address", default=None)
+    p.add_argument("--logprobs", type=int, default=None, help="every request asks for its tokens' logprobs and N alternatives (engine modes)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
     p.set_defaults(func=_cmd_bench)
@@ -296,6 +300,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
             dtype=args.dtype,
             sampling=args.sampling,
+            logprobs=args.logprobs,
         )
     )
     print(format_table(report))

@@ -26,6 +26,8 @@ SELF_FORMS = f"or {' / '.join(SELF_PREFIX + s for s in QUANT_SCHEMES)} (the targ
 
 def add_sampling_args(group: argparse._ActionsContainer) -> None:
     """The sampling flags, shared by ``generate`` and the generate job."""
+    from saguaro_ray.config import LOGPROBS_MODES
+
     group.add_argument("--max-tokens", type=int, default=64)
     group.add_argument("--temperature", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)
@@ -37,11 +39,13 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]: subtracted per occurrence in the generated tokens")
     group.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 10], 1 = off: logits of tokens in the prompt or output divided by it (multiplied when negative)")
     group.add_argument("--logit-bias", type=json_object, default={}, metavar="JSON", help='added to the logits of token ids: \'{"50256": -100}\' (biases in [-100, 100])')
+    group.add_argument("--logprobs", type=int, default=None, help="the target's logprob of each token and of its N likeliest alternatives (0: the token's alone)")
+    group.add_argument("--logprobs-mode", default="raw", choices=LOGPROBS_MODES, help="raw: the model's log-softmax; processed: the law sampled from")
 
 
 SAMPLING_FLAGS = (
     "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "logprobs_mode",
 )  # SamplingParams fields, one flag each
 
 

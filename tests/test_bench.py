@@ -344,7 +344,7 @@ def test_sampling_settings_are_cells_of_their_own(monkeypatch, capsys):
     plain, pen = sampling_settings([{}, {"presence_penalty": 0.5, "logit_bias": {"5": -1}, "top_k": 3}])
     assert [s.label for s in sampling_settings(None)] == [None] and plain.label is None
     assert pen.label == '{"logit_bias":{"5":-1},"presence_penalty":0.5,"top_k":3}'
-    [p] = request_params(1, temperature_settings([0.7], None)[0], 16, 3, None, pen)
+    [p] = request_params(1, temperature_settings([0.7], None)[0], 16, 3, None, sampling=pen)
     assert (p.presence_penalty, p.logit_bias, p.top_k, p.temperature, p.max_tokens) == (0.5, ((5, -1.0),), 3, 0.7, 16)
     for bad, needle in [
         ([{"temperature": 1}], "the bench's own flags set"),

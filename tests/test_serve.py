@@ -437,7 +437,7 @@ def test_invalid_requests_are_400_with_openai_shape(server, client, tokenizer):
     assert "unknown field" in err["message"]
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "n": 99}), 400, "n")
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "top_p": 0}), 400, "top_p")
-    assert_openai_error(raw_post(server, "/v1/completions", {**base, "logprobs": 2}), 400, "logprobs")
+    assert_openai_error(raw_post(server, "/v1/completions", {**base, "logprobs": 21}), 400, "logprobs")
     assert_openai_error(raw_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
     assert_openai_error(raw_post(server, "/v1/completions", {**base, "stream": True, "max_tokens": -1}), 400, "max_tokens")
     assert_openai_error(raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")

@@ -231,7 +231,7 @@ def test_a_stream_closed_while_its_events_wait_counts_as_the_client_leaving():
     first = (0, StreamChunk(token_ids=[7], text="a"))
 
     async def main() -> None:
-        events = sse_events(metrics, "completions", body, Strategy("ar"), "ar", asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60)
+        events = sse_events(metrics, "completions", body, Strategy("ar"), "ar", asyncio.Queue(), 1, first, [1], time.perf_counter(), time.monotonic() + 60, None)
         assert (await events.__anext__()).startswith("data: ")
         await events.aclose()  # what the response does with it once its send failed
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from saguaro_ray.algorithms.logprobs import TokenLogprobs
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import NeedsPrefillError  # noqa: F401  (its home is saguaro_ray.errors; workers import it from here)
 
@@ -92,12 +93,17 @@ class VerifyItem:
 
 @dataclass
 class Outcome:
-    """Verification result of one sequence: k accepted draft tokens, then t*."""
+    """Verification result of one sequence: k accepted draft tokens, then t*.
+
+    ``logprobs``: the target's log-probabilities of those k + 1 tokens, from
+    the verification's own rows, for a sequence whose params ask for them
+    (None otherwise)."""
 
     seq_id: int
     accepted: int
     next_token: int
     proposed: int = 0  # how many draft tokens were checked
+    logprobs: list[TokenLogprobs] | None = None
 
     def emitted(self, proposal: Proposal) -> list[int]:
         return proposal.tokens[: self.accepted] + [self.next_token]

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from saguaro_ray.algorithms.logprobs import row_logprobs, token_logprobs
 from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_uniforms, process_logits
 from saguaro_ray.algorithms.pyramid import target_check
 from saguaro_ray.algorithms.verification import greedy_outcomes, point_mass
@@ -131,6 +132,23 @@ def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals
     return VerificationBatch(p, tokens, q, torch.tensor(lens), u)
 
 
+def with_logprobs(
+    outcomes: list[Outcome], raw: torch.Tensor, adjusted: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal]
+) -> list[Outcome]:
+    """Give each outcome whose sequence asks for logprobs those of its emitted
+    tokens: rows 0..k of its item's logit rows (flat, ``len(proposal)+1``
+    each; ``raw`` before the logit adjustments, ``adjusted`` after)."""
+    start = 0
+    for o, st, prop in zip(outcomes, steps, proposals):
+        pp = st.params
+        if pp.logprobs is not None:
+            rows = slice(start, start + o.accepted + 1)
+            logp = row_logprobs(raw[rows], adjusted[rows], pp.logprobs_mode, pp.temperature, pp.top_k, pp.top_p)
+            o.logprobs = token_logprobs(logp, o.emitted(prop), pp.logprobs)
+        start += len(prop.tokens) + 1
+    return outcomes
+
+
 class RunnerLogic:
     """What every worker kind shares: one runner, prefill, and releasing sequences."""
 
@@ -178,7 +196,7 @@ class TargetLogic(RunnerLogic):
         for i, it in enumerate(items):
             groups.setdefault((it.rule, it.tau, it.div), []).append(i)
         if len(groups) == 1:
-            return self._check(next(iter(groups)), logits, steps, proposals)
+            return with_logprobs(self._check(next(iter(groups)), logits, steps, proposals), raw, logits, steps, proposals)
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n + 1)
@@ -187,7 +205,7 @@ class TargetLogic(RunnerLogic):
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx])
             for i, o in zip(idx, self._check(key, logits[rows], [steps[i] for i in idx], [proposals[i] for i in idx])):
                 out[i] = o
-        return out  # type: ignore[return-value]
+        return with_logprobs(out, raw, logits, steps, proposals)  # type: ignore[arg-type]
 
     @staticmethod
     def _check(rule_key: tuple[str, float, str], logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal]) -> list[Outcome]:

@@ -103,7 +103,7 @@ def temperature_settings(temperatures: list[float], mixed: list[float] | None) -
     return settings
 
 
-BENCH_FIELDS = ("temperature", "max_tokens", "seed", "ignore_eos", "speculation")  # what the bench's own flags set
+BENCH_FIELDS = ("temperature", "max_tokens", "seed", "ignore_eos", "speculation", "logprobs")  # what the bench's own flags set
 
 
 @dataclass(frozen=True)

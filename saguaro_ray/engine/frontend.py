@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
+from saguaro_ray.algorithms.logprobs import TokenLogprobs
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
@@ -37,6 +38,9 @@ from saguaro_ray.tokenizer import IncrementalDecoder
 Prompt = str | Sequence[int]  # text, or token ids
 Prompts = Sequence[Prompt]
 PromptParams = SamplingParams | Sequence[SamplingParams]  # one for every prompt, or one each
+# what the scheduler thread hands a stream's consumer after a round: new tokens, the text a
+# stop checker released (None: the consumer decodes), and the tokens' logprobs (None: not asked)
+StreamItem = tuple[list[int], str | None, list[TokenLogprobs] | None]
 
 
 @dataclass
@@ -50,6 +54,7 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # the sample's stats, on the last chunk
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the params asked
 
 
 @dataclass
@@ -64,14 +69,17 @@ class _Stream:
     decoder: IncrementalDecoder | None
     future: "Future[list[SequenceState]] | None" = None
 
-    def item(self, tokens: list[int]) -> tuple[list[int], str | None]:
-        """What the scheduler's listener hands the consumer for new ``tokens``."""
-        stopper = self.seq.stopper
-        return list(tokens), None if stopper is None else stopper.release(self.seq.finished)
+    def item(self, tokens: list[int]) -> StreamItem:
+        """What the scheduler's listener hands the consumer for new ``tokens``
+        (the last ones of the sequence's output, their logprobs the last ones too)."""
+        seq = self.seq
+        stopper = seq.stopper
+        logprobs = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(tokens) :]
+        return list(tokens), None if stopper is None else stopper.release(seq.finished), logprobs
 
-    def chunk(self, item: tuple[list[int], str | None]) -> StreamChunk:
-        tokens, text = item
-        return StreamChunk(tokens, text if text is not None else self.decoder.push(tokens))
+    def chunk(self, item: StreamItem) -> StreamChunk:
+        tokens, text, logprobs = item
+        return StreamChunk(tokens, text if text is not None else self.decoder.push(tokens), logprobs=logprobs)
 
     def last(self) -> StreamChunk:
         """The closing chunk (re-raises the request's failure)."""
@@ -169,7 +177,7 @@ class Frontend:
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
         """Yield one sample's new tokens and text as rounds complete; the last
         chunk carries the finish reason. Closing the generator early aborts it."""
-        chunks: queue.Queue[tuple[list[int], str | None] | None] = queue.Queue()
+        chunks: queue.Queue[StreamItem | None] = queue.Queue()
         stream = self._submit_stream(prompt, params, None, chunks.put)
         try:
             while (item := chunks.get()) is not None:
@@ -185,9 +193,9 @@ class Frontend:
         """:meth:`stream` for an event loop: no thread waits for the tokens, and
         a cancelled or closed consumer aborts the request."""
         loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[tuple[list[int], str | None] | None] = asyncio.Queue()
+        chunks: asyncio.Queue[StreamItem | None] = asyncio.Queue()
 
-        def put(item: tuple[list[int], str | None] | None) -> None:
+        def put(item: StreamItem | None) -> None:
             try:
                 loop.call_soon_threadsafe(chunks.put_nowait, item)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
@@ -236,4 +244,5 @@ class Frontend:
             finish_reason=s.finish_reason or "length",
             prompt_tokens=len(s.prompt_ids),
             stats=dict(s.stats),
+            logprobs=None if s.logprobs is None else list(s.logprobs),
         )

@@ -157,7 +157,7 @@ class RoundLoop:
     def emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
         """Append each outcome's tokens to its sequence's history (the one place the history grows)."""
         for s, prop, out in zip(running, proposals, outcomes):
-            s.emit(out.emitted(prop), self.eos_ids)
+            s.emit(out.emitted(prop), self.eos_ids, out.logprobs)
             s.rounds += 1
             s.accepted_total += out.accepted
             s.spec_rounds += int(out.proposed > 0)

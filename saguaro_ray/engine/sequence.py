@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from saguaro_ray.algorithms.logprobs import TokenLogprobs
 from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.engine.stops import StopChecker
 
@@ -38,6 +39,12 @@ class SequenceState:
     # per worker kind: the tokens it holds at least, as of the last step sent to it (a draft
     # that sat out rounds catches up from there; see RoundLoop.step)
     fed: dict[str, int] = field(default_factory=dict)
+    # the target's logprobs of output_ids, entry for entry (None: the params ask for none)
+    logprobs: list[TokenLogprobs] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def finished(self) -> bool:
@@ -47,16 +54,19 @@ class SequenceState:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def emit(self, tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    def emit(self, tokens: list[int], eos_ids: tuple[int, ...], logprobs: list[TokenLogprobs] | None = None) -> list[int]:
         """Append accepted tokens one by one, stopping at EOS, a stop (see
         :mod:`saguaro_ray.engine.stops`) or ``max_tokens``; returns those kept
-        (the ones after a stop are dropped, as if never decoded)."""
+        (the ones after a stop are dropped, as if never decoded, and their
+        ``logprobs`` with them: a sequence that asks keeps one entry per token)."""
         kept: list[int] = []
-        for t in tokens:
+        for i, t in enumerate(tokens):
             if self.finished:
                 break
             kept.append(t)
             self.output_ids.append(t)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])  # type: ignore[index]
             if t in eos_ids and not self.params.ignore_eos:
                 self.finish_reason = "stop"
             elif self.stopper is not None and self.stopper.accept(t):
@@ -96,6 +106,7 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     stats: dict[str, Any]
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the params asked
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,4 +118,5 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "stats": self.stats,
+            "logprobs": None if self.logprobs is None else [asdict(x) for x in self.logprobs],
         }

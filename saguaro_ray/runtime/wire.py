@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgpack
 import torch
 
+from saguaro_ray.algorithms.logprobs import TokenLogprobs
 from saguaro_ray.config import ResponseFormat, SamplingParams, Strategy
 
 # the frame errors and their reasons live in saguaro_ray.errors; the codec re-exports them
@@ -122,7 +123,7 @@ def registered_types() -> dict[str, type]:
     return dict(_BY_NAME)
 
 
-for _cls in (SamplingParams, Strategy, ResponseFormat, SeqStep, Proposal, VerifyItem, BuildItem, KVDelta, LookupResult, NextRound, Outcome, Timed):
+for _cls in (SamplingParams, Strategy, ResponseFormat, SeqStep, Proposal, VerifyItem, BuildItem, KVDelta, LookupResult, NextRound, Outcome, TokenLogprobs, Timed):
     register(_cls)
 
 

@@ -27,6 +27,7 @@ from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.errors import ConfigError, SaguaroError
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.serve.limits import check_prompt_bytes
+from saguaro_ray.serve.logprobs import chat_logprobs, completion_logprobs
 from saguaro_ray.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -170,12 +171,14 @@ class OpenAIRoutes:
     def _respond(self, route: str, body: _Common, strategy: Strategy, results: list[Any], prompt_tokens: int, t0: float) -> dict[str, Any]:
         """The response body of a finished request (recorded in the metrics)."""
         chat = route == "chat"
+        tokenizer = self.replica.engine.frontend.tokenizer
         choices, completion_tokens, stats = [], 0, []
         for i, r in enumerate(results):
             completion_tokens += len(r.token_ids)
             stats.append(r.stats)
             content = {"message": {"role": "assistant", "content": r.text}} if chat else {"text": r.text}
-            choices.append({"index": i, **content, "logprobs": None, "finish_reason": r.finish_reason, "saguaro": choice_stats(r.stats)})
+            logprobs = None if r.logprobs is None else (chat_logprobs if chat else completion_logprobs)(tokenizer, r.logprobs)
+            choices.append({"index": i, **content, "logprobs": logprobs, "finish_reason": r.finish_reason, "saguaro": choice_stats(r.stats)})
         metrics, tag = self.replica.metrics, strategy.mode
         metrics.request(route, tag, 200, time.perf_counter() - t0)
         metrics.tokens(route, tag, prompt_tokens, completion_tokens)
@@ -211,10 +214,15 @@ def sampling_params(body: _Common, max_tokens: int, stops: list[str], speculatio
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=body.logit_bias or (),
+            logprobs=body.logprobs_count(),
+            **({} if body.logprobs_mode is None else {"logprobs_mode": body.logprobs_mode}),
         )
         params.check_samples(body.n)
     except ConfigError as exc:
-        raise api_error_from(exc) from None
+        err = api_error_from(exc)
+        if err.param == "logprobs":  # chat names the count top_logprobs
+            err.param = body.LOGPROBS_PARAM
+        raise err from None
     return params
 
 

@@ -6,10 +6,13 @@ extension); values (temperature, top_p, max_tokens, seed ...) are validated by
 wire can carry — so the HTTP server rejects exactly what the CLI and the
 Python API reject, with the same message. Unknown fields are ignored (clients send ``user`` and the like);
 fields that would change the output in ways the engine cannot honour
-(``logprobs``, ``echo``, ``best_of > 1``, tools) are refused with a 400
-rather than silently dropped. The penalties and ``logit_bias`` are honoured
-exactly (``repetition_penalty`` is an extension, vLLM's name); their values
-are SamplingParams' to check, like every other sampling value.
+(``echo``, ``best_of > 1``, tools) are refused with a 400 rather than
+silently dropped. The penalties and ``logit_bias`` are honoured exactly
+(``repetition_penalty`` is an extension, vLLM's name); their values are
+SamplingParams' to check, like every other sampling value. Logprobs:
+completions' ``logprobs: N``, chat's ``logprobs: true`` with ``top_logprobs:
+N``, and the ``logprobs_mode`` extension (``raw`` | ``processed``, see
+:mod:`saguaro_ray.algorithms.logprobs`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,6 +67,8 @@ _PARAM_OF = {
     "top_p": "top_p",
     "max_tokens": "max_tokens",
     "seed": "seed",
+    "logprobs_mode": "logprobs_mode",
+    "logprobs": "logprobs",
     "n must": "n",
     "speculation.mode": "speculation.mode",
     "speculation.k": "speculation.k",
@@ -158,17 +163,24 @@ class _Common(BaseModel):
     # extension: the request's strategy ({"mode", "k"} or a mode name), checked by Strategy.of (its messages name the field)
     speculation: Any = None
     timeout: float | None = None  # extension: seconds before the request fails with 504 (capped by the deployment)
+    logprobs: Any = None  # completions: N alternatives; chat: a boolean (N is top_logprobs)
+    logprobs_mode: str | None = None  # extension: "raw" (the default) or "processed"
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM's name): 1 = off
     logit_bias: dict[str, Any] | None = None  # OpenAI's {"token id": bias in [-100, 100]}, checked by SamplingParams
-    # accepted, but only at their neutral values
-    logprobs: Any = None
     user: str | None = None
 
+    LOGPROBS_PARAM: ClassVar[str] = "logprobs"  # the field that says how many alternatives
+
     def refuse_unsupported(self) -> None:
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
+        """Refuse (400) the fields the engine cannot honour: each route its own;
+        every field both share is honoured."""
+
+    def logprobs_count(self) -> Any:
+        """Alternatives per token the request asks for (None: no logprobs);
+        its value is checked by SamplingParams (``false`` means none, as before)."""
+        return None if self.logprobs is False else self.logprobs
 
     def stop_list(self, limit: int, max_chars: int) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -254,7 +266,18 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Any = None
+
+    LOGPROBS_PARAM: ClassVar[str] = "top_logprobs"
+
+    def logprobs_count(self) -> Any:
+        if self.logprobs is not None and type(self.logprobs) is not bool:
+            raise APIError(400, f"logprobs must be a boolean, got {self.logprobs!r}", param="logprobs")
+        if self.logprobs is not True:
+            if self.top_logprobs not in (None, 0):
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -262,8 +285,6 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "tools are not supported", param="tools", code="unsupported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format", code="unsupported")
-        if self.top_logprobs:
-            raise APIError(400, "logprobs are not supported by this server", param="top_logprobs", code="unsupported")
 
 
 # ------------------------------------------------------------------ responses

@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.engine.frontend import StreamChunk
 from saguaro_ray.serve.metrics import ServeMetrics
+from saguaro_ray.serve.logprobs import chat_logprobs, completion_logprobs
 from saguaro_ray.serve.protocol import _Common, api_error_from, choice_stats, deadline_passed, new_id, now, prompt_field, saguaro_summary, usage
 from saguaro_ray.serve.replica import ServedEngine
 
@@ -80,7 +81,7 @@ async def stream_response(
     if isinstance(first[1], BaseException):  # failed before any output: a plain HTTP error
         close()
         raise api_error_from(first[1], prompt_field(route))
-    events = sse_events(metrics, route, body, strategy, engine.menu.default, queue, len(tasks), first, prompt_lens, t0, deadline)
+    events = sse_events(metrics, route, body, strategy, engine.menu.default, queue, len(tasks), first, prompt_lens, t0, deadline, engine.frontend.tokenizer)
     return EventStream(events, close)
 
 
@@ -96,6 +97,7 @@ async def sse_events(
     prompt_lens: list[int],
     t0: float,
     deadline: float,
+    tokenizer: Any,
 ) -> AsyncIterator[str]:
     """The events of ``total`` samples whose chunks arrive on ``queue`` as
     ``(sample index, chunk | None at its end | the exception that ended it)``,
@@ -103,7 +105,9 @@ async def sse_events(
     ends: 499 when the client went away, whether while we waited or while we
     sent. ``strategy``: the request's, as the engine resolved it (its metrics
     tag; the ``include_usage`` chunk's ``saguaro`` summary names it, with the
-    samples' round statistics, as a non-streamed response does)."""
+    samples' round statistics, as a non-streamed response does). A chunk
+    whose tokens have logprobs carries them (``tokenizer`` names the tokens),
+    also while their text is still held back."""
     chat = route == "chat"
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = now()
@@ -112,6 +116,7 @@ async def sse_events(
     ntokens = [0] * total
     finals: list[dict[str, Any] | None] = [None] * total
     last_token_t: list[float | None] = [None] * total
+    sent_ids: list[list[int]] = [[] for _ in range(total)]  # a completion's earlier tokens: its text offsets
     done = [False] * total
     first_token_seen = False
 
@@ -119,7 +124,9 @@ async def sse_events(
         payload = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, **extra}
         return f"data: {json.dumps(payload)}\n\n"
 
-    def choice(index: int, text: str | None, finish: str | None, role: bool = False, stats: dict | None = None) -> dict[str, Any]:
+    def choice(
+        index: int, text: str | None, finish: str | None, role: bool = False, stats: dict | None = None, logprobs: dict | None = None
+    ) -> dict[str, Any]:
         extra = {} if stats is None else {"saguaro": choice_stats(stats)}
         if chat:
             delta: dict[str, Any] = {}
@@ -127,8 +134,17 @@ async def sse_events(
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish, **extra}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish, **extra}
+
+    def logprobs_of(index: int, piece: StreamChunk) -> dict[str, Any] | None:
+        if not piece.logprobs:
+            return None
+        if chat:
+            return chat_logprobs(tokenizer, piece.logprobs)
+        out = completion_logprobs(tokenizer, piece.logprobs, sent_ids[index])
+        sent_ids[index].extend(piece.token_ids)
+        return out
 
     status = 200
     try:
@@ -158,8 +174,9 @@ async def sse_events(
                     metrics.inter_token(route, tag, t - last_token_t[index], tokens)
                 last_token_t[index] = t
                 ntokens[index] += tokens
-            if piece.text:
-                yield event([choice(index, piece.text, None)])
+            logprobs = logprobs_of(index, piece)
+            if piece.text or logprobs is not None:
+                yield event([choice(index, piece.text, None, logprobs=logprobs)])
             if piece.finish_reason is not None:
                 done[index] = True
                 finals[index] = piece.stats
