@@ -223,6 +223,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         metavar="T1,T2",
         help="also a mixed-traffic cell: a run's requests alternate between these temperatures, submitted together (default 0,0.7)",
     )
+    p.add_argument(
+        "--sampling",
+        type=json_object,
+        action="append",
+        default=None,
+        metavar="JSON",
+        help="request fields every run's requests carry besides the bench's own, e.g. "
+        '\'{"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}\'; '
+        "repeat it (--sampling '{}' for plain) to compare settings interleaved in one run",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runtimes", type=_csv(str), default=["ray"], help="ray,inprocess")
     p.add_argument("--k", type=int, default=4)
@@ -240,22 +250,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--address", default=None)
     p.add_argument("--logprobs", type=int, default=None, help="every request asks for its tokens' logprobs and N alternatives (engine modes)")
-    p.add_argument("--response-format", type=json_object, default=None, help="every request's structured output, as OpenAI's response_format JSON (engine modes only)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from saguaro_ray.bench.plan import parse_modes, temperature_settings
+    from saguaro_ray.bench.plan import parse_modes, sampling_settings, temperature_settings
     from saguaro_ray.bench.plot import plot, require_matplotlib
     from saguaro_ray.bench.report import format_table
     from saguaro_ray.bench.run import BenchArgs, run_bench
-    from saguaro_ray.config import SamplingParams
 
     if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
-    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed fails before any engine starts
+    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed or --sampling fails before any engine starts
+    sampling_settings(args.sampling)
     unknown = set(args.runtimes) - {"ray", "inprocess"}
     if unknown:
         raise ConfigError(f"--runtimes takes ray and/or inprocess, got {sorted(unknown)}")
@@ -263,10 +272,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--target-tp needs the ray runtime; drop inprocess from --runtimes")
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
         raise ConfigError("--repeats and --batch-sizes must be positive")
-    if args.response_format is not None:
-        SamplingParams(response_format=args.response_format)  # a bad one fails before any engine starts
-        if any(not m.strategy for m in parse_modes(args.modes)):
-            raise ConfigError("--response-format runs on the engine's modes only; drop the hf-* peers from --modes")
     if args.plot:
         require_matplotlib()
     report = run_bench(
@@ -294,8 +299,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             target_tp=args.target_tp,
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
             dtype=args.dtype,
+            sampling=args.sampling,
             logprobs=args.logprobs,
-            response_format=args.response_format,
         )
     )
     print(format_table(report))

@@ -26,6 +26,8 @@ SELF_FORMS = f"or {' / '.join(SELF_PREFIX + s for s in QUANT_SCHEMES)} (the targ
 
 def add_sampling_args(group: argparse._ActionsContainer) -> None:
     """The sampling flags, shared by ``generate`` and the generate job."""
+    from saguaro_ray.config import LOGPROBS_MODES
+
     group.add_argument("--max-tokens", type=int, default=64)
     group.add_argument("--temperature", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)
@@ -33,8 +35,10 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed+i (default 0)")
     group.add_argument("--n", type=int, default=1, help="independent samples per prompt")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    from saguaro_ray.config import LOGPROBS_MODES
-
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]: subtracted once from every token already generated")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]: subtracted per occurrence in the generated tokens")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 10], 1 = off: logits of tokens in the prompt or output divided by it (multiplied when negative)")
+    group.add_argument("--logit-bias", type=json_object, default={}, metavar="JSON", help='added to the logits of token ids: \'{"50256": -100}\' (biases in [-100, 100])')
     group.add_argument("--logprobs", type=int, default=None, help="the target's logprob of each token and of its N likeliest alternatives (0: the token's alone)")
     group.add_argument("--logprobs-mode", default="raw", choices=LOGPROBS_MODES, help="raw: the model's log-softmax; processed: the law sampled from")
     group.add_argument(
@@ -43,16 +47,19 @@ def add_sampling_args(group: argparse._ActionsContainer) -> None:
     )
 
 
-# SamplingParams fields, one flag each
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "logprobs", "logprobs_mode", "response_format")
+SAMPLING_FLAGS = (
+    "max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "logprobs_mode", "response_format",
+)  # SamplingParams fields, one flag each
 
 
 def json_object(text: str) -> dict[str, Any]:
-    """A flag's JSON object (SamplingParams checks what it says)."""
+    """An argparse type: a flag's value as a JSON object (its contents are the
+    config's to check), else argparse's one-line usage error naming the flag."""
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value

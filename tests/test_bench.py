@@ -126,12 +126,12 @@ def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
             ray.shutdown()
 
 
-def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, k_rounds=0, num_drafts=1):
+def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, k_rounds=0, num_drafts=1, sampling=None):
     from saguaro_ray.bench.report import RunResult, round_breakdown
 
     return RunResult(
         mode, runtime, num_drafts, batch, temperature, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds,
-        strategy=strategy or {}, k_total=k_total, k_rounds=k_rounds,
+        strategy=strategy or {}, k_total=k_total, k_rounds=k_rounds, sampling=sampling,
     )
 
 
@@ -315,3 +315,50 @@ def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
     assert peer["best_fixed"] is None and peer["strategy"] is None and peer["mean_k"] is None
     table = format_table({"results": entries})
     assert "mix:0,0.7" in table and sum("best " in line for line in table.splitlines()) == 2
+
+
+def test_sampling_settings_are_cells_of_their_own(monkeypatch, capsys):
+    """``--sampling`` (repeatable): each setting's requests carry its fields, and
+    its rows are compared with the modes of the same setting only."""
+    import saguaro_ray.bench.run
+    from saguaro_ray.bench.plan import sampling_settings, temperature_settings
+    from saguaro_ray.bench.report import format_table, summarise
+    from saguaro_ray.bench.run import request_params
+    from saguaro_ray.cli import main
+    from saguaro_ray.errors import ConfigError
+
+    ran = []
+    monkeypatch.setattr(saguaro_ray.bench.run, "run_bench", lambda args: ran.append(args) or {"results": []})
+    pen = '{"presence_penalty": 0.5, "logit_bias": {"5": -1}}'
+    assert main(["bench", "--modes", "ar", "--sampling", "{}", "--sampling", pen]) == 0
+    assert [a.sampling for a in ran] == [[{}, {"presence_penalty": 0.5, "logit_bias": {"5": -1}}]]
+    for bad, says in [('{"seed": 1}', "the bench's own flags"), ('{"top_k": -1}', "top_k")]:
+        code = main(["bench", "--modes", "ar", "--sampling", bad])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and says in err, (bad, err)
+    with pytest.raises(SystemExit) as usage:  # not JSON: argparse's usage error, as for any flag of the wrong type
+        main(["bench", "--modes", "ar", "--sampling", "[1]"])
+    assert usage.value.code == 2 and "argument --sampling: must be a JSON object" in capsys.readouterr().err.splitlines()[-1]
+    assert len(ran) == 1  # every bad command failed before an engine started
+
+    plain, pen = sampling_settings([{}, {"presence_penalty": 0.5, "logit_bias": {"5": -1}, "top_k": 3}])
+    assert [s.label for s in sampling_settings(None)] == [None] and plain.label is None
+    assert pen.label == '{"logit_bias":{"5":-1},"presence_penalty":0.5,"top_k":3}'
+    [p] = request_params(1, temperature_settings([0.7], None)[0], 16, 3, None, sampling=pen)
+    assert (p.presence_penalty, p.logit_bias, p.top_k, p.temperature, p.max_tokens) == (0.5, ((5, -1.0),), 3, 0.7, 16)
+    for bad, needle in [
+        ([{"temperature": 1}], "the bench's own flags set"),
+        ([{"penalty": 1}], r"unknown field\(s\) \['penalty'\]"),
+        ([{"presence_penalty": 3}], "presence_penalty must be"),
+        ([{"repetition_penalty": 1.1}, {"repetition_penalty": 1.1}], "more than once"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            sampling_settings(bad)
+    rounds = _rounds(4, 0.004, 0.003)
+    runs = [_run("ar", "ray", rounds, 0, 0, 300), _run("sd", "ray", rounds, 4, 4, 450), _run("ar", "ray", rounds, 0, 0, 200, sampling=pen.label),
+            _run("sd", "ray", rounds, 4, 4, 400, sampling=pen.label)]  # fmt: skip
+    entries = summarise(runs)
+    assert [(e["mode"], e["sampling"], e["speedup_vs_ar"]) for e in entries] == [
+        ("ar", None, 1.0), ("sd", None, 1.5), ("ar", pen.label, 1.0), ("sd", pen.label, 2.0),
+    ]
+    assert sum(f"sampling {pen.label}" in line for line in format_table({"results": entries}).splitlines()) == 2

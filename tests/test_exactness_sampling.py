@@ -26,9 +26,9 @@ unscaled q instead of q') it rejects with p-values far below α.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -77,12 +77,12 @@ def exact_law(
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     prompt: list[int] = PROMPT,
-    adjust: Callable[[tuple[int, ...], torch.Tensor], torch.Tensor] | None = None,
+    adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> dict[tuple[int, ...], float]:
     """P(first m generated tokens = x) for every x with positive probability,
-    by enumeration: one forward per prefix in the support. ``adjust(prefix,
-    logits [1, V])``: what a request does to the raw row after ``prefix``
-    before it is processed (e.g. a grammar mask)."""
+    by enumeration: one forward per prefix in the support. ``adjust(logits
+    [1, V], history)``: what is done to a row before temperature and top-k
+    (penalties: ``test_penalties.py``), history = prompt + prefix."""
     hf = load_hf_model(path)
     law: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(m):
@@ -91,7 +91,7 @@ def exact_law(
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
             if adjust is not None:
-                logits = adjust(prefix, logits)
+                logits = adjust(logits, prompt + list(prefix))
             p = process_logits(logits, [temperature], [top_k])[0].double()
             p = p / p.sum()  # fp32 softmax rows sum to 1 only within ~1e-7
             for tok in torch.nonzero(p).flatten().tolist():

@@ -229,9 +229,9 @@ def grammar_law(zoo_tiny, tokenizer, fmt: ResponseFormat, prompt: list[int]) -> 
 
     compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
 
-    def mask(prefix: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
+    def mask(logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         bm = new_bitmask(1, compiler.vocab_size)
-        compiler.start(fmt).fill(list(prefix), bm, 0)
+        compiler.start(fmt).fill(history[len(prompt) :], bm, 0)
         return apply_bitmask(logits, bm, [0])
 
     return exact_law(zoo_tiny / "target", m=LAW_M, temperature=1.0, top_k=2, prompt=prompt, adjust=mask)
@@ -309,3 +309,17 @@ def test_serve_chat_and_completions_with_response_format(client, handle, server)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
     again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=fmt)
     assert again.choices[0].message.content == texts["ar"]
+
+
+def test_bench_requests_under_a_format_end_at_eos():
+    """``--sampling '{"response_format": ...}'``: the bench's requests carry the
+    format and stop at EOS (past a complete document only EOS is allowed;
+    decoding those rows would flatter every mode); plain ones ignore EOS."""
+    from saguaro_ray.bench.plan import SamplingSetting, temperature_settings
+    from saguaro_ray.bench.run import request_params
+
+    [t0] = temperature_settings([0.0], None)
+    structured_ = request_params(2, t0, 16, 0, None, sampling=SamplingSetting({"response_format": {"type": "json_object"}}))
+    assert all(p.response_format == JSON_OBJECT and not p.ignore_eos for p in structured_)
+    plain = request_params(2, t0, 16, 0, None, sampling=SamplingSetting({"response_format": {"type": "text"}}))
+    assert all(p.response_format is None and p.ignore_eos for p in plain)

@@ -8,14 +8,19 @@ label of ``--modes``: ``ar``, ``sd``, ``ssd``, ``pyramid``, ``auto``, and
 runs. A temperature setting is one temperature for every request of a run,
 or a mix (``--mixed``): request j of a run at the mix's temperature j mod n,
 so each batch of a run holds every temperature at once — traffic no single
-fixed mode serves best.
+fixed mode serves best. A sampling setting (``--sampling``, repeatable) is
+the other request fields a run's requests carry (penalties, ``logit_bias``,
+...): several of them run interleaved like the modes, so a feature's cost is
+its tokens/s against the plain setting's in the same run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from saguaro_ray.config import STRATEGY_MODES, Strategy
+from saguaro_ray.config import STRATEGY_MODES, SamplingParams, Strategy
 from saguaro_ray.errors import ConfigError
 
 PEER_MODES = ("hf-ar", "hf-assisted")  # run by saguaro_ray.bench.peers
@@ -95,4 +100,38 @@ def temperature_settings(temperatures: list[float], mixed: list[float] | None) -
         if len(set(mixed)) < 2:
             raise ConfigError(f"--mixed needs at least two different temperatures, got {mixed}")
         settings.append(TemperatureSetting(tuple(mixed)))
+    return settings
+
+
+BENCH_FIELDS = ("temperature", "max_tokens", "seed", "ignore_eos", "speculation", "logprobs")  # what the bench's own flags set
+
+
+@dataclass(frozen=True)
+class SamplingSetting:
+    """The :class:`SamplingParams` fields a run's requests carry besides the
+    bench's own (``--sampling '{"presence_penalty": 0.5}'``); empty: plain sampling."""
+
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owned = sorted(set(self.params) & set(BENCH_FIELDS))
+        if owned:
+            raise ConfigError(f"--sampling sets {', '.join(owned)}: the bench's own flags set {', '.join(BENCH_FIELDS)}")
+        unknown = sorted(set(self.params) - {f.name for f in fields(SamplingParams)})
+        if unknown:
+            raise ConfigError(f"--sampling has unknown field(s) {unknown}; it takes SamplingParams fields")
+        SamplingParams(**self.params)  # its values are checked as every request's are
+
+    @property
+    def label(self) -> str | None:
+        """The report's ``sampling``: the fields as canonical JSON, None when plain."""
+        return json.dumps(self.params, sort_keys=True, separators=(",", ":")) if self.params else None
+
+
+def sampling_settings(values: list[dict[str, Any]] | None) -> list[SamplingSetting]:
+    """Every ``--sampling`` object, each once (none given: plain sampling alone)."""
+    settings = [SamplingSetting(v) for v in values or [{}]]
+    labels = [s.label for s in settings]
+    if len(set(labels)) < len(labels):
+        raise ConfigError("--sampling names one setting more than once")
     return settings

@@ -10,7 +10,7 @@ cache hit rate, and a per-round breakdown from the engine's timeline — verify
 time, draft busy time, drafting exposed on the critical path, control plane
 (everything in a round that is neither verification, exposed drafting nor the
 cache lookup), and SSD's ideal (mean accepted + 1 tokens per verify time per
-sequence) with efficiency = achieved / ideal. Every cell (batch size ×
+sequence) with efficiency = achieved / ideal. Every cell (batch size × sampling ×
 temperature × runtime) names its best fixed mode, and ``auto`` rows their
 ratio to it and to AR, with what ``auto`` chose (the requests' own stats).
 """
@@ -61,6 +61,7 @@ class RunResult:
     strategy: dict[str, int] = field(default_factory=dict)  # mode → sequence-rounds run in it
     k_total: float = 0.0  # K summed over the sequence-rounds not in AR ...
     k_rounds: int = 0  # ... and their number (mean K = k_total / k_rounds)
+    sampling: str | None = None  # the sampling setting's label (``--sampling``; None: plain)
 
 
 def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
@@ -68,13 +69,13 @@ def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
 
 
 def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
-    """One result entry per (mode, runtime, drafts, batch, temperature), then
-    each cell's comparisons (:func:`_compare`)."""
+    """One result entry per (mode, runtime, drafts, batch, temperature,
+    sampling), then each cell's comparisons (:func:`_compare`)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
-        groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature), []).append(r)
+        groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature, r.sampling), []).append(r)
     entries = []
-    for (mode, runtime, nd, b, t), rs in groups.items():
+    for (mode, runtime, nd, b, t, sampling), rs in groups.items():
         tps = [r.decode_tokens / r.decode_seconds for r in rs]
         med, lo, hi = _median_min_max(tps)
         spec_rounds = sum(r.spec_rounds for r in rs)
@@ -100,6 +101,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "num_drafts": nd,
                 "batch_size": b,
                 "temperature": t,
+                "sampling": sampling,
                 "tokens_per_s": med,
                 "tokens_per_s_min": lo,
                 "tokens_per_s_max": hi,
@@ -123,7 +125,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
 
 
 def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["runtime"] == b["runtime"] and a["batch_size"] == b["batch_size"] and a["temperature"] == b["temperature"]
+    return all(a[k] == b[k] for k in ("runtime", "batch_size", "temperature", "sampling"))
 
 
 def row_name(e: dict[str, Any]) -> str:
@@ -133,7 +135,7 @@ def row_name(e: dict[str, Any]) -> str:
 
 def _compare(entries: list[dict[str, Any]]) -> None:
     """Each entry's speedups over ``ar`` and ``sd`` of its cell (batch size ×
-    temperature × runtime), and the cell's best fixed mode (the fastest
+    temperature × sampling × runtime), and the cell's best fixed mode (the fastest
     engine row that is not ``auto``) with ``auto``'s ratios to it and to AR.
     A peer (runtime ``hf``) is compared with our modes of the first runtime measured."""
     ours = [x["runtime"] for x in entries if x["runtime"] != "hf"]
@@ -243,6 +245,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{f(e['mean_accepted'], 8, '.2f')}{f(e['cache_hit_rate'], 6, '.0%')}{f(e['efficiency'], 6, '.2f')}"
             f"{f(e['ideal_speedup_vs_ar'], 9, '.2f', 'x')}{f(e['control_plane_fraction'], 7, '.1%')}"
             + (f"  {auto_note(e)}" if base_mode(e["mode"]) == "auto" else "")
+            + (f"  sampling {e['sampling']}" if e.get("sampling") else "")
         )
     return "\n".join(lines)
 

@@ -16,10 +16,10 @@ from typing import Any, Callable
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
 from saguaro_ray.bench.peers import PeerRunner
-from saguaro_ray.bench.plan import BenchMode, TemperatureSetting, parse_modes, temperature_settings
+from saguaro_ray.bench.plan import BenchMode, SamplingSetting, TemperatureSetting, parse_modes, sampling_settings, temperature_settings
 from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
 from saguaro_ray.model_set import needed_specs
-from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
+from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine.sequence import strategy_totals
 from saguaro_ray.prompt_sets import load_prompts
 
@@ -52,8 +52,8 @@ class BenchArgs:
     target_tp: int = 1
     build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
     dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
+    sampling: list[dict[str, Any]] | None = None  # sampling settings (``--sampling``), run interleaved; None: plain alone
     logprobs: int | None = None  # every request asks for its tokens' logprobs and N alternatives (None: off)
-    response_format: dict[str, Any] | None = None  # every request's structured output (OpenAI's response_format)
     progress: bool = True
 
 
@@ -136,14 +136,17 @@ class _Engine:
 class _Runner:
     """One benched mode on its engine: the runs' requests carry its strategy."""
 
-    def __init__(self, engine: _Engine, mode: BenchMode, logprobs: int | None = None, response_format: dict[str, Any] | None = None) -> None:
-        self.engine, self.bench_mode, self.logprobs, self.response_format = engine, mode, logprobs, response_format
+    def __init__(self, engine: _Engine, mode: BenchMode, logprobs: int | None = None) -> None:
+        self.engine, self.bench_mode, self.logprobs = engine, mode, logprobs
         self.mode, self.runtime, self.num_drafts = mode.label, engine.runtime, engine.num_drafts
 
-    def run(self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
+    def run(
+        self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None,
+        sampling: SamplingSetting = SamplingSetting(),
+    ) -> RunResult:
         """Generate every prompt, ``batch_size`` at a time (default: all at once),
-        request j at ``temperatures.for_request(j)``."""
-        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, self.logprobs, self.response_format)
+        request j at ``temperatures.for_request(j)``, each with ``sampling``'s fields."""
+        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, self.logprobs, sampling)
         b = batch_size or len(prompts)
         before = len(self.engine.timeline())
         t0 = time.perf_counter()
@@ -162,6 +165,7 @@ class _Runner:
             num_drafts=self.num_drafts,
             batch_size=b,
             temperature=temperatures.label,
+            sampling=sampling.label,
             seconds=seconds,
             tokens=tokens,
             decode_tokens=tokens - prefill_tokens,
@@ -183,19 +187,21 @@ def request_params(
     seed: int,
     strategy: Strategy | None,
     logprobs: int | None = None,
-    response_format: dict[str, Any] | None = None,
+    sampling: SamplingSetting = SamplingSetting(),
 ) -> list[SamplingParams]:
     """The sampling parameters of a run's ``n`` requests: each ``max_tokens``
     long (end-of-sequence ignored, so every mode decodes as many tokens),
-    request j at ``temperatures.for_request(j)``, carrying ``strategy``,
-    asking for ``logprobs`` (None: none) and under ``response_format``
-    (None: none). Under a response format EOS ends a request: past a complete
-    document the grammar allows nothing else, and decoding those forced rows
-    would flatter every mode."""
+    request j at ``temperatures.for_request(j)``, carrying ``strategy`` and
+    asking for ``logprobs`` (None: none) and with ``sampling``'s fields.
+    Under a ``response_format`` EOS ends a request: past a complete document
+    the grammar allows nothing else, and decoding those forced rows would
+    flatter every mode."""
+    structured = ResponseFormat.of(sampling.params.get("response_format")) is not None
     return [
         SamplingParams(
-            temperature=temperatures.for_request(j), top_k=0, max_tokens=max_tokens, seed=seed, ignore_eos=response_format is None,
-            speculation=strategy, logprobs=logprobs, response_format=response_format,
+            **{"top_k": 0, **sampling.params},
+            temperature=temperatures.for_request(j), max_tokens=max_tokens, seed=seed, ignore_eos=not structured, speculation=strategy,
+            logprobs=logprobs,
         )
         for j in range(n)
     ]
@@ -222,6 +228,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
 
     modes = parse_modes(args.modes)
     settings = temperature_settings(args.temperatures, args.mixed)
+    samplings = sampling_settings(args.sampling)
     tokenizer = load_tokenizer(resolve_model_path(args.target)) if args.prompts == "chat" else None
     prompts = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts), tokenizer=tokenizer)
     engines = engine_plan(modes, args.num_drafts)
@@ -229,7 +236,8 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     if "ray" in args.runtimes and engines:
         _start_ray_for(args, engines)
     rows = sum(len(ms) for _, ms in engines)
-    total = len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) + (1 in args.batch_sizes) * len(peers))
+    plain = sum(not s.params for s in samplings)  # the peers run plain sampling alone
+    total = len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) * len(samplings) + (1 in args.batch_sizes) * len(peers) * plain)
     runs: list[RunResult] = []
     strategies: dict[str, dict[str, Any]] = {}
     with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
@@ -237,7 +245,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         # and engines left idle still cost a small machine (their processes and
         # threads wake up to poll), so only the engines being compared are alive.
         for i, runtime in enumerate(args.runtimes):
-            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, bar, strategies)
+            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, samplings, bar, strategies)
     return {
         "machine": machine_info(args.threads),
         "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype),
@@ -268,11 +276,13 @@ def _run_group(
     peers: list[str],
     prompts: list[str],
     settings: list[TemperatureSetting],
+    samplings: list[SamplingSetting],
     bar: Any,
     strategies: dict[str, dict[str, Any]],
 ) -> list[RunResult]:
-    """Every setting over one runtime's engines' modes (and the peers),
-    interleaved (A B C A B C …); ``strategies`` gets each engine's choices
+    """Every setting (temperature × sampling) over one runtime's engines'
+    modes (and the peers, plain sampling only: transformers has no presence
+    or frequency penalty), interleaved (A B C A B C …); ``strategies`` gets each engine's choices
     once its runs are done (``runtime/dN``)."""
     closers: list[Callable[[], None]] = []
     engines: list[_Engine] = []
@@ -283,7 +293,7 @@ def _run_group(
             engine = _Engine(runtime, nd, modes, args)
             engines.append(engine)
             closers.append(engine.close)
-            runners += [_Runner(engine, m, args.logprobs, args.response_format) for m in modes]
+            runners += [_Runner(engine, m, args.logprobs) for m in modes]
         for mode in peers:
             runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
             closers.append(runners[-1].close)
@@ -292,12 +302,16 @@ def _run_group(
         for b in args.batch_sizes:
             for t in settings:
                 for rep in range(args.repeats):
-                    for r in runners:
-                        if r.runtime == "hf" and b != 1:
-                            continue  # transformers decodes one request at a time (see bench.peers)
-                        # every batch size sees the same prompts: ceil(P / b) generate calls of b
-                        runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
-                        bar.update(1)
+                    for s in samplings:
+                        for r in runners:
+                            # every batch size sees the same prompts: ceil(P / b) generate calls of b
+                            if r.runtime != "hf":
+                                runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b, sampling=s))
+                            elif b == 1 and not s.params:  # transformers decodes one request at a time (see bench.peers), plainly
+                                runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
+                            else:
+                                continue
+                            bar.update(1)
         strategies.update({f"{e.runtime}/d{e.num_drafts}": e.strategies() for e in engines})
     finally:
         for close in closers:

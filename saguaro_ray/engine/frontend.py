@@ -1,10 +1,11 @@
 """The request side shared by every engine: prompts in, results and streams out.
 
 Validation happens here, before any model work: empty prompts, token ids
-outside the vocabulary, prompts that (with ``max_tokens``) do not fit the
-context window of *every* model, a ``response_format`` the grammar library
-cannot compile for this tokenizer (compiled once here, so a bad schema is a
-clear error naming it, never a worker failure). Sample i of a prompt gets seed ``seed + i``.
+outside the vocabulary (in the prompt, ``stop_token_ids`` or ``logit_bias``),
+prompts that (with ``max_tokens``) do not fit the context window of *every*
+model, a ``response_format`` the grammar library cannot compile for this
+tokenizer (compiled once here, so a bad schema is a clear error naming it,
+never a worker failure). Sample i of a prompt gets seed ``seed + i``.
 The in-process engine and the Ray coordinator both put a :class:`Frontend`
 in front of their :class:`Scheduler`, so they answer identically.
 
@@ -145,6 +146,9 @@ class Frontend:
                 )
             if any(t >= self.vocab_size for t in p.stop_token_ids):
                 raise ConfigError(f"stop_token_ids must be in [0, {self.vocab_size})")
+            biased = max((t for t, _ in p.logit_bias), default=-1)
+            if biased >= self.vocab_size:  # a bias the model has no logit for
+                raise ConfigError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {biased}")
             if p.response_format is not None:
                 self.check_response_format(p.response_format)
             base = p.seed if p.seed is not None else secrets.randbelow(2**31)

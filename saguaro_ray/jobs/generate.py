@@ -9,8 +9,9 @@ submit``::
 
 Input: JSONL, one object a line with ``"prompt"`` (a string or a list of token
 ids) and optionally per-prompt ``max_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``seed``, ``ignore_eos`` overriding the flags. Blank lines are
-skipped; a prompt's ``index`` is its position among the prompts (0-based).
+``top_k``, ``seed``, ``ignore_eos``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logit_bias`` (``{"token id": bias}``), ``logprobs``,
+``logprobs_mode`` overriding the flags. Blank lines are skipped; a prompt's ``index`` is its position among the prompts (0-based).
 
 Output: JSONL, one object per sample: ``index``, ``prompt``, and the fields
 of ``saguaro-ray generate --json`` (``prompt_index`` = ``index``,

@@ -6,10 +6,12 @@ extension); values (temperature, top_p, max_tokens, seed ...) are validated by
 wire can carry — so the HTTP server rejects exactly what the CLI and the
 Python API reject, with the same message. Unknown fields are ignored (clients send ``user`` and the like);
 fields that would change the output in ways the engine cannot honour
-(``echo``, ``best_of > 1``, penalties, ``logit_bias``, tools)
-are refused with a 400 rather than silently dropped. Logprobs: completions'
-``logprobs: N``, chat's ``logprobs: true`` with ``top_logprobs: N``, and the
-``logprobs_mode`` extension (``raw`` | ``processed``, see
+(``echo``, ``best_of > 1``, tools) are refused with a 400 rather than
+silently dropped. The penalties and ``logit_bias`` are honoured exactly
+(``repetition_penalty`` is an extension, vLLM's name); their values are
+SamplingParams' to check, like every other sampling value. Logprobs:
+completions' ``logprobs: N``, chat's ``logprobs: true`` with ``top_logprobs:
+N``, and the ``logprobs_mode`` extension (``raw`` | ``processed``, see
 :mod:`saguaro_ray.algorithms.logprobs`).
 """
 
@@ -71,6 +73,10 @@ _PARAM_OF = {
     "speculation.mode": "speculation.mode",
     "speculation.k": "speculation.k",
     "speculation": "speculation",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
     "prompt": "prompt",
     "response_format": "response_format",
 }
@@ -162,20 +168,17 @@ class _Common(BaseModel):
     logprobs_mode: str | None = None  # extension: "raw" (the default) or "processed"
     # structured output: OpenAI's chat field, an extension on completions; checked by ResponseFormat.of and the Frontend
     response_format: dict[str, Any] | None = None
-    # accepted, but only at their neutral values
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's name): 1 = off
+    logit_bias: dict[str, Any] | None = None  # OpenAI's {"token id": bias in [-100, 100]}, checked by SamplingParams
     user: str | None = None
 
     LOGPROBS_PARAM: ClassVar[str] = "logprobs"  # the field that says how many alternatives
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (it would change the sampled law)", param=name, code="unsupported")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+        """Refuse (400) the fields the engine cannot honour: each route its own;
+        every field both share is honoured."""
 
     def logprobs_count(self) -> Any:
         """Alternatives per token the request asks for (None: no logprobs);
