@@ -207,6 +207,24 @@ def test_every_mode_emits_ar_tokens_under_the_grammar_and_outputs_validate(engin
         assert [r.token_ids for r in got] == [r.token_ids for r in ar], mode
 
 
+def test_a_grammar_with_penalties_and_bias_equals_ar_in_every_mode(engine, tokenizer):
+    """Penalties and a bias change which grammatical token wins (the output
+    differs from the grammar's alone), the output still validates, and every
+    mode emits AR's tokens under both at once."""
+    import jsonschema
+
+    fmt = FORMATS["json_schema"]
+    quote = tokenizer.encode(' "', add_special_tokens=False)[0]
+    extra = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={quote: 100.0})
+    ar = engine.generate(PROMPTS, structured(fmt, "ar", **extra))
+    assert [r.token_ids for r in ar] != [r.token_ids for r in engine.generate(PROMPTS, structured(fmt, "ar"))]
+    for r in ar:
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), BOUNDED_PERSON)
+    for mode in MODES:
+        assert [r.token_ids for r in engine.generate(PROMPTS, structured(fmt, mode, **extra))] == [r.token_ids for r in ar], mode
+
+
 def test_workers_forget_grammar_states_of_finished_sequences(engine):
     from engine_helpers import settle
 

@@ -58,8 +58,8 @@ class LogitAdjuster:
 
     def adjust(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:
         """``logits [R, V]`` with each row's penalties and bias applied, then
-        its grammar mask — last, so no bias can revive a token the grammar
-        forbids (a new tensor; when no row adjusts, ``logits`` itself)."""
+        its grammar mask (-inf on what the grammar forbids; a new tensor; when
+        no row adjusts, ``logits`` itself)."""
         if not any(r.params.adjusts_logits for r in rows):
             return logits
         logits = apply_penalties(logits, rows)
