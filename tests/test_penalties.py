@@ -42,8 +42,8 @@ import pytest
 import torch
 from helpers import load_hf_model, perturbed_checkpoint, save_tiny_checkpoint, torch_threads
 from test_exactness_sampling import ALPHA, REJECT, chi_square, counts_of, exact_law
+import test_serve
 from test_serve import MODEL, assert_openai_error, bounded, raw_post
-from test_serve import client, handle, models, ray_cluster, server, tokenizer  # noqa: F401  (the Serve tests' Ray, engine and app: fixtures)
 from test_strategy_per_sequence import Cycling
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
@@ -55,6 +55,14 @@ from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.token_history import TokenHistory
+
+# the Serve tests' fixtures (Ray cluster, engine, app), requested by name here too
+ray_cluster = test_serve.ray_cluster
+models = test_serve.models
+handle = test_serve.handle
+server = test_serve.server
+client = test_serve.client
+tokenizer = test_serve.tokenizer
 
 MAX_TOKENS = 24
 # prompts the tiny zoo's target repeats itself on at T = 0 (a run of "d", blank lines, a recursion)

@@ -8,9 +8,18 @@ attached by the app)."""
 from __future__ import annotations
 
 import pytest
-from test_serve import MESSAGES, MODEL, PROMPT, assert_openai_error, client, handle, models, ray_cluster, raw_post, server, tokenizer  # noqa: F401
+import test_serve
+from test_serve import MESSAGES, MODEL, PROMPT, assert_openai_error, raw_post
 
 from saguaro_ray.config import SamplingParams, Strategy
+
+# the Serve tests' fixtures (Ray cluster, engine, app), requested by name here too
+ray_cluster = test_serve.ray_cluster
+models = test_serve.models
+handle = test_serve.handle
+server = test_serve.server
+client = test_serve.client
+tokenizer = test_serve.tokenizer
 
 TOL = 1e-4
 MAX_TOKENS = 10

@@ -12,13 +12,19 @@ import random
 
 import pytest
 import torch
-from test_serve import client, handle, ray_cluster, server  # noqa: F401 (the Serve app's fixtures)
-from test_serve import models  # noqa: F401
+import test_serve
 
 from saguaro_ray.algorithms.grammar import GrammarCompiler, apply_bitmask, new_bitmask
 from saguaro_ray.config import ResponseFormat, SamplingParams
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.tokenizer import load_tokenizer
+
+# the Serve tests' fixtures (Ray cluster, engine, app), requested by name here too
+ray_cluster = test_serve.ray_cluster
+models = test_serve.models
+handle = test_serve.handle
+server = test_serve.server
+client = test_serve.client
 
 JSON_OBJECT = ResponseFormat.of({"type": "json_object"})
 PERSON = {
