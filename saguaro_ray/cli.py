@@ -249,7 +249,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="SSD, one draft: the draft starts the next build itself (default: on through Ray, off in process)",
     )
     p.add_argument("--address", default=None)
-    p.add_argument("--logprobs", type=int, default=None, help="every request asks for its tokens' logprobs and N alternatives (engine modes)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
     p.set_defaults(func=_cmd_bench)
@@ -300,7 +299,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
             dtype=args.dtype,
             sampling=args.sampling,
-            logprobs=args.logprobs,
         )
     )
     print(format_table(report))

@@ -288,9 +288,10 @@ def test_cli_prints_them_and_refuses_bad_values_in_one_line(zoo_tiny):
 
 
 def test_bench_requests_ask_for_logprobs():
-    from saguaro_ray.bench.plan import temperature_settings
+    from saguaro_ray.bench.plan import sampling_settings, temperature_settings
     from saguaro_ray.bench.run import request_params
 
     [setting] = temperature_settings([0.0], None)
-    assert {p.logprobs for p in request_params(3, setting, 8, 0, None, 5)} == {5}
-    assert {p.logprobs for p in request_params(3, setting, 8, 0, None)} == {None}
+    on, off = sampling_settings([{"logprobs": 5, "logprobs_mode": "processed"}, {}])
+    assert {(p.logprobs, p.logprobs_mode) for p in request_params(3, setting, 8, 0, None, on)} == {(5, "processed")}
+    assert {p.logprobs for p in request_params(3, setting, 8, 0, None, off)} == {None}

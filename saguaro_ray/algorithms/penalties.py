@@ -47,13 +47,16 @@ class History(Protocol):
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[History]) -> torch.Tensor:
     """Penalised and biased copy of ``logits [R, V]`` (row r for ``rows[r]``);
-    rows whose params neither penalise nor bias come back unchanged."""
-    out = logits.clone()
+    rows whose params neither penalise nor bias come back unchanged, and
+    ``logits`` itself when no row does (a grammar alone needs no copy here)."""
     vocab = logits.shape[-1]
     todo = [r for r, h in enumerate(rows) if h.params.penalized]
+    biased = [(r, t, b) for r, h in enumerate(rows) for t, b in h.params.logit_bias if t < vocab]
+    if not todo and not biased:
+        return logits
+    out = logits.clone()
     if todo:
         _penalise(out, todo, rows, vocab)
-    biased = [(r, t, b) for r, h in enumerate(rows) for t, b in h.params.logit_bias if t < vocab]
     if biased:
         idx = torch.tensor([(r, t) for r, t, _ in biased], device=out.device)
         add = torch.tensor([b for _, _, b in biased], dtype=out.dtype, device=out.device)

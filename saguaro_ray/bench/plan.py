@@ -103,13 +103,14 @@ def temperature_settings(temperatures: list[float], mixed: list[float] | None) -
     return settings
 
 
-BENCH_FIELDS = ("temperature", "max_tokens", "seed", "ignore_eos", "speculation", "logprobs")  # what the bench's own flags set
+BENCH_FIELDS = ("temperature", "max_tokens", "seed", "ignore_eos", "speculation")  # what the bench's own flags set
 
 
 @dataclass(frozen=True)
 class SamplingSetting:
     """The :class:`SamplingParams` fields a run's requests carry besides the
-    bench's own (``--sampling '{"presence_penalty": 0.5}'``); empty: plain sampling."""
+    bench's own (``--sampling '{"presence_penalty": 0.5}'``, ``'{"logprobs": 5}'``,
+    ``'{"response_format": {"type": "json_object"}}'``); empty: plain sampling."""
 
     params: dict[str, Any] = field(default_factory=dict)
 

@@ -53,7 +53,6 @@ class BenchArgs:
     build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
     dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
     sampling: list[dict[str, Any]] | None = None  # sampling settings (``--sampling``), run interleaved; None: plain alone
-    logprobs: int | None = None  # every request asks for its tokens' logprobs and N alternatives (None: off)
     progress: bool = True
 
 
@@ -136,8 +135,8 @@ class _Engine:
 class _Runner:
     """One benched mode on its engine: the runs' requests carry its strategy."""
 
-    def __init__(self, engine: _Engine, mode: BenchMode, logprobs: int | None = None) -> None:
-        self.engine, self.bench_mode, self.logprobs = engine, mode, logprobs
+    def __init__(self, engine: _Engine, mode: BenchMode) -> None:
+        self.engine, self.bench_mode = engine, mode
         self.mode, self.runtime, self.num_drafts = mode.label, engine.runtime, engine.num_drafts
 
     def run(
@@ -146,7 +145,7 @@ class _Runner:
     ) -> RunResult:
         """Generate every prompt, ``batch_size`` at a time (default: all at once),
         request j at ``temperatures.for_request(j)``, each with ``sampling``'s fields."""
-        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, self.logprobs, sampling)
+        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, sampling)
         b = batch_size or len(prompts)
         before = len(self.engine.timeline())
         t0 = time.perf_counter()
@@ -186,13 +185,12 @@ def request_params(
     max_tokens: int,
     seed: int,
     strategy: Strategy | None,
-    logprobs: int | None = None,
     sampling: SamplingSetting = SamplingSetting(),
 ) -> list[SamplingParams]:
     """The sampling parameters of a run's ``n`` requests: each ``max_tokens``
     long (end-of-sequence ignored, so every mode decodes as many tokens),
     request j at ``temperatures.for_request(j)``, carrying ``strategy`` and
-    asking for ``logprobs`` (None: none) and with ``sampling``'s fields.
+    ``sampling``'s fields (penalties, logprobs, a response format, ...).
     Under a ``response_format`` EOS ends a request: past a complete document
     the grammar allows nothing else, and decoding those forced rows would
     flatter every mode."""
@@ -201,7 +199,6 @@ def request_params(
         SamplingParams(
             **{"top_k": 0, **sampling.params},
             temperature=temperatures.for_request(j), max_tokens=max_tokens, seed=seed, ignore_eos=not structured, speculation=strategy,
-            logprobs=logprobs,
         )
         for j in range(n)
     ]
@@ -293,7 +290,7 @@ def _run_group(
             engine = _Engine(runtime, nd, modes, args)
             engines.append(engine)
             closers.append(engine.close)
-            runners += [_Runner(engine, m, args.logprobs) for m in modes]
+            runners += [_Runner(engine, m) for m in modes]
         for mode in peers:
             runners.append(PeerRunner(mode, args.target, args.draft, args.dtype, args.threads))
             closers.append(runners[-1].close)
