@@ -1,0 +1,251 @@
+"""The OpenAI surface's combinations (issue 21) no other module tests together.
+
+* A tensor-parallel target (two gloo ranks on CPU, Ray actors) under a
+  grammar, penalties, a bias and logprobs at once: T = 0 tokens equal an
+  unsharded engine's, logprobs within 1e-4, outputs validate.
+* PyramidSD's law at T > 0 under a grammar and under penalties (chi-square
+  against the enumerated masked / penalised target law), and ``auto``
+  switching strategy and K every round under a grammar at T = 0 equal to AR.
+* Logprobs under a grammar: processed ones are the masked law's (a masked
+  token's is -9999.0 and never in a top list), raw ones the unmasked model's
+  (transformers' log-softmax within 1e-4).
+
+The helpers (laws, chi-square, grammar references, the Cycling policy) are
+the other modules'; nothing is copied here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from helpers import hf_logits, load_hf_model, perturbed_checkpoint, torch_threads
+from test_exactness_sampling import assert_law
+from test_logprobs import TOL, assert_matches, processed_law
+from test_penalties import LAW, LAW_PROMPT, M, N, law_models, penalised_law  # noqa: F401  (law_models: a fixture)
+from test_strategy_per_sequence import Cycling
+from test_structured_output import (
+    BOUNDED_PERSON, FORMATS, JSON_OBJECT, LAW_M, LAW_N, LAW_SEED, MAX_TOKENS, PROMPTS, allowed, check_output, grammar_law, structured,
+)  # fmt: skip
+
+from saguaro_ray.algorithms.grammar import GrammarCompiler
+from saguaro_ray.algorithms.logprobs import IMPOSSIBLE, row_logprobs, token_logprobs
+from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig, Strategy
+from saguaro_ray.engine import LocalEngine
+from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.tokenizer import load_tokenizer
+from saguaro_ray.workers.grammar_masks import GrammarMasks
+from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
+from saguaro_ray.workers.token_history import TokenHistory
+
+SCHEMA = FORMATS["json_schema"]
+N_LOGPROBS = 5
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer(zoo_tiny):
+    return load_tokenizer(zoo_tiny / "target")
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+@pytest.fixture(scope="module")
+def engine(zoo_tiny):
+    """Every strategy in one process (target, draft, qualifier of the tiny zoo; auto by default)."""
+    eng = LocalEngine(
+        EngineConfig(
+            target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=str(zoo_tiny / "qualifier"), threads_per_worker=1
+        )
+    )
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf(zoo_tiny):
+    return load_hf_model(zoo_tiny / "target")
+
+
+def raw_reference(hf, engine, prompt: str, generated: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at the rows that predict ``generated``."""
+    ids = engine.frontend.encode(prompt)
+    return torch.log_softmax(hf_logits(hf, ids + generated)[len(ids) - 1 : len(ids) - 1 + len(generated)], -1)
+
+
+# ------------------------------------------------------------------ 1. a tensor-parallel target
+
+
+def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp1(ray_instance, zoo_tiny, engine, compiler):
+    """Two gloo ranks of the target (the grammar masks are built on rank 0's
+    proxy) give the unsharded engine's tokens and logprobs in AR, SD and SSD,
+    and every output validates against its schema."""
+    from test_logprobs import assert_same
+
+    from saguaro_ray import Engine
+
+    modes = ("ar", "sd", "ssd")
+    params = [
+        structured(SCHEMA, m, logprobs=N_LOGPROBS, logprobs_mode=lp, **PENALTIES)
+        for m, lp in zip(modes, ("raw", "processed", "raw"))
+    ]
+    want = engine.generate(PROMPTS, params)
+    h = Engine.launch(
+        EngineConfig(
+            target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), spec=SpeculationConfig(mode="auto", k=3, budget=4),
+            target_tp=2, address="local", worker_cpus=0.25,
+        )
+    )  # fmt: skip
+    try:
+        assert [r["tp_rank"] for r in h.worker_info()["target"]["ranks"]] == [0, 1]
+        got = h.generate(PROMPTS, params)
+    finally:
+        h.shutdown()
+    for g, w, m in zip(got, want, modes):
+        assert g.mode == m and g.token_ids == w.token_ids, m
+        assert len(g.logprobs) == len(g.token_ids)
+        assert_same(g.logprobs, w.logprobs)
+        assert g.finish_reason == "stop", g.text
+        jsonschema.validate(json.loads(g.text), BOUNDED_PERSON)
+    assert any(len(g.text) > 12 for g in got)
+
+
+# ------------------------------------------------------------------ 2. PyramidSD's law, auto switching
+
+
+def test_pyramid_under_a_grammar_keeps_the_masked_target_law(zoo_tiny, tokenizer):
+    prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    law = grammar_law(zoo_tiny, tokenizer, JSON_OBJECT, prompt)
+    eng = LocalEngine(
+        EngineConfig(
+            target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=str(zoo_tiny / "qualifier"),
+            spec=SpeculationConfig(mode="pyramid", lq=3, ld=2), threads_per_worker=1,
+            max_batch_size=LAW_N, max_kv_tokens=(len(prompt) + 16) * LAW_N, build_ahead=False,
+        )
+    )  # fmt: skip
+    try:
+        params = SamplingParams(temperature=1.0, top_k=2, max_tokens=LAW_M, ignore_eos=True, seed=LAW_SEED, response_format=JSON_OBJECT)
+        res = eng.generate([prompt], params, n=LAW_N)
+    finally:
+        eng.close()
+    assert all(len(r.token_ids) == LAW_M and r.mode == "pyramid" and r.stats["lossy"] is False for r in res)
+    assert_law(res, law, "pyramid lq=3 ld=2 under json_object")
+
+
+def test_pyramid_with_penalties_keeps_the_penalised_law(law_models, tmp_path):  # noqa: F811  (law_models: test_penalties' fixture)
+    weak = perturbed_checkpoint(law_models["target"], tmp_path / "weak", 0.3, seed=8)  # the draft; the penalty tests' draft qualifies
+    eng = LocalEngine(
+        EngineConfig(
+            target=str(law_models["target"]), draft=str(weak), qualifier=str(law_models["draft"]),
+            spec=SpeculationConfig(mode="pyramid", lq=3, ld=2), threads_per_worker=1,
+            max_batch_size=N, max_kv_tokens=32 * N, build_ahead=False,
+        )
+    )  # fmt: skip
+    try:
+        res = eng.generate([LAW_PROMPT], LAW, n=N)
+    finally:
+        eng.close()
+    assert all(len(r.token_ids) == M and r.stats["lossy"] is False for r in res)
+    assert_law(res, penalised_law(law_models["target"], LAW), "pyramid lq=3 ld=2, penalties and bias on")
+
+
+def test_auto_switching_every_round_under_a_grammar_equals_ar(zoo_tiny, engine, compiler):
+    """Each auto sequence runs AR, SD and SSD with K = 1..3 in turn (one
+    round's batch mixes them), its grammar state following every switch."""
+    ar = engine.generate(PROMPTS, structured(SCHEMA, "ar", **PENALTIES))
+    cyc = LocalEngine(EngineConfig(target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), threads_per_worker=1))
+    cyc.loop.assigner.policy = policy = Cycling()
+    try:
+        got = cyc.generate(PROMPTS, structured(SCHEMA, "auto", **PENALTIES))
+    finally:
+        cyc.close()
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    for r in got:
+        check_output(compiler, SCHEMA, r)
+    used = {m for r in got for m, n in r.stats["strategy"].items() if n}
+    assert used >= {"ar", "sd", "ssd"}, used
+    assert policy.rounds >= 3
+
+
+# ------------------------------------------------------------------ 3. logprobs under a grammar
+
+
+def masked_reference(hf, engine, compiler, prompt: str, generated: list[int]) -> torch.Tensor:
+    """transformers' logits at the rows that predict ``generated``, each masked
+    (-inf) by a fresh grammar state of its own prefix."""
+    ids = engine.frontend.encode(prompt)
+    rows = hf_logits(hf, ids + generated)[len(ids) - 1 : len(ids) - 1 + len(generated)].clone()
+    for j in range(len(generated)):
+        banned = torch.ones(rows.shape[1], dtype=torch.bool)
+        banned[sorted(allowed(compiler, ResponseFormat.of(SCHEMA), generated[:j]))] = False
+        rows[j, banned] = float("-inf")
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "pyramid", "auto"])
+def test_logprobs_under_a_grammar_processed_are_masked_raw_are_the_models(engine, hf, compiler, mode):
+    """At T > 0: processed logprobs are the masked law's (every top entry a
+    token the grammar allows; once the document is complete, EOS alone at
+    0.0), raw ones transformers' unmasked log-softmax (their top lists hold
+    tokens the grammar forbids)."""
+    temperature, [eos] = 0.9, engine.frontend.eos_ids
+    outs = {}
+    for lp in ("processed", "raw"):
+        params = [structured(SCHEMA, mode, temperature=temperature, seed=11 + i, ignore_eos=True, logprobs=N_LOGPROBS, logprobs_mode=lp)
+                  for i in range(len(PROMPTS))]  # fmt: skip
+        outs[lp] = engine.generate(PROMPTS, params)
+    forbidden_in_raw_top = 0
+    for prompt, p, r in zip(PROMPTS, outs["processed"], outs["raw"]):
+        if mode != "auto":  # auto picks strategies by measured cost, and each draws its own (exact) samples
+            assert p.token_ids == r.token_ids  # the logprobs mode changes what is reported, never what is drawn
+        assert len(p.logprobs) == len(p.token_ids) == MAX_TOKENS
+        masked = masked_reference(hf, engine, compiler, prompt, p.token_ids)
+        assert_matches(p.logprobs, p.token_ids, processed_law(masked, temperature, 0, 1.0), N_LOGPROBS)
+        for j, e in enumerate(p.logprobs):
+            ok = allowed(compiler, ResponseFormat.of(SCHEMA), p.token_ids[:j])
+            assert e.logprob > IMPOSSIBLE and {t for t, _ in e.top} <= ok
+            if ok == {eos}:
+                assert e.token == eos and e.top == [(eos, 0.0)] and e.logprob == 0.0
+        assert p.token_ids[-1] == r.token_ids[-1] == eos  # the document completed inside MAX_TOKENS, the tail is EOS alone
+        raw = raw_reference(hf, engine, prompt, r.token_ids)
+        assert_matches(r.logprobs, r.token_ids, raw, N_LOGPROBS)
+        forbidden_in_raw_top += sum(
+            bool({t for t, _ in e.top} - allowed(compiler, ResponseFormat.of(SCHEMA), r.token_ids[:j])) for j, e in enumerate(r.logprobs)
+        )
+    assert forbidden_in_raw_top > 0  # raw is the unmasked model: the grammar did mask something the model liked
+
+
+def test_a_masked_tokens_processed_logprob_is_impossible(zoo_tiny, tokenizer, compiler):
+    """Through the workers' own adjuster and logprob rows: a token the grammar
+    masks scores -9999.0 in ``processed`` mode (its raw logprob is finite) and
+    no top list names it."""
+    adjuster = LogitAdjuster(TokenHistory(), GrammarMasks(str(zoo_tiny / "target"), len(tokenizer), (tokenizer.eos_token_id,)))
+    doc = tokenizer.encode(json.dumps({"name": "Ada", "age": 3, "ok": True, "kind": "a"}), add_special_tokens=False)
+    prompt = [5, 6, 7]
+    params = SamplingParams(temperature=0.7, response_format=ResponseFormat.of(SCHEMA), logprobs=N_LOGPROBS, logprobs_mode="processed")
+    tokens = prompt + doc
+    rows = [RowContext(0, params, tokens, len(prompt) + j, (), len(prompt)) for j in range(len(doc) + 1)]
+    raw = torch.randn(len(rows), len(tokenizer), generator=torch.Generator().manual_seed(0))
+    adjusted = adjuster.adjust(raw, rows)
+    logp = row_logprobs(raw, adjusted, "processed", 0.7, 0, 1.0)
+    raw_logp = row_logprobs(raw, adjusted, "raw", 0.7, 0, 1.0)
+    fmt = ResponseFormat.of(SCHEMA)
+    for j in range(len(rows)):
+        ok = allowed(compiler, fmt, doc[:j])
+        masked = next(t for t in range(len(tokenizer)) if t not in ok)
+        [own, banned] = token_logprobs(logp[j : j + 1].expand(2, -1), [doc[j] if j < len(doc) else tokenizer.eos_token_id, masked], N_LOGPROBS)
+        assert own.logprob > IMPOSSIBLE and banned.logprob == IMPOSSIBLE
+        assert {t for t, _ in banned.top} <= ok and len(banned.top) == min(N_LOGPROBS, len(ok))
+        [raw_banned] = token_logprobs(raw_logp[j : j + 1], [masked], N_LOGPROBS)
+        assert abs(raw_banned.logprob - float(torch.log_softmax(raw[j], -1)[masked])) <= TOL
