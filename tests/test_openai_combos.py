@@ -20,11 +20,15 @@ import json
 
 import jsonschema
 import pytest
+import test_exactness_greedy
+import test_logprobs
+import test_penalties
+import test_structured_output
 import torch
-from helpers import hf_logits, load_hf_model, perturbed_checkpoint, torch_threads
+from helpers import perturbed_checkpoint
 from test_exactness_sampling import assert_law
-from test_logprobs import TOL, assert_matches, processed_law
-from test_penalties import LAW, LAW_PROMPT, M, N, law_models, penalised_law  # noqa: F401  (law_models: a fixture)
+from test_logprobs import TOL, assert_matches, assert_same, processed_law, reference_rows
+from test_penalties import LAW, LAW_PROMPT, M, N, penalised_law
 from test_strategy_per_sequence import Cycling
 from test_structured_output import (
     BOUNDED_PERSON, FORMATS, JSON_OBJECT, LAW_M, LAW_N, LAW_SEED, MAX_TOKENS, PROMPTS, allowed, check_output, grammar_law, structured,
@@ -32,28 +36,24 @@ from test_structured_output import (
 
 from saguaro_ray.algorithms.grammar import GrammarCompiler
 from saguaro_ray.algorithms.logprobs import IMPOSSIBLE, row_logprobs, token_logprobs
-from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig, Strategy
+from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
-from saguaro_ray.tokenizer import load_tokenizer
 from saguaro_ray.workers.grammar_masks import GrammarMasks
 from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.token_history import TokenHistory
 
 SCHEMA = FORMATS["json_schema"]
 N_LOGPROBS = 5
-PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.2)
+PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tokenizer(zoo_tiny):
-    return load_tokenizer(zoo_tiny / "target")
+# one torch thread; the structured-output tests' engine (every strategy, auto by default) and tokenizer; transformers' target
+_one_thread = test_exactness_greedy._one_thread
+engine = test_structured_output.engine
+tokenizer = test_structured_output.tokenizer
+hf = test_logprobs.hf
+law_models = test_penalties.law_models  # a random target whose law the penalties move a lot, and a draft near it
 
 
 @pytest.fixture(scope="module")
@@ -61,38 +61,13 @@ def compiler(tokenizer):
     return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
 
 
-@pytest.fixture(scope="module")
-def engine(zoo_tiny):
-    """Every strategy in one process (target, draft, qualifier of the tiny zoo; auto by default)."""
-    eng = LocalEngine(
-        EngineConfig(
-            target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=str(zoo_tiny / "qualifier"), threads_per_worker=1
-        )
-    )
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def hf(zoo_tiny):
-    return load_hf_model(zoo_tiny / "target")
-
-
-def raw_reference(hf, engine, prompt: str, generated: list[int]) -> torch.Tensor:
-    """transformers' log-softmax at the rows that predict ``generated``."""
-    ids = engine.frontend.encode(prompt)
-    return torch.log_softmax(hf_logits(hf, ids + generated)[len(ids) - 1 : len(ids) - 1 + len(generated)], -1)
-
-
 # ------------------------------------------------------------------ 1. a tensor-parallel target
 
 
-def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp1(ray_instance, zoo_tiny, engine, compiler):
+def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp1(ray_instance, zoo_tiny, engine):
     """Two gloo ranks of the target (the grammar masks are built on rank 0's
     proxy) give the unsharded engine's tokens and logprobs in AR, SD and SSD,
     and every output validates against its schema."""
-    from test_logprobs import assert_same
-
     from saguaro_ray import Engine
 
     modes = ("ar", "sd", "ssd")
@@ -150,7 +125,7 @@ def test_pyramid_under_a_grammar_keeps_the_masked_target_law(zoo_tiny, tokenizer
     assert_law(res, law, "pyramid lq=3 ld=2 under json_object")
 
 
-def test_pyramid_with_penalties_keeps_the_penalised_law(law_models, tmp_path):  # noqa: F811  (law_models: test_penalties' fixture)
+def test_pyramid_with_penalties_keeps_the_penalised_law(law_models, tmp_path):
     weak = perturbed_checkpoint(law_models["target"], tmp_path / "weak", 0.3, seed=8)  # the draft; the penalty tests' draft qualifies
     eng = LocalEngine(
         EngineConfig(
@@ -192,8 +167,7 @@ def test_auto_switching_every_round_under_a_grammar_equals_ar(zoo_tiny, engine, 
 def masked_reference(hf, engine, compiler, prompt: str, generated: list[int]) -> torch.Tensor:
     """transformers' logits at the rows that predict ``generated``, each masked
     (-inf) by a fresh grammar state of its own prefix."""
-    ids = engine.frontend.encode(prompt)
-    rows = hf_logits(hf, ids + generated)[len(ids) - 1 : len(ids) - 1 + len(generated)].clone()
+    rows = reference_rows(hf, engine, prompt, generated).clone()
     for j in range(len(generated)):
         banned = torch.ones(rows.shape[1], dtype=torch.bool)
         banned[sorted(allowed(compiler, ResponseFormat.of(SCHEMA), generated[:j]))] = False
@@ -226,8 +200,7 @@ def test_logprobs_under_a_grammar_processed_are_masked_raw_are_the_models(engine
             if ok == {eos}:
                 assert e.token == eos and e.top == [(eos, 0.0)] and e.logprob == 0.0
         assert p.token_ids[-1] == r.token_ids[-1] == eos  # the document completed inside MAX_TOKENS, the tail is EOS alone
-        raw = raw_reference(hf, engine, prompt, r.token_ids)
-        assert_matches(r.logprobs, r.token_ids, raw, N_LOGPROBS)
+        assert_matches(r.logprobs, r.token_ids, torch.log_softmax(reference_rows(hf, engine, prompt, r.token_ids), -1), N_LOGPROBS)
         forbidden_in_raw_top += sum(
             bool({t for t, _ in e.top} - allowed(compiler, ResponseFormat.of(SCHEMA), r.token_ids[:j])) for j, e in enumerate(r.logprobs)
         )
