@@ -17,6 +17,7 @@ the other modules'; nothing is copied here.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -26,9 +27,9 @@ import test_penalties
 import test_structured_output
 import torch
 from helpers import perturbed_checkpoint
-from test_exactness_sampling import assert_law
+from test_exactness_sampling import REJECT, assert_law, chi_square, counts_of
 from test_logprobs import TOL, assert_matches, assert_same, processed_law, reference_rows
-from test_penalties import LAW, LAW_PROMPT, M, N, penalised_law
+from test_penalties import LAW, LAW_PROMPT, N, N_POWER, adjust_with_the_committed_history_only, penalised_law
 from test_strategy_per_sequence import Cycling
 from test_structured_output import (
     BOUNDED_PERSON, FORMATS, JSON_OBJECT, LAW_M, LAW_N, LAW_SEED, MAX_TOKENS, PROMPTS, allowed, check_output, grammar_law, structured,
@@ -99,47 +100,55 @@ def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp
 # ------------------------------------------------------------------ 2. PyramidSD's law, auto switching
 
 
-def assert_speculated(results: list) -> None:
-    """Pyramid's proposals were both accepted and rejected (the law test then covers both paths)."""
-    accepted = [r.stats["mean_accepted"] for r in results if r.stats["mean_accepted"] is not None]
-    assert accepted and 0.2 < sum(accepted) / len(accepted) < 2.5, sum(accepted) / max(len(accepted), 1)
-
-
-def test_pyramid_under_a_grammar_keeps_the_masked_target_law(zoo_tiny, tokenizer):
-    prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
-    law = grammar_law(zoo_tiny, tokenizer, JSON_OBJECT, prompt)
+def pyramid_samples(target: Path, draft: Path, qualifier: Path, prompt: list[int], params: SamplingParams, n: int) -> list:
+    """``n`` seeded PyramidSD samples (lq 3, ld 2, exact stages) of ``prompt``;
+    each proposal was both accepted and rejected somewhere, so the law test
+    covers both paths."""
     eng = LocalEngine(
         EngineConfig(
-            target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=str(zoo_tiny / "qualifier"),
-            spec=SpeculationConfig(mode="pyramid", lq=3, ld=2), threads_per_worker=1,
-            max_batch_size=LAW_N, max_kv_tokens=(len(prompt) + 16) * LAW_N, build_ahead=False,
+            target=str(target), draft=str(draft), qualifier=str(qualifier), spec=SpeculationConfig(mode="pyramid", lq=3, ld=2),
+            threads_per_worker=1, max_batch_size=n, max_kv_tokens=(len(prompt) + 16) * n, build_ahead=False,
         )
     )  # fmt: skip
     try:
-        params = SamplingParams(temperature=1.0, top_k=2, max_tokens=LAW_M, ignore_eos=True, seed=LAW_SEED, response_format=JSON_OBJECT)
-        res = eng.generate([prompt], params, n=LAW_N)
+        res = eng.generate([prompt], params, n=n)
     finally:
         eng.close()
-    assert all(len(r.token_ids) == LAW_M and r.mode == "pyramid" and r.stats["lossy"] is False for r in res)
-    assert_speculated(res)
-    assert_law(res, law, "pyramid lq=3 ld=2 under json_object")
+    assert all(len(r.token_ids) == params.max_tokens and r.mode == "pyramid" and r.stats["lossy"] is False for r in res)
+    accepted = [r.stats["mean_accepted"] for r in res if r.stats["mean_accepted"] is not None]
+    assert accepted and 0.2 < sum(accepted) / len(accepted) < 2.5, sum(accepted) / max(len(accepted), 1)
+    return res
+
+
+GRAMMAR_LAW = SamplingParams(temperature=1.0, top_k=2, max_tokens=LAW_M, ignore_eos=True, seed=LAW_SEED, response_format=JSON_OBJECT)
+
+
+@pytest.fixture(scope="module")
+def grammar_prompt(tokenizer) -> list[int]:
+    return tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def masked_law(zoo_tiny, tokenizer, grammar_prompt):
+    return grammar_law(zoo_tiny, tokenizer, JSON_OBJECT, grammar_prompt)
+
+
+def test_pyramid_under_a_grammar_keeps_the_masked_target_law(zoo_tiny, grammar_prompt, masked_law):
+    res = pyramid_samples(zoo_tiny / "target", zoo_tiny / "draft", zoo_tiny / "qualifier", grammar_prompt, GRAMMAR_LAW, LAW_N)
+    assert_law(res, masked_law, "pyramid lq=3 ld=2 under json_object")
+
+
+def test_the_grammar_law_rejects_masks_that_miss_the_proposed_prefix(zoo_tiny, grammar_prompt, masked_law, monkeypatch):
+    """The statistic's power: every worker masking a proposal's rows with the
+    grammar state of the committed history alone is rejected."""
+    adjust_with_the_committed_history_only(monkeypatch)
+    res = pyramid_samples(zoo_tiny / "target", zoo_tiny / "draft", zoo_tiny / "qualifier", grammar_prompt, GRAMMAR_LAW, N_POWER)
+    assert chi_square(counts_of(res), masked_law)[2] < REJECT
 
 
 def test_pyramid_with_penalties_keeps_the_penalised_law(law_models, tmp_path):
     weak = perturbed_checkpoint(law_models["target"], tmp_path / "weak", 0.3, seed=8)  # the draft; the penalty tests' draft qualifies
-    eng = LocalEngine(
-        EngineConfig(
-            target=str(law_models["target"]), draft=str(weak), qualifier=str(law_models["draft"]),
-            spec=SpeculationConfig(mode="pyramid", lq=3, ld=2), threads_per_worker=1,
-            max_batch_size=N, max_kv_tokens=32 * N, build_ahead=False,
-        )
-    )  # fmt: skip
-    try:
-        res = eng.generate([LAW_PROMPT], LAW, n=N)
-    finally:
-        eng.close()
-    assert all(len(r.token_ids) == M and r.stats["lossy"] is False for r in res)
-    assert_speculated(res)
+    res = pyramid_samples(law_models["target"], weak, law_models["draft"], LAW_PROMPT, LAW, N)
     assert_law(res, penalised_law(law_models["target"], LAW), "pyramid lq=3 ld=2, penalties and bias on")
 
 

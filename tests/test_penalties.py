@@ -342,9 +342,10 @@ def test_the_statistic_rejects_the_unpenalised_law(law_models, sd_samples, law):
     assert chi_square(counts_of(sd_samples), law)[2] >= ALPHA  # the control, on the same counts
 
 
-def test_the_statistic_rejects_penalties_that_miss_the_proposed_prefix(law_models, law, monkeypatch):
-    """The bug vLLM and SGLang shipped: every row of a proposal penalised
-    with the committed history alone (the proposal's earlier tokens not counted)."""
+def adjust_with_the_committed_history_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug vLLM and SGLang shipped, as a mutant of every worker's adjuster:
+    every row of a proposal adjusted (penalised, masked) with the committed
+    history alone — the proposal's earlier tokens and a branch's not counted."""
     real = LogitAdjuster.adjust
 
     def committed_only(self: LogitAdjuster, logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
@@ -354,6 +355,10 @@ def test_the_statistic_rejects_penalties_that_miss_the_proposed_prefix(law_model
         return real(self, logits, [replace(r, upto=committed[r.seq_id], extra=()) for r in rows])
 
     monkeypatch.setattr(LogitAdjuster, "adjust", committed_only)
+
+
+def test_the_statistic_rejects_penalties_that_miss_the_proposed_prefix(law_models, law, monkeypatch):
+    adjust_with_the_committed_history_only(monkeypatch)
     res = sample(law_models, "sd", LAW, n=N_POWER, k=2)
     assert chi_square(counts_of(res), law)[2] < REJECT
 
