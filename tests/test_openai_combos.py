@@ -65,18 +65,20 @@ def compiler(tokenizer):
 # ------------------------------------------------------------------ 1. a tensor-parallel target
 
 
-def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp1(ray_instance, zoo_tiny, engine):
+def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp1(ray_instance, zoo_tiny, engine, tokenizer):
     """Two gloo ranks of the target (the grammar masks are built on rank 0's
-    proxy) give the unsharded engine's tokens and logprobs in AR, SD and SSD,
-    and every output validates against its schema."""
+    proxy) give the unsharded engine's tokens and logprobs for every prompt in
+    AR, SD and SSD, raw and processed, under a schema, penalties and a bias at
+    once (which change the output the schema alone gives); every output validates."""
     from saguaro_ray import Engine
 
-    modes = ("ar", "sd", "ssd")
-    params = [
-        structured(SCHEMA, m, logprobs=N_LOGPROBS, logprobs_mode=lp, **PENALTIES)
-        for m, lp in zip(modes, ("raw", "processed", "raw"))
-    ]
-    want = engine.generate(PROMPTS, params)
+    quote = tokenizer.encode(' "', add_special_tokens=False)[0]
+    extra = {**PENALTIES, "logit_bias": {quote: 2.0}, "logprobs": N_LOGPROBS}
+    cases = [(p, m, lp) for p in PROMPTS for m, lp in (("ar", "raw"), ("sd", "processed"), ("ssd", "raw"), ("ssd", "processed"))]
+    prompts = [p for p, _, _ in cases]
+    params = [structured(SCHEMA, m, logprobs_mode=lp, **extra) for _, m, lp in cases]
+    want = engine.generate(prompts, params)
+    assert [r.token_ids for r in want] != [r.token_ids for r in engine.generate(prompts, [structured(SCHEMA, m) for _, m, _ in cases])]
     h = Engine.launch(
         EngineConfig(
             target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), spec=SpeculationConfig(mode="auto", k=3, budget=4),
@@ -85,16 +87,17 @@ def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp
     )  # fmt: skip
     try:
         assert [r["tp_rank"] for r in h.worker_info()["target"]["ranks"]] == [0, 1]
-        got = h.generate(PROMPTS, params)
+        got = h.generate(prompts, params)
     finally:
         h.shutdown()
-    for g, w, m in zip(got, want, modes):
+    for g, w, (_, m, _) in zip(got, want, cases):
         assert g.mode == m and g.token_ids == w.token_ids, m
         assert len(g.logprobs) == len(g.token_ids)
         assert_same(g.logprobs, w.logprobs)
         assert g.finish_reason == "stop", g.text
         jsonschema.validate(json.loads(g.text), BOUNDED_PERSON)
     assert any(len(g.text) > 12 for g in got)
+    assert any((g.stats.get("mean_accepted") or 0) > 0 for g in got)  # proposals were accepted: rows past a proposal's first were masked
 
 
 # ------------------------------------------------------------------ 2. PyramidSD's law, auto switching
