@@ -45,6 +45,7 @@ from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.token_history import TokenHistory
 
 SCHEMA = FORMATS["json_schema"]
+SCHEMA_FORMAT = ResponseFormat.of(SCHEMA)
 N_LOGPROBS = 5
 PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
 
@@ -182,7 +183,7 @@ def masked_reference(hf, engine, compiler, prompt: str, generated: list[int]) ->
     rows = reference_rows(hf, engine, prompt, generated).clone()
     for j in range(len(generated)):
         banned = torch.ones(rows.shape[1], dtype=torch.bool)
-        banned[sorted(allowed(compiler, ResponseFormat.of(SCHEMA), generated[:j]))] = False
+        banned[sorted(allowed(compiler, SCHEMA_FORMAT, generated[:j]))] = False
         rows[j, banned] = float("-inf")
     return rows
 
@@ -207,14 +208,14 @@ def test_logprobs_under_a_grammar_processed_are_masked_raw_are_the_models(engine
         masked = masked_reference(hf, engine, compiler, prompt, p.token_ids)
         assert_matches(p.logprobs, p.token_ids, processed_law(masked, temperature, 0, 1.0), N_LOGPROBS)
         for j, e in enumerate(p.logprobs):
-            ok = allowed(compiler, ResponseFormat.of(SCHEMA), p.token_ids[:j])
+            ok = allowed(compiler, SCHEMA_FORMAT, p.token_ids[:j])
             assert e.logprob > IMPOSSIBLE and {t for t, _ in e.top} <= ok
             if ok == {eos}:
                 assert e.token == eos and e.top == [(eos, 0.0)] and e.logprob == 0.0
         assert p.token_ids[-1] == r.token_ids[-1] == eos  # the document completed inside MAX_TOKENS, the tail is EOS alone
         assert_matches(r.logprobs, r.token_ids, torch.log_softmax(reference_rows(hf, engine, prompt, r.token_ids), -1), N_LOGPROBS)
         forbidden_in_raw_top += sum(
-            bool({t for t, _ in e.top} - allowed(compiler, ResponseFormat.of(SCHEMA), r.token_ids[:j])) for j, e in enumerate(r.logprobs)
+            bool({t for t, _ in e.top} - allowed(compiler, SCHEMA_FORMAT, r.token_ids[:j])) for j, e in enumerate(r.logprobs)
         )
     assert forbidden_in_raw_top > 0  # raw is the unmasked model: the grammar did mask something the model liked
 
@@ -226,16 +227,15 @@ def test_a_masked_tokens_processed_logprob_is_impossible(zoo_tiny, tokenizer, co
     adjuster = LogitAdjuster(TokenHistory(), GrammarMasks(str(zoo_tiny / "target"), len(tokenizer), (tokenizer.eos_token_id,)))
     doc = tokenizer.encode(json.dumps({"name": "Ada", "age": 3, "ok": True, "kind": "a"}), add_special_tokens=False)
     prompt = [5, 6, 7]
-    params = SamplingParams(temperature=0.7, response_format=ResponseFormat.of(SCHEMA), logprobs=N_LOGPROBS, logprobs_mode="processed")
+    params = SamplingParams(temperature=0.7, response_format=SCHEMA_FORMAT, logprobs=N_LOGPROBS, logprobs_mode="processed")
     tokens = prompt + doc
     rows = [RowContext(0, params, tokens, len(prompt) + j, (), len(prompt)) for j in range(len(doc) + 1)]
     raw = torch.randn(len(rows), len(tokenizer), generator=torch.Generator().manual_seed(0))
     adjusted = adjuster.adjust(raw, rows)
     logp = row_logprobs(raw, adjusted, "processed", 0.7, 0, 1.0)
     raw_logp = row_logprobs(raw, adjusted, "raw", 0.7, 0, 1.0)
-    fmt = ResponseFormat.of(SCHEMA)
     for j in range(len(rows)):
-        ok = allowed(compiler, fmt, doc[:j])
+        ok = allowed(compiler, SCHEMA_FORMAT, doc[:j])
         masked = next(t for t in range(len(tokenizer)) if t not in ok)
         [own, banned] = token_logprobs(logp[j : j + 1].expand(2, -1), [doc[j] if j < len(doc) else tokenizer.eos_token_id, masked], N_LOGPROBS)
         assert own.logprob > IMPOSSIBLE and banned.logprob == IMPOSSIBLE
