@@ -56,13 +56,7 @@ from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.token_history import TokenHistory
 
-# the Serve tests' fixtures (Ray cluster, engine, app), requested by name here too
-ray_cluster = test_serve.ray_cluster
-models = test_serve.models
-handle = test_serve.handle
-server = test_serve.server
-client = test_serve.client
-tokenizer = test_serve.tokenizer
+test_serve.share_fixtures(globals())  # the Serve tests' Ray cluster, engine and app, as fixtures here too
 
 MAX_TOKENS = 24
 # prompts the tiny zoo's target repeats itself on at T = 0 (a run of "d", blank lines, a recursion)

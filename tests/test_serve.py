@@ -153,6 +153,17 @@ def tokenizer(models):
     return load_tokenizer(models["target"])
 
 
+SHARED_FIXTURES = ("ray_cluster", "models", "handle", "server", "client", "tokenizer")
+
+
+def share_fixtures(namespace: dict) -> None:
+    """Make this module's Ray cluster, engine and Serve app fixtures of another
+    test module (``share_fixtures(globals())``): pytest finds fixtures by name in
+    the requesting module, and module-scoped ones are then built once per module."""
+    for name in SHARED_FIXTURES:
+        namespace[name] = globals()[name]
+
+
 def greedy(max_tokens: int = 16) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

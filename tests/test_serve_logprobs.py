@@ -13,13 +13,7 @@ from test_serve import MESSAGES, MODEL, PROMPT, assert_openai_error, raw_post
 
 from saguaro_ray.config import SamplingParams, Strategy
 
-# the Serve tests' fixtures (Ray cluster, engine, app), requested by name here too
-ray_cluster = test_serve.ray_cluster
-models = test_serve.models
-handle = test_serve.handle
-server = test_serve.server
-client = test_serve.client
-tokenizer = test_serve.tokenizer
+test_serve.share_fixtures(globals())  # the Serve tests' Ray cluster, engine and app, as fixtures here too
 
 TOL = 1e-4
 MAX_TOKENS = 10

@@ -19,12 +19,7 @@ from saguaro_ray.config import ResponseFormat, SamplingParams
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.tokenizer import load_tokenizer
 
-# the Serve tests' fixtures (Ray cluster, engine, app), requested by name here too
-ray_cluster = test_serve.ray_cluster
-models = test_serve.models
-handle = test_serve.handle
-server = test_serve.server
-client = test_serve.client
+test_serve.share_fixtures(globals())  # the Serve tests' Ray cluster, engine and app, as fixtures here too
 
 JSON_OBJECT = ResponseFormat.of({"type": "json_object"})
 PERSON = {
@@ -333,6 +328,40 @@ def test_serve_chat_and_completions_with_response_format(client, handle, server)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
     again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=fmt)
     assert again.choices[0].message.content == texts["ar"]
+
+
+def test_serve_one_request_with_every_feature_is_the_same_in_every_mode(client):
+    """One chat request asking for a schema, logprobs, penalties, a bias and the
+    repetition extension at once: ar, sd and ssd answer the same validating JSON
+    with the same logprobs (the target's verification rows, however many a round
+    scores), streamed as not."""
+    import jsonschema
+    from test_serve import MESSAGES, MODEL
+
+    body = dict(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMATS["json_schema"],
+        logprobs=True, top_logprobs=3, presence_penalty=0.4, frequency_penalty=0.3, logit_bias={"7": -2.0},
+    )
+    answers = {}
+    for mode in ("ar", "sd", "ssd"):
+        [choice] = client.chat.completions.create(**body, extra_body={"speculation": mode, "repetition_penalty": 1.2}).choices
+        assert choice.finish_reason == "stop"
+        answers[mode] = (choice.message.content, [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in choice.logprobs.content])
+    text, lps = answers["ar"]
+    jsonschema.validate(json.loads(text), BOUNDED_PERSON)
+    # the last entry is the end-of-sequence token the grammar allows once the document is complete
+    # (its logprob is reported, as every emitted token's is; its text is not part of the content)
+    assert "".join(tok for tok, _, _ in lps[:-1]) == text and all(len(top) <= 3 and lp <= 0 for _, lp, top in lps)
+    for mode in ("sd", "ssd"):
+        other_text, other = answers[mode]
+        assert other_text == text and [(t, top) for t, _, top in other] == [(t, top) for t, _, top in lps]
+        assert max(abs(a[1] - b[1]) for a, b in zip(other, lps)) < 1e-4
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMATS["json_schema"])
+    assert plain.choices[0].message.content != text  # the penalties and bias changed the answer: the equalities above mean something
+    chunks = client.chat.completions.create(**body, stream=True, extra_body={"speculation": "ssd", "repetition_penalty": 1.2})
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.delta.content or "" for c in streamed) == text
+    assert [t.token for c in streamed if c.logprobs for t in c.logprobs.content] == [t for t, _, _ in lps]
 
 
 def test_bench_requests_under_a_format_end_at_eos():
