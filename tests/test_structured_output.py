@@ -330,38 +330,89 @@ def test_serve_chat_and_completions_with_response_format(client, handle, server)
     assert again.choices[0].message.content == texts["ar"]
 
 
-def test_serve_one_request_with_every_feature_is_the_same_in_every_mode(client):
+def every_feature(client, model: str, modes: tuple[str, ...], **extra) -> dict[str, tuple[str, list]]:
     """One chat request asking for a schema, logprobs, penalties, a bias and the
-    repetition extension at once: ar, sd and ssd answer the same validating JSON
-    with the same logprobs (the target's verification rows, however many a round
-    scores), streamed as not."""
-    import jsonschema
-    from test_serve import MESSAGES, MODEL
+    repetition extension at once, in each of ``modes``: per mode, the content and
+    (token, logprob, top tokens) per emitted token."""
+    from test_serve import MESSAGES
 
-    body = dict(
-        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMATS["json_schema"],
-        logprobs=True, top_logprobs=3, presence_penalty=0.4, frequency_penalty=0.3, logit_bias={"7": -2.0},
-    )
     answers = {}
-    for mode in ("ar", "sd", "ssd"):
-        [choice] = client.chat.completions.create(**body, extra_body={"speculation": mode, "repetition_penalty": 1.2}).choices
+    for mode in modes:
+        [choice] = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMATS["json_schema"],
+            logprobs=True, top_logprobs=3, presence_penalty=0.4, frequency_penalty=0.3, logit_bias={"7": -2.0},
+            extra_body={"speculation": mode, "repetition_penalty": 1.2, **extra},
+        ).choices
         assert choice.finish_reason == "stop"
         answers[mode] = (choice.message.content, [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in choice.logprobs.content])
-    text, lps = answers["ar"]
+        ran = (choice.model_extra or {}).get("saguaro") or {}
+        assert set(ran.get("strategy") or {}) == {mode}, (mode, ran)  # each request ran the strategy it named, every round
+    return answers
+
+
+def assert_same_answers(answers: dict[str, tuple[str, list]], reference: str) -> None:
+    """Every mode's answer is the reference mode's: the same validating JSON and
+    the same logprobs (the target's verification rows, however many a round scores)."""
+    import jsonschema
+
+    text, lps = answers[reference]
     jsonschema.validate(json.loads(text), BOUNDED_PERSON)
     # the last entry is the end-of-sequence token the grammar allows once the document is complete
     # (its logprob is reported, as every emitted token's is; its text is not part of the content)
     assert "".join(tok for tok, _, _ in lps[:-1]) == text and all(len(top) <= 3 and lp <= 0 for _, lp, top in lps)
-    for mode in ("sd", "ssd"):
-        other_text, other = answers[mode]
-        assert other_text == text and [(t, top) for t, _, top in other] == [(t, top) for t, _, top in lps]
-        assert max(abs(a[1] - b[1]) for a, b in zip(other, lps)) < 1e-4
+    for mode, (other_text, other) in answers.items():
+        assert other_text == text and [(t, top) for t, _, top in other] == [(t, top) for t, _, top in lps], mode
+        assert max(abs(a[1] - b[1]) for a, b in zip(other, lps)) < 1e-4, mode
+
+
+def test_serve_one_request_with_every_feature_is_the_same_in_every_mode(client):
+    """ar, sd and ssd (the shared deployment's modes; pyramid below) answer one
+    request with every feature on alike, streamed as not."""
+    from test_serve import MESSAGES, MODEL
+
+    answers = every_feature(client, MODEL, ("ar", "sd", "ssd"))
+    assert_same_answers(answers, "ar")
+    text, lps = answers["ar"]
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMATS["json_schema"])
     assert plain.choices[0].message.content != text  # the penalties and bias changed the answer: the equalities above mean something
-    chunks = client.chat.completions.create(**body, stream=True, extra_body={"speculation": "ssd", "repetition_penalty": 1.2})
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMATS["json_schema"], stream=True,
+        logprobs=True, top_logprobs=3, presence_penalty=0.4, frequency_penalty=0.3, logit_bias={"7": -2.0},
+        extra_body={"speculation": "ssd", "repetition_penalty": 1.2},
+    )
     streamed = [c.choices[0] for c in chunks if c.choices]
     assert "".join(c.delta.content or "" for c in streamed) == text
     assert [t.token for c in streamed if c.logprobs for t in c.logprobs.content] == [t for t, _, _ in lps]
+
+
+@pytest.fixture(scope="module")
+def pyramid_client(ray_cluster, server, zoo_tiny):
+    """A second application on the same Serve: one engine with a qualifier,
+    allowing pyramid and ar (the shared deployment has no qualifier)."""
+    import openai
+    import uuid
+    from ray import serve
+    from test_serve import KEY, TIMEOUT_S, bounded
+
+    from saguaro_ray import Engine, EngineConfig
+    from saguaro_ray.serve import build_app
+    from saguaro_ray.serve.config import speculation_config
+
+    spec = {"mode": "pyramid", "allow": ["pyramid", "ar"], "lq": 3, "ld": 2}
+    name = f"pyramid-{uuid.uuid4().hex[:8]}"
+    paths = {role: str(zoo_tiny / role) for role in ("target", "draft", "qualifier")}
+    h = bounded(Engine.launch, EngineConfig(**paths, spec=speculation_config(spec), worker_cpus=0.25, name=name))
+    app = build_app({"model_name": "pyramid", **paths, "speculation": spec, "connect": name, "api_keys": [KEY]})
+    bounded(serve.run, app, name="pyramid", route_prefix="/pyramid", blocking=False, timeout=300)
+    try:
+        yield openai.OpenAI(base_url=server + "/pyramid/v1", api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
+    finally:
+        bounded(serve.delete, "pyramid", timeout=120)
+        h.shutdown()
+
+
+def test_serve_pyramid_answers_every_feature_as_ar(pyramid_client):
+    assert_same_answers(every_feature(pyramid_client, "pyramid", ("ar", "pyramid")), "ar")
 
 
 def test_bench_requests_under_a_format_end_at_eos():
