@@ -53,6 +53,7 @@ from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order
 from saguaro_ray.workers import ssd_protocol
 from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner, TreeState
+from saguaro_ray.workers.logit_adjust import RowContext
 from saguaro_ray.workers.target import RunnerLogic
 
 log = logging.getLogger(__name__)
@@ -304,8 +305,8 @@ class DraftLogic(RunnerLogic):
         b_hist: list[list[int]] | None = None
         if any(p.adjusts_logits for p in b_params):
             b_hist = [[t] for _, _, t in branches]
-            b_rows = [self.adjuster.rows_after(it.step.seq_id, it.step.params, 1)[0] for it in b_item]
             b_prefix = [it.step.start + len(it.step.new_tokens) + k for it, (_, k, _) in zip(b_item, branches)]
+            b_seq = [it.step.seq_id for it in b_item]
         cur = torch.tensor([[t] for _, _, t in branches])
         steps: list[torch.Tensor] = []  # sampled tokens per step [N] (rows past a branch's length unused)
         step_q: list[tuple[list[int], torch.Tensor] | None] = []  # (live rows, their q rows) per step
@@ -313,7 +314,11 @@ class DraftLogic(RunnerLogic):
         for j in range(depth):
             logits = self.runner.tree_forward(tree, cur)[:, 0]
             if b_hist is not None:
-                logits = self.adjuster.adjust(logits, [replace(c, upto=u, extra=tuple(h)) for c, u, h in zip(b_rows, b_prefix, b_hist)])
+                contexts = [
+                    RowContext(s, p, self.history.tokens(s), u, tuple(h), self.history.prompt_len(s))
+                    for s, p, u, h in zip(b_seq, b_params, b_prefix, b_hist)
+                ]
+                logits = self.adjuster.adjust(logits, contexts)
             step_logits.append(logits)
             if all_greedy:  # every proposal is a point mass: no law to keep
                 toks = argmax_lowest(logits)

@@ -35,6 +35,7 @@ def feed(
     """
     added = []
     catch_up: list[list[int]] = []
+    keep: list[int] = []  # per step: the length its KV is cut back to (rejected or stale speculation dropped)
     for st in steps:
         if not runner.has_sequence(st.seq_id):
             if st.start != 0:
@@ -46,8 +47,11 @@ def feed(
         if gap > len(st.recent):
             raise NeedsPrefillError(f"sequence {st.seq_id} holds {held} valid tokens, step starts at {st.start}")
         catch_up.append(st.recent[len(st.recent) - gap :] if gap > 0 else [])
-        if runner.seq_len(st.seq_id) > min(held, st.start):
-            runner.truncate(st.seq_id, min(held, st.start))
+        keep.append(min(held, st.start))
+    for st, n in zip(steps, keep):  # every step checked: now change the KV
+        if runner.seq_len(st.seq_id) > n:
+            runner.truncate(st.seq_id, n)
+            history.truncate(st.seq_id, n)
     fed = [c + st.new_tokens + list(x) for st, c, x in zip(steps, catch_up, extra)]
     try:
         logits = runner.forward([st.seq_id for st in steps], fed, num_logits=num_logits)
@@ -56,8 +60,8 @@ def feed(
             runner.free_sequence(s)
             history.drop(s)
         raise
-    for st, c, tokens in zip(steps, catch_up, fed):
-        history.put(st.seq_id, st.start - len(c), tokens)
+    for st, n, tokens in zip(steps, keep, fed):
+        history.put(st.seq_id, n, tokens)
         if st.prompt_len is not None:
             history.set_prompt_len(st.seq_id, st.prompt_len)
     return logits
@@ -192,8 +196,9 @@ class TargetLogic(RunnerLogic):
         steps = [it.step for it in items]
         proposals = [it.proposal for it in items]
         lens = [len(p.tokens) for p in proposals]
-        raw = self.feed(steps, [p.tokens for p in proposals], [n + 1 for n in lens])
-        logits = self.adjusted(raw, steps, [n + 1 for n in lens])
+        n_rows = [n + 1 for n in lens]
+        raw = self.feed(steps, [p.tokens for p in proposals], n_rows)
+        logits = self.adjusted(raw, steps, n_rows)
         groups: dict[tuple[str, float, str], list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault((it.rule, it.tau, it.div), []).append(i)

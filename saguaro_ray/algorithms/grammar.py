@@ -41,8 +41,8 @@ from saguaro_ray.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
-_BITS = 32
-MAX_CACHED_GRAMMARS = 64  # compiled formats kept per compiler (running sequences hold their own reference)  # xgrammar packs a mask as int32 words, bit i of word w = token 32*w + i
+_BITS = 32  # xgrammar packs a mask as int32 words, bit i of word w = token 32*w + i
+MAX_CACHED_GRAMMARS = 64  # compiled formats kept per compiler (running sequences hold their own reference)
 
 
 class GrammarCompiler:
@@ -114,9 +114,8 @@ class SequenceGrammar:
     def fill(self, generated: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
         """Write into ``bitmask[row]`` the tokens allowed after ``generated``
         (the tokens this sequence generated before the row's token)."""
-        if not self._move_to(generated):
-            _eos_only(bitmask[row], self._compiler.eos_ids)
-        elif self._matcher.is_terminated():  # EOS already accepted (ignore_eos): EOS stays the only valid token
+        # a history the grammar rejects, or EOS already accepted (ignore_eos): EOS is the only valid token
+        if not self._move_to(generated) or self._matcher.is_terminated():
             _eos_only(bitmask[row], self._compiler.eos_ids)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
