@@ -337,6 +337,29 @@ def test_exploration_bound_holds_at_every_round():
         current = [m for m, _ in picked]
 
 
+@pytest.mark.parametrize("batch,mode,k", [(1, "sd", 4), (1, "ssd", 8), (8, "sd", 4), (8, "ssd", 8)])
+def test_trials_cost_at_most_their_share_of_time(batch, mode, k, monkeypatch):
+    """Where speculation is dear (a draft step as costly as a verification, an
+    SSD build far longer than it) and the model is wrong (its search, broken
+    on purpose, always speculates), the guard holds AR and re-tests now and
+    then. A re-test then costs several AR rounds: counted in rounds (every
+    16th) the re-tests cost auto 14-34 % of AR's rate here; charged in time,
+    what trials measure beyond their reference rate stays within ``explore``
+    of the wall time plus the one trial that overdraws the budget."""
+    truth = Truth(step_c=0.010, step_d=0.001, ssd_base=0.04)
+    temps = [0.0] * batch
+    assert truth.best_fixed(temps)[1] == ("ar", 0)
+    policy = AutoPolicy(max_k=MAX_K, seed=1)
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice(mode, min(k, v.k_cap)) for v in auto])
+    _, history, tokens, times = simulate(truth, temps, rounds=600, seed=2, policy=policy)
+    ar_rate = truth.rate(temps, [("ar", 0)] * batch)
+    assert achieved(tokens, times, last=400) >= 0.94 * ar_rate, (achieved(tokens, times, last=400), ar_rate)
+    snap = policy.snapshot()
+    trials = [t for h, t in zip(history, times) if h[0][0] != "ar"]
+    assert snap["explore_s"] <= policy.explore * snap["wall_s"] + max(trials)
+    assert snap["explore_s"] > 0.0 and snap["guard_held"] > 0  # it re-tests, and what it re-tests is charged
+
+
 # ------------------------------------------------------------------ the contract of choose
 
 

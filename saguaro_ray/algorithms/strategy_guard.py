@@ -15,7 +15,7 @@ from saguaro_ray.algorithms.strategy_views import temperature_bucket
 GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 rounds
 GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
 GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
-GUARD_RETEST = 16  # a context held at AR lets the model's choice run once every this many rounds
+GUARD_RETEST = 16  # a context held at AR lets the model's choice run at most once every this many rounds
 
 
 class ARGuard:
@@ -25,6 +25,7 @@ class ARGuard:
         self._arms: dict[tuple[tuple[int, tuple[int, ...]], bool], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
         self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
         self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
+        self.retest_rate: float | None = None  # set by a hold() that let a re-test through: AR's measured rate
 
     @staticmethod
     def context(batch: int, temperatures: Sequence[float]) -> tuple[int, tuple[int, ...]]:
@@ -36,11 +37,16 @@ class ARGuard:
         tok, sec, w = self._arms.get((context, speculated), (0.0, 0.0, 0.0))
         self._arms[context, speculated] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
 
-    def hold(self, context: tuple[int, tuple[int, ...]]) -> bool:
+    def hold(self, context: tuple[int, tuple[int, ...]], budget_s: float = math.inf) -> bool:
         """Should a speculating choice in ``context`` give way to AR this round?
-        Yes while AR measures faster (but for every :data:`GUARD_RETEST`-th
-        round), and — to have the rate speculation must beat — every
-        :data:`GUARD_RETEST`-th round while AR's is not known yet."""
+        Yes while AR measures faster — but for a re-test: at most every
+        :data:`GUARD_RETEST`-th round, and only when ``budget_s`` (the policy's
+        exploration budget, in seconds) covers what one speculating round
+        measures beyond AR's time for its tokens (then :attr:`retest_rate` is
+        AR's rate, the reference the policy charges the round against). And,
+        to have the rate speculation must beat, every :data:`GUARD_RETEST`-th
+        round while AR's is not known yet."""
+        self.retest_rate = None
         plain, spec = self._arms.get((context, False)), self._arms.get((context, True))
         if spec is None or spec[2] < GUARD_EVIDENCE:
             return False
@@ -48,6 +54,9 @@ class ARGuard:
         if plain is None or plain[2] < GUARD_EVIDENCE:
             hold = n % GUARD_RETEST == 0
         else:
-            hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * plain[0] / plain[1] and n % GUARD_RETEST != 0
+            ar_rate = plain[0] / plain[1]
+            hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * ar_rate
+            if hold and n >= GUARD_RETEST and spec[1] / spec[2] - spec[0] / spec[2] / ar_rate <= budget_s:
+                hold, self._holds[context], self.retest_rate = False, 0, ar_rate
         self.held += hold
         return hold

@@ -78,9 +78,11 @@ gets wrong. So the measured throughput of rounds that speculated and of
 rounds that ran AR alone is kept per context (the batch size's power of
 two × the temperature buckets present), as decayed tokens over decayed
 seconds; where both are known and speculation measures below AR, a
-speculating choice gives way to AR — except every :data:`GUARD_RETEST`-th
-such round, which lets the model's choice run again so its measure stays
-current (the model may have been right after all: acceptance drifts).
+speculating choice gives way to AR — but for a re-test that lets the
+model's choice run again so its measure stays current (the model may have
+been right after all: acceptance drifts), at most every
+:data:`GUARD_RETEST`-th such round and paid from the exploration budget
+(below): a re-test is a trial like any exploration.
 While AR's rate is not known in a context, every :data:`GUARD_RETEST`-th
 speculating round runs AR instead to measure it.
 
@@ -93,8 +95,20 @@ from sweeps of S and of Q are evaluated exactly and the best kept. Nothing is
 searched per sequence: the cost grows with the groups, not the sequences (on
 a loaded 2-core box, ~0.3 ms for 64 sequences in 3 groups, ~1.7 ms in 15).
 
-**Exploration** is bounded: at most ``explore`` of the rounds chosen (counted
-in :meth:`AutoPolicy.snapshot`) try a neighbouring choice (K ± 1, SD ⇄ SSD,
+**Exploration** is bounded in rounds and in time: at most ``explore`` of
+the rounds chosen explore, and trial rounds (explorations and the guard's
+re-tests) may cost at most ``explore`` of the wall time beyond what the
+choice they displaced would have taken. Every observed round adds
+``explore × its wall time`` to a budget (capped at :data:`TRIAL_WINDOW`
+mean rounds' worth, so no burst of trials follows a long calm); a trial
+runs only when the budget covers its predicted excess, and what it then
+measures beyond its reference rate (the displaced choice's predicted rate,
+or AR's measured one) is charged (``explore_s`` in
+:meth:`AutoPolicy.snapshot`). Counted in rounds instead, a trial that costs
+ten ordinary rounds — SSD at batch 8, on the real model's CPU self-draft:
+~1 s against ~55 ms AR rounds — ran as often as a cheap one: auto lost
+13–21 % to AR where it ran AR 97–100 % of the rounds. A trial tries a
+neighbouring choice (K ± 1, SD ⇄ SSD,
 AR ⇄ K = 1) for every group at one choice, if that choice could beat the
 best valued with acceptance and hit rates :data:`UPPER_Z` standard errors up
 (if they hold, the choice is kept: its switch is amortised as any); failing
@@ -157,6 +171,7 @@ EXPLORE_MARGIN = 0.3  # a choice whose drafting cost is uncertain is explored wi
 EVIDENCE_MIN = 3.0  # fewer (decayed) rounds than this behind a cost: its estimate is uncertain
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
+TRIAL_WINDOW = 256  # the exploration budget holds at most explore × this many mean rounds' time
 
 # acceptance priors per bucket (a moderately good draft, worse as sampling spreads) and the
 # pseudo-observations they are worth
@@ -300,7 +315,8 @@ class AutoPolicy:
 
     ``modes``: the fixed modes it may choose (``ar`` always; ``sd``/``ssd``
     need a draft). ``max_k``: the largest K it considers. ``explore``: the
-    largest share of rounds that may try an uncertain neighbouring choice.
+    largest share of rounds that may explore, and of wall time that trial
+    rounds may cost beyond the choices they displace.
     ``seed``: makes exploration (the only randomness) reproducible."""
 
     def __init__(self, modes: tuple[str, ...] = AUTO_MODES, max_k: int = 8, explore: float = 0.05, seed: int = 0) -> None:
@@ -334,6 +350,12 @@ class AutoPolicy:
         self._last_counts = {m: 0 for m in AUTO_MODES}
         self._last_rate = 0.0  # the last search's predicted tokens/s: the next one's starting λ
         self._guard = ARGuard()
+        self._budget_s = 0.0  # exploration budget: explore × wall time observed, less what trials cost
+        self._trial_rate: float | None = None  # the round just chosen is a trial: the rate it is charged against
+        self._trial_s = 0.0  # seconds trials measured beyond their reference rates
+        self._explore_ref = 0.0  # the rate the exploration in progress displaced
+        self._wall_s = 0.0  # wall time observed
+        self._wall_mean: float | None = None  # decayed mean round time (the budget's cap)
         # the last search's batch shape, how many more rounds its choice may stand, and that choice
         self._reuse: tuple[Any, int, list[tuple[str, int]]] = (None, 0, [])
 
@@ -349,6 +371,7 @@ class AutoPolicy:
                 costs.wall_s,
             )
         self._observed += 1
+        self._charge_trial(costs)
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
             self._verify.add((1.0, float(costs.verify_tokens), float(costs.batch)), costs.verify_s)
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
@@ -382,6 +405,25 @@ class AutoPolicy:
         if self._observed % SEQ_STALE_ROUNDS == 0:
             stale = self._observed - SEQ_STALE_ROUNDS
             self._seqs = {s: st for s, st in self._seqs.items() if st.seen > stale}
+
+    def _charge_trial(self, costs: RoundCosts) -> None:
+        """Credit the exploration budget with ``explore`` of the round's wall
+        time (capped); a trial round is charged what it took beyond the time its
+        tokens would have taken at its reference rate."""
+        wall = costs.wall_s
+        if not (wall >= 0.0 and math.isfinite(wall)):
+            self._trial_rate = None
+            return
+        self._wall_s += wall
+        self._wall_mean = wall if self._wall_mean is None else COST_DECAY * self._wall_mean + (1.0 - COST_DECAY) * wall
+        cap = self.explore * TRIAL_WINDOW * self._wall_mean
+        self._budget_s = min(cap, self._budget_s + self.explore * wall)
+        if self._trial_rate:
+            tokens = sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)
+            excess = max(0.0, wall - tokens / self._trial_rate)
+            self._budget_s -= excess
+            self._trial_s += excess
+        self._trial_rate = None
 
     def _curve(self, b: int) -> tuple[list[float], list[float], float, float]:
         """Bucket ``b``'s acceptance by position (SD and hits; misses), pooled rate and hit rate."""
@@ -440,8 +482,11 @@ class AutoPolicy:
             choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
-                if self._guard.hold(ARGuard.context(len(temps), temps)):
+                if self._guard.hold(ARGuard.context(len(temps), temps), self._budget_s):
                     choices = [Choice("ar", 0) for _ in auto]
+                    self._trial_rate = None  # an exploration displaced by AR is no trial
+                elif self._guard.retest_rate is not None:
+                    self._trial_rate = self._guard.retest_rate
         counts = {m: 0 for m in AUTO_MODES}
         for c in choices:
             counts[c.mode] += 1
@@ -527,6 +572,7 @@ class AutoPolicy:
             self._reuse = (shape, _REUSE_ROUNDS, [g.opt for g in glist])
             if held:
                 self._explored += 1
+                self._trial_rate = self._explore_ref
             elif self.explore:
                 self._try_explore(glist, base, costs, best)
         for g in glist:
@@ -555,12 +601,19 @@ class AutoPolicy:
     ) -> tuple[float, float]:
         """(expected tokens per second, P(every SSD sequence hits)) of the round if group i
         runs opts[i] (``extra``: tokens to add, e.g. an excursion's cost)."""
+        e, t, hit = self._round_of(groups, opts, base, costs, extra)
+        return (e / t if t > 0 else math.inf), hit
+
+    @staticmethod
+    def _round_of(
+        groups: list[_Group], opts: list[tuple[str, int]], base: _Load, costs: _Costs, extra: float = 0.0
+    ) -> tuple[float, float, float]:
+        """(expected tokens, predicted seconds, P(every SSD sequence hits)) of that round."""
         load = base.copy()
         load.e += extra
         for g, opt in zip(groups, opts):
             load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit)
-        t = costs.round_time(load)
-        return (load.e / t if t > 0 else math.inf), math.exp(load.log_hit)
+        return load.e, costs.round_time(load), math.exp(load.log_hit)
 
     def _optimise(self, groups: list[_Group], base: _Load, costs: _Costs) -> float:
         """Sets every group's ``opt``; returns the predicted tokens per second.
@@ -680,7 +733,7 @@ class AutoPolicy:
         """Maybe move every group at one choice to a neighbouring choice
         (module docstring: which, and when). All groups at that choice move:
         the cost fits learn from what the whole round does."""
-        if self._explored + 1 > self.explore * self._chosen:
+        if self._budget_s <= 0.0 or self._explored + 1 > self.explore * self._chosen:
             return
         opts = [g.opt for g in groups]
         optimistic: dict[int, _Group] = {}
@@ -714,10 +767,14 @@ class AutoPolicy:
             # held past the entry (a forced miss that measures no hit rate) for enough lookups
             lookups = sum(len(g.members) for g in moved_groups)
             rounds = min(_ENTRY_EXPLORE_MAX, 1 + -(-_ENTRY_EXPLORE_LOOKUPS // lookups))
-        if self._explored + rounds > self.explore * self._chosen:
+        trial = [alt if g in moved_groups else g.opt for g in groups]
+        cost = -sum(len(g.members) * g.excursion(alt) for g in moved_groups)
+        e, t, _ = self._round_of(groups, trial, base, costs, cost)
+        if rounds * max(0.0, t - e / best) > self._budget_s or self._explored + rounds > self.explore * self._chosen:
             return  # the most promising waits until the budget covers all its rounds
         log.debug("auto explores %s instead of %s for %d sequence(s)", alt, opt, sum(len(g.members) for g in moved_groups))
         self._explored += 1
+        self._trial_rate = self._explore_ref = best  # held rounds are charged against the same rate
         for g in moved_groups:
             g.opt = alt
             if rounds > 1:
@@ -736,6 +793,9 @@ class AutoPolicy:
             "rounds_observed": self._observed,
             "rounds_chosen": self._chosen,
             "rounds_explored": self._explored,
+            "explore_s": self._trial_s,  # what trial rounds measured beyond their reference rates
+            "explore_budget_s": self._budget_s,
+            "wall_s": self._wall_s,  # wall time observed (explore_s / wall_s: the share trials cost)
             "verify_s": coef(self._verify, ("a", "per_token", "per_seq")),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
             "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k", "per_seq_k")),
