@@ -88,8 +88,8 @@ class ModelRunner:
         check_draft_vocab(head_vocab)
         if quantize is not None:
             scheme(quantize)  # refuse an unknown name before loading anything
-            if tp is not None:
-                raise ConfigError("quantize is not supported on a tensor-parallel runner")
+        if tp is not None and (quantize is not None or head_vocab is not None):
+            raise ConfigError("quantize and a reduced-vocabulary head (draft_vocab) are not supported on a tensor-parallel runner")
         kernel = linear_kernel()
         if kernel == "int" and quantize is None:
             raise ConfigError(f"SAGUARO_LINEAR_KERNEL=int needs a quantised model (quantize= one of {', '.join(SCHEMES)})")
@@ -106,8 +106,6 @@ class ModelRunner:
         self.model = load_decoder(self.checkpoint, self.device, self.dtype, tp)
         self.head_ids: torch.Tensor | None = None  # the ids a reduced head computes (None: all)
         if head_vocab is not None and head_vocab < self.config.vocab_size:
-            if tp is not None:
-                raise ConfigError("a reduced-vocabulary head (draft_vocab) is not supported on a tensor-parallel runner")
             # sliced before quantising or packing, so the subset head gets the full head's kernels
             self.head_ids = subset_ids(self.config.vocab_size, head_vocab, self._special_ids())
             self.model.lm_head = SubsetHead(self.model.lm_head, self.head_ids)
