@@ -246,3 +246,31 @@ def test_the_cli_and_serve_refuse_a_bad_draft_vocab_in_one_line(zoo_tiny, capsys
     assert cli_main([*base, "--draft-vocab", "300", "--json"]) == 0  # and a good one runs
     with pytest.raises(ValueError, match="draft_vocab must be a positive integer"):
         ServeAppConfig(model_name="m", target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), engine_options={"draft_vocab": 0})
+
+
+# ------------------------------------------------------------------ through Ray
+
+
+def mean_accepted(results) -> float:
+    vals = [r.stats["mean_accepted"] for r in results if r.stats["mean_accepted"] is not None]
+    return sum(vals) / len(vals)
+
+
+def test_the_option_reaches_the_ray_draft_workers(ray_instance, zoo_tiny, ar_tokens):
+    """Through Ray the draft actors load the reduced head too: with 8 ids
+    (specials and punctuation) SD still emits AR's tokens, and the draft's
+    acceptance collapses against the full head's in process."""
+    from saguaro_ray.runtime.engine import Engine
+
+    full = LocalEngine(EngineConfig(target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), spec=SpeculationConfig(mode="sd", k=3), threads_per_worker=1))
+    try:
+        baseline = mean_accepted(full.generate(PROMPTS, greedy("sd")))
+    finally:
+        full.close()
+    handle = Engine.launch(EngineConfig(target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), draft_vocab=8, spec=SpeculationConfig(mode="sd", k=3)))
+    try:
+        res = handle.generate(PROMPTS, greedy("sd"))
+    finally:
+        handle.shutdown()
+    assert [r.token_ids for r in res] == ar_tokens["plain"]
+    assert mean_accepted(res) < baseline / 2, (mean_accepted(res), baseline)
