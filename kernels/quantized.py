@@ -221,15 +221,21 @@ class QuantizedLinear(nn.Module):
 
 def quantize_decoder(model: Decoder, name: str, dtype: torch.dtype, kernel: str = "auto") -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantizedLinear`:
-    the LM head (tied or not) in the scheme's head format, the others in its
-    linears format; returns how many.
+    the LM head (tied or not; both linears of a reduced-vocabulary
+    :class:`~saguaro_ray.kernels.subset_head.SubsetHead`) in the scheme's head
+    format, the others in its linears format; returns how many.
 
     Groups must tile each input dimension: a model whose linears have an
     input size that is not a multiple of the group size is refused with a
     :class:`ConfigError` before anything is replaced.
     """
     qs = scheme(name)
-    swaps = [(parent, attr, child, qs.head if child is model.lm_head else qs.linears) for parent, attr, child in plain_linears(model)]
+    head = model.lm_head  # or a SubsetHead, whose linears (subset and full) are the head too
+
+    def fmt_of(parent: nn.Module, child: nn.Linear) -> QuantFormat:
+        return qs.head if child is head or parent is head else qs.linears
+
+    swaps = [(parent, attr, child, fmt_of(parent, child)) for parent, attr, child in plain_linears(model)]
     for _, attr, child, fmt in swaps:
         if fmt.group_size is not None and child.in_features % fmt.group_size:
             raise ConfigError(

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from saguaro_ray.cli_flags import (
     MODEL_FORMS,
     SELF_FORMS,
+    add_draft_vocab_arg,
     add_engine_args,
     add_sampling_args,
     add_speculation_args,
@@ -208,6 +209,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "and the peers hf-ar (transformers generate), hf-assisted (its assisted generation with --draft)",
     )
     p.add_argument("--num-drafts", type=_csv(int), default=[1])
+    add_draft_vocab_arg(p)
     p.add_argument("--prompts", default="code", help="code | text | humaneval | chat | FILE.jsonl")
     p.add_argument("--dtype", default=None, help="every engine's and peer's dtype (float32 | bfloat16; default: float32 on CPU)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per setting (each batch size runs all of them)")
@@ -262,7 +264,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
-    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed or --sampling fails before any engine starts
+    from saguaro_ray.kernels.subset_head import check_draft_vocab
+
+    check_draft_vocab(args.draft_vocab)
+    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed, --sampling or --draft-vocab fails before any engine starts
     sampling_settings(args.sampling)
     unknown = set(args.runtimes) - {"ray", "inprocess"}
     if unknown:
@@ -280,6 +285,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             qualifier=args.qualifier,
             modes=args.modes,
             num_drafts=args.num_drafts,
+            draft_vocab=args.draft_vocab,
             prompts=args.prompts,
             max_tokens=args.max_tokens,
             batch_sizes=args.batch_sizes,

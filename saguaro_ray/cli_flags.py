@@ -112,12 +112,21 @@ def add_speculation_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--allow-lossy", action="store_true", help="accept fuzzy stages with tau > 0 (not exact)")
 
 
+def add_draft_vocab_arg(group: argparse._ActionsContainer) -> None:
+    """``--draft-vocab N`` (EngineConfig.draft_vocab), wherever ``--draft`` is."""
+    group.add_argument(
+        "--draft-vocab", type=int, default=None, metavar="N",
+        help="the drafts' LM head covers only N token ids (the special ones and the lowest others; exact: q = 0 elsewhere)",
+    )
+
+
 def add_engine_args(group: argparse._ActionsContainer) -> None:
     """The engine flags read by :func:`engine_options_from_args`, shared by ``generate`` and the generate job."""
     group.add_argument("--device", default="cpu")
     group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
     group.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
     group.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread in process)")
+    add_draft_vocab_arg(group)
     group.add_argument("--max-batch-size", type=int, default=64)
     group.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 per Ray actor; in process, the CPUs split between the workers)")
     group.add_argument("--address", default=None, help="Ray cluster address (default: join a running one — a job's own — else start locally)")
@@ -129,6 +138,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`EngineConfig` fields the :func:`add_engine_args` flags set."""
     return dict(
         num_drafts=args.num_drafts,
+        draft_vocab=args.draft_vocab,
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,

@@ -110,6 +110,19 @@ class DraftLogic(RunnerLogic):
         self.ahead_started = 0  # builds started ahead (those no call asked for were wasted work)
         self.ahead_builds = 0  # build calls answered from a build started ahead
 
+    def adjust_rows(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:
+        """The adjusted rows; with a reduced-vocabulary head, a row left with
+        no allowed token (a grammar that allows only ids outside the subset)
+        is recomputed with the full head and adjusted again, so every law
+        drawn from stays a proper one."""
+        out = self.adjuster.adjust(logits, rows)
+        if out is logits or self.runner.head_ids is None:
+            return out
+        dead = torch.isneginf(out.amax(-1)).nonzero().flatten()
+        if dead.numel():
+            out[dead] = self.adjuster.adjust(self.runner.full_head_logits(dead), [rows[i] for i in dead.tolist()])
+        return out
+
     # ------------------------------------------------------------ propose
     def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
@@ -318,7 +331,7 @@ class DraftLogic(RunnerLogic):
                     RowContext(s, p, self.history.tokens(s), u, tuple(h), self.history.prompt_len(s))
                     for s, p, u, h in zip(b_seq, b_params, b_prefix, b_hist)
                 ]
-                logits = self.adjuster.adjust(logits, contexts)
+                logits = self.adjust_rows(logits, contexts)
             step_logits.append(logits)
             if all_greedy:  # every proposal is a point mass: no law to keep
                 toks = argmax_lowest(logits)

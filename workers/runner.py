@@ -30,6 +30,7 @@ from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongErr
 from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatch, select_backend
 from saguaro_ray.kernels.linear import linear_kernel, pack_linears
 from saguaro_ray.kernels.quantized import SCHEMES, quantize_decoder, scheme
+from saguaro_ray.kernels.subset_head import SubsetHead, check_draft_vocab, subset_ids
 from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
 from saguaro_ray.workers.decoder import AttentionStep
 from saguaro_ray.workers.kv_cache import PagedKVCache
@@ -71,6 +72,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         tp: TPContext | None = None,
         quantize: str | None = None,
+        head_vocab: int | None = None,
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel group and
         loads and runs only its slice (see :mod:`saguaro_ray.workers.tensor_parallel`).
@@ -78,11 +80,16 @@ class ModelRunner:
         (``"int8"``, ``"int4"``): the linears and LM head are quantised at
         load (weight-only; embedding rows stay exact) — a different, cheaper
         model, e.g. the target's self-draft. The linear kernels follow
-        ``SAGUARO_LINEAR_KERNEL`` (see :mod:`saguaro_ray.kernels.linear`)."""
+        ``SAGUARO_LINEAR_KERNEL`` (see :mod:`saguaro_ray.kernels.linear`).
+        ``head_vocab``: a draft's reduced-vocabulary LM head over that many ids
+        (``EngineConfig.draft_vocab``; see :mod:`saguaro_ray.kernels.subset_head`):
+        logits are -inf at every other id; ``None`` or the vocabulary size or
+        more: the full head."""
+        check_draft_vocab(head_vocab)
         if quantize is not None:
             scheme(quantize)  # refuse an unknown name before loading anything
-            if tp is not None:
-                raise ConfigError("quantize is not supported on a tensor-parallel runner")
+        if tp is not None and (quantize is not None or head_vocab is not None):
+            raise ConfigError("quantize and a reduced-vocabulary head (draft_vocab) are not supported on a tensor-parallel runner")
         kernel = linear_kernel()
         if kernel == "int" and quantize is None:
             raise ConfigError(f"SAGUARO_LINEAR_KERNEL=int needs a quantised model (quantize= one of {', '.join(SCHEMES)})")
@@ -97,6 +104,12 @@ class ModelRunner:
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.model = load_decoder(self.checkpoint, self.device, self.dtype, tp)
+        self.head_ids: torch.Tensor | None = None  # the ids a reduced head computes (None: all)
+        if head_vocab is not None and head_vocab < self.config.vocab_size:
+            # sliced before quantising or packing, so the subset head gets the full head's kernels
+            self.head_ids = subset_ids(self.config.vocab_size, head_vocab, self._special_ids())
+            self.model.lm_head = SubsetHead(self.model.lm_head, self.head_ids)
+        self._head_input: torch.Tensor | None = None  # hidden rows of the latest logits (a reduced head's fallback)
         self.kv_heads = self.model.cfg.num_kv_heads  # this rank's KV heads (all of them without tp)
         # every projection and the LM head: quantised, or (CPU fp32/bf16) pre-packed oneDNN weights
         if quantize is not None:
@@ -126,6 +139,15 @@ class ModelRunner:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids
+
+    def _special_ids(self) -> set[int]:
+        """Ids a reduced head must always cover: the config's EOS ids and the
+        tokenizer's special and added special tokens."""
+        from saguaro_ray.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.checkpoint.path)
+        added = getattr(tok, "added_tokens_decoder", {})
+        return set(self.eos_token_ids) | set(tok.all_special_ids) | {i for i, t in added.items() if t.special}
 
     # ------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: SeqId) -> None:
@@ -207,7 +229,22 @@ class ModelRunner:
                     end += n
                     rows.extend(range(end - w, end))
                 hidden = hidden[torch.tensor(rows, device=dev)]
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_ids is not None:
+            self._head_input = hidden
         return self.model.logits(hidden).float()
+
+    @torch.inference_mode()
+    def full_head_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 full-vocabulary logits of ``rows`` (flat indices) of the
+        latest :meth:`forward` or :meth:`tree_forward` logits, through the full
+        head a reduced-vocabulary runner keeps (for rows its subset cannot
+        serve)."""
+        if self.head_ids is None or self._head_input is None:
+            raise ValueError("full_head_logits needs a reduced-vocabulary head and a forward before it")
+        return self.model.lm_head.full_logits(self._head_input[rows]).float()
 
     def _check_capacity(self, seq_ids: Sequence[SeqId], qlens: Sequence[int]) -> None:
         """Refuse a forward that would overflow the context or the block pool
@@ -294,7 +331,7 @@ class ModelRunner:
         )
         hidden = self.model.hidden_states(tok.reshape(-1), positions.reshape(-1).to(dev), self.kv.layers, step, self._scratch)
         tree.suffix_len += n_new
-        return self.model.logits(hidden).float().view(nb, n_new, -1)
+        return self._logits(hidden).view(nb, n_new, -1)
 
     def tree_export(self, tree: TreeState, branch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n`` suffix K/V rows of a branch, per layer (copies)."""

@@ -19,7 +19,7 @@ from saguaro_ray.algorithms.pyramid import target_check
 from saguaro_ray.algorithms.verification import greedy_outcomes, point_mass
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
 from saguaro_ray.workers.grammar_masks import GrammarMasks
-from saguaro_ray.workers.logit_adjust import LogitAdjuster
+from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.token_history import TokenHistory
 
@@ -173,6 +173,11 @@ class RunnerLogic:
         if not any(st.params.adjusts_logits for st in steps):
             return logits
         rows = [ctx for st, n in zip(steps, num_logits) for ctx in self.adjuster.rows_after(st.seq_id, st.params, n)]
+        return self.adjust_rows(logits, rows)
+
+    def adjust_rows(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:
+        """Every row this worker adjusts goes through here (a draft adds its
+        reduced head's fallback)."""
         return self.adjuster.adjust(logits, rows)
 
     def prefill(self, steps: Sequence[SeqStep]) -> None:

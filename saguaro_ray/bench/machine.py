@@ -24,11 +24,13 @@ def step_costs(
     device: str = "cpu",
     dtype: str | None = None,
     attention_backend: str | None = None,
+    draft_vocab: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Median milliseconds of the runner's basic steps per model, on ``threads``
     torch threads: a 1-token decode, an 8-token verify, and one tree-decode
     step of ``branches`` branches — the costs that decide whether speculation
-    pays (on CPU a draft step must cost ≲ 1/10 of a target verify)."""
+    pays (on CPU a draft step must cost ≲ 1/10 of a target verify).
+    ``draft_vocab``: the draft's reduced-vocabulary head, as its engine runs it."""
     import torch
 
     from saguaro_ray.models.resolve import resolve_models
@@ -39,7 +41,8 @@ def step_costs(
     out: dict[str, dict[str, float]] = {}
     try:
         for role, ref in resolve_models(models).items():
-            runner = ModelRunner(ref.path, device=device, dtype=dtype, attention_backend=attention_backend, quantize=ref.quantize)
+            head = {"head_vocab": draft_vocab} if role == "draft" else {}
+            runner = ModelRunner(ref.path, device=device, dtype=dtype, attention_backend=attention_backend, quantize=ref.quantize, **head)
             runner.add_sequence(0)
             prompt = [(7 * i) % runner.vocab_size for i in range(context)]
             runner.forward([0], [prompt])

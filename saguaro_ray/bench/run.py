@@ -50,6 +50,7 @@ class BenchArgs:
     address: str | None = None
     num_prompts: int = 8
     target_tp: int = 1
+    draft_vocab: int | None = None  # every draft's reduced-vocabulary head (EngineConfig.draft_vocab)
     build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
     dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
     sampling: list[dict[str, Any]] | None = None  # sampling settings (``--sampling``), run interleaved; None: plain alone
@@ -116,6 +117,7 @@ class _Engine:
             qualifier=args.qualifier,
             spec=engine_spec(modes, args),
             num_drafts=num_drafts,
+            draft_vocab=args.draft_vocab,
             threads_per_worker=args.threads,
             dtype=args.dtype,
             **_build_ahead(args),
@@ -245,7 +247,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
             runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, samplings, bar, strategies)
     return {
         "machine": machine_info(args.threads),
-        "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype),
+        "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype, draft_vocab=args.draft_vocab),
         "config": {k: v for k, v in args.__dict__.items() if k != "progress"},
         "results": summarise(runs),
         "engine_strategies": strategies,

@@ -48,7 +48,7 @@ class LocalEngine:
         torch.set_num_threads(threads)
 
         def runner(role: str) -> ModelRunner:
-            return ModelRunner(ckpts[role], **config.runner_options, quantize=refs[role].quantize)
+            return ModelRunner(ckpts[role], **config.role_runner_options(role), quantize=refs[role].quantize)
 
         runners = {role: runner(role) for role in ckpts}
         if "draft" in ckpts:

@@ -85,11 +85,11 @@ def _liveness(client: RayWorkerHandle) -> str:
 
 
 def make_runner(
-    model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None, quantize: str | None = None
+    model: str | Checkpoint, config: EngineConfig, tp: TPContext | None = None, quantize: str | None = None, role: str = "target"
 ) -> ModelRunner:
     """A worker's model runner on the configured device (``tp``: one rank's slice;
-    ``quantize``: a self-draft's weight scheme)."""
-    return ModelRunner(model, **config.runner_options, tp=tp, quantize=quantize)
+    ``quantize``: a self-draft's weight scheme; ``role``: whose options it takes)."""
+    return ModelRunner(model, **config.role_runner_options(role), tp=tp, quantize=quantize)
 
 
 def _exit_if_asked(role: str) -> None:
@@ -127,7 +127,7 @@ class WorkerActor:
 
     def _make_runner(self, model: ModelRef, config: EngineConfig) -> Any:
         """The runner the logic drives (a tensor-parallel rank 0 wraps it)."""
-        return make_runner(model.path, config, quantize=model.quantize)
+        return make_runner(model.path, config, quantize=model.quantize, role=self.role)
 
     def endpoint(self) -> str:
         return self.server.endpoint

@@ -13,6 +13,7 @@ from typing import Any
 
 from saguaro_ray.config import SpeculationConfig
 from saguaro_ray.errors import ConfigError
+from saguaro_ray.kernels.subset_head import check_draft_vocab
 from saguaro_ray.model_set import ModelSpec, allowed_modes, needed_specs, role_kind, worker_roles
 from saguaro_ray.models.spec import ModelRef, check_spec
 
@@ -46,6 +47,9 @@ class EngineConfig:
     qualifier: str | ModelRef | None = None
     spec: SpeculationConfig = field(default_factory=SpeculationConfig)
     num_drafts: int = 1  # SSD: drafts that share the outcome set (each its own model copy: an actor, or a thread)
+    # every draft's LM head covers only this many token ids (the tokenizer's special ids and the
+    # lowest others; q = 0 elsewhere, still exact): saguaro_ray.kernels.subset_head. None: all
+    draft_vocab: int | None = None
     device: str = "cpu"
     dtype: str | None = None
     attention_backend: str | None = None
@@ -87,6 +91,9 @@ class EngineConfig:
         self.models  # noqa: B018 — refuses a model the mode needs and was not given
         for role in ("target", "draft", "qualifier"):
             check_spec(role, getattr(self, role))
+        check_draft_vocab(self.draft_vocab)
+        if self.draft_vocab is not None and self.draft is None:
+            raise ConfigError("draft_vocab sets the draft's LM head; this engine has no draft")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise ConfigError(f"num_drafts must be a positive integer, got {self.num_drafts!r}")
         if self.num_drafts > 1 and not {"ssd", "auto"} & set(self.allowed_modes):
@@ -148,6 +155,13 @@ class EngineConfig:
     def runner_options(self) -> dict[str, Any]:
         """What of this config every worker's :class:`ModelRunner` takes."""
         return {"device": self.device, "dtype": self.dtype, "attention_backend": self.attention_backend, "max_kv_tokens": self.max_kv_tokens}
+
+    def role_runner_options(self, role: str) -> dict[str, Any]:
+        """:attr:`runner_options` for a worker of ``role``: a draft's also
+        carry its reduced-vocabulary head (``draft_vocab``)."""
+        if role_kind(role) == "draft" and self.draft_vocab is not None:
+            return {**self.runner_options, "head_vocab": self.draft_vocab}
+        return self.runner_options
 
     @property
     def worker_threads(self) -> int:
