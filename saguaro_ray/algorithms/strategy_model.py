@@ -740,11 +740,13 @@ class AutoPolicy:
         # (kind, -score, tie-break, from, to): optimistic candidates rank before blind cost
         # checks, whose inflated score is no estimate to compare with theirs
         candidates: list[tuple[int, float, float, tuple[str, int], tuple[str, int]]] = []
+        trials: dict[tuple[tuple[str, int], tuple[str, int]], tuple[list[int], list[tuple[str, int]], float]] = {}
         for opt in dict.fromkeys(opts):
             for alt in self._neighbours(next(g for g in groups if g.opt == opt)):
                 moved = [i for i, g in enumerate(groups) if g.opt == opt and alt in self._neighbours(g)]
                 trial = [alt if i in moved else o for i, o in enumerate(opts)]
                 cost = -sum(len(groups[i].members) * groups[i].excursion(alt) for i in moved)
+                trials[opt, alt] = (moved, trial, cost)
                 for i in moved:
                     if i not in optimistic:
                         optimistic[i] = self._optimistic(groups[i])
@@ -761,14 +763,13 @@ class AutoPolicy:
         if not candidates:
             return
         _, _, _, opt, alt = min(candidates)
-        moved_groups = [g for g in groups if g.opt == opt and alt in self._neighbours(g)]
+        moved, trial, cost = trials[opt, alt]
+        moved_groups = [groups[i] for i in moved]
         rounds = 1
         if alt[0] == "ssd" and not all(g.in_ssd for g in moved_groups):
             # held past the entry (a forced miss that measures no hit rate) for enough lookups
             lookups = sum(len(g.members) for g in moved_groups)
             rounds = min(_ENTRY_EXPLORE_MAX, 1 + -(-_ENTRY_EXPLORE_LOOKUPS // lookups))
-        trial = [alt if g in moved_groups else g.opt for g in groups]
-        cost = -sum(len(g.members) * g.excursion(alt) for g in moved_groups)
         e, t, _ = self._round_of(groups, trial, base, costs, cost)
         if rounds * max(0.0, t - e / best) > self._budget_s or self._explored + rounds > self.explore * self._chosen:
             return  # the most promising waits until the budget covers all its rounds
