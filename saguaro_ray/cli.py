@@ -266,8 +266,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--modes includes pyramid: pass --qualifier")
     from saguaro_ray.kernels.subset_head import check_draft_vocab
 
+    # a bad --draft-vocab, --mixed or --sampling fails before any engine starts
     check_draft_vocab(args.draft_vocab)
-    temperature_settings(args.temperatures, args.mixed)  # a bad --mixed, --sampling or --draft-vocab fails before any engine starts
+    temperature_settings(args.temperatures, args.mixed)
     sampling_settings(args.sampling)
     unknown = set(args.runtimes) - {"ray", "inprocess"}
     if unknown:
