@@ -165,6 +165,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=None, help="requests run at once (default: each alone, the latency regime speculation is for)")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--budget", type=int, default=None, help="SSD fan-out ceiling (default: 2 for the real family, 8 for a zoo family)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -174,13 +175,16 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from saguaro_ray.demo import family_models, format_rows, run_demo
+    from saguaro_ray.demo import DEFAULT_BATCH, family_models, format_rows, run_demo
 
     models = family_models(args.family)
-    rows, prompt, answer = run_demo(args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address)
+    rows, prompt, answer = run_demo(
+        args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address, args.batch
+    )
     where = "in process" if args.in_process else "Ray actors"
+    at_once = "each alone" if (args.batch or DEFAULT_BATCH) == 1 else f"{args.batch} at a time"
     print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
-          f"{args.prompts} prompts x {args.max_tokens} tokens, temperature 0, one engine for every mode, {where}")
+          f"{args.prompts} prompts x {args.max_tokens} tokens ({at_once}), temperature 0, one engine for every mode, {where}")
     print(f"\n--- prompt 1 ---\n{prompt.strip()}\n--- its answer (every mode gives these tokens) ---\n{answer.strip()}\n")
     print(format_rows(rows))
     return 0 if all(r.same_as_ar for r in rows) else 1

@@ -21,6 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.errors import ConfigError
+
+# Requests the demo runs at once. One: each request alone, the latency regime
+# speculation is for (on the real family, 2 cores, fp32: SD and SSD 1.6-1.8x AR
+# at batch 1; at batch 4 every mode was within noise of AR — 62-64 tok/s each —
+# since a verification of 4 x 5 tokens costs what 4 AR steps do on a CPU).
+DEFAULT_BATCH = 1
 
 # The demo's model sets: target, draft, qualifier (PyramidSD: draft → qualifier → target).
 REAL_MODELS = {"target": "real:smollm2-135m-instruct", "draft": "self:int4", "qualifier": "self:int8"}
@@ -106,11 +113,16 @@ def run_demo(
     threads: int = 1,
     in_process: bool = False,
     address: str = "local",
+    batch: int | None = None,
 ) -> tuple[list[DemoRow], str, str]:
     """Generate with every mode of :data:`DEMO_MODES` on one engine (Ray
     actors by default, on an embedded local Ray instance unless ``address``
-    names a cluster), one mode after another: one row per mode, the first
-    prompt and AR's answer to it."""
+    names a cluster), one mode after another, ``batch`` requests at a time:
+    one row per mode, the first prompt and AR's answer to it (``batch``
+    default: :data:`DEFAULT_BATCH`)."""
+    batch = DEFAULT_BATCH if batch is None else batch
+    if batch < 1:
+        raise ConfigError(f"the demo's batch must be at least 1, got {batch}")
     models = family_models(family)
     if budget is None:
         budget = DEFAULT_BUDGET["real" if family == "real" else "zoo"]
@@ -125,9 +137,9 @@ def run_demo(
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculation=mode)
             # warm-up at the timed batch size: the shared engine's first batch
             # of that size is not charged to whichever mode happens to run first
-            engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=4, speculation=mode))
+            engine.generate(texts[:batch], SamplingParams(temperature=0.0, max_tokens=4, speculation=mode))
             t0 = time.perf_counter()
-            results = engine.generate(texts, params)
+            results = [r for i in range(0, len(texts), batch) for r in engine.generate(texts[i : i + batch], params)]
             seconds = time.perf_counter() - t0
             tokens = [r.token_ids for r in results]
             if reference is None:

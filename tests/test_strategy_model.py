@@ -311,6 +311,30 @@ def test_measured_ar_overrules_a_model_that_keeps_speculating(guarded, monkeypat
         assert 0 < late.count("sd") <= 100 // strategy_guard.GUARD_RETEST + 1 and policy.snapshot()["guard_held"] > 0
 
 
+def test_rounds_of_a_slow_fixed_mode_do_not_hold_autos_choice_of_another(monkeypatch):
+    """The guard judges a choice by the rounds that speculated with the same
+    modes: requests fixed to a slow strategy (PyramidSD here, its rounds
+    measured at a fifth of AR's rate) must not make ``auto``'s SD, which
+    measured faster than AR, give way to AR — the demo's engine did, with
+    one measure for every kind of speculation. The slow arm itself is held."""
+    truth = Truth(alpha={0.0: 0.9, 0.7: 0.5})
+    temps = [0.0] * 4
+    assert truth.rate(temps, [("sd", 4)] * 4) > truth.rate(temps, [("ar", 0)] * 4)
+    policy = AutoPolicy(max_k=MAX_K, seed=1)
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("sd", min(4, v.k_cap)) for v in auto])
+    simulate(truth, temps, rounds=200, policy=policy)  # SD, and AR every 16th round while AR's rate is unknown
+    ar_round = truth.expected_time(temps, [("ar", 0)] * 4, [False] * 4)
+    for _ in range(12):  # four requests fixed to PyramidSD: 4 x 2 tokens in five AR rounds' time
+        seqs = tuple(SeqResult(100 + i, 0.0, "pyramid", 4, 1, None) for i in range(4))
+        policy.observe(RoundCosts(4, 20, truth.verify(20, 4), 4, 4, 3 * ar_round, 0, 0.0, 5 * ar_round, seqs))
+    held = policy.snapshot()["guard_held"]
+    for _ in range(3):  # (more than one: the first hold of a context may be a re-test, which runs the choice)
+        chosen = policy.choose([SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), "sd") for i in range(4)])
+        assert [c.mode for c in chosen] == ["sd"] * 4 and policy.snapshot()["guard_held"] == held
+    context = strategy_guard.ARGuard.context(4, temps)
+    assert policy._guard.hold(context, ("pyramid",), budget_s=0.0)  # the pyramid rounds did measure below AR (no re-test: no budget)
+
+
 def test_exploration_stays_within_its_bound_and_is_counted():
     for explore in (0.0, 0.05, 0.2):
         policy = AutoPolicy(max_k=MAX_K, explore=explore, seed=3)

@@ -3,12 +3,19 @@
 Whatever the cost model gets wrong, speculation must never lose to AR; this compares what the
 rounds measured, per context, and nothing else (see the guard's paragraph in
 :mod:`saguaro_ray.algorithms.strategy_model`).
+
+A speculating round is measured under its *arm*: the modes its sequences speculated with
+(:meth:`ARGuard.arm`), so a choice is judged by rounds that ran the same modes. With one arm for
+every kind of speculation, rounds of requests that fixed a slow strategy judged ``auto``'s: on
+the demo's engine (real model, batch 4), four requests fixed to PyramidSD (0.88x AR) ran just
+before four ``auto`` ones, and the guard held these at AR for 52 of their 54 rounds although SSD,
+what the model chose for them, had just measured 1.10x AR.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from saguaro_ray.algorithms.strategy_views import temperature_bucket
 
@@ -22,7 +29,7 @@ class ARGuard:
     """Measured tokens/s of speculating rounds against AR rounds, per context (module docstring)."""
 
     def __init__(self) -> None:
-        self._arms: dict[tuple[tuple[int, tuple[int, ...]], bool], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
+        self._arms: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
         self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
         self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
         self.retest_rate: float | None = None  # set by a hold() that let a re-test through: AR's measured rate
@@ -31,14 +38,19 @@ class ARGuard:
     def context(batch: int, temperatures: Sequence[float]) -> tuple[int, tuple[int, ...]]:
         return (max(0, batch).bit_length(), tuple(sorted({temperature_bucket(t) for t in temperatures})))
 
-    def add(self, context: tuple[int, tuple[int, ...]], speculated: bool, tokens: float, seconds: float) -> None:
+    @staticmethod
+    def arm(modes: Iterable[str]) -> tuple[str, ...]:
+        """A round's arm: the modes its sequences speculated with (``()``: an AR round)."""
+        return tuple(sorted({m for m in modes if m != "ar"}))
+
+    def add(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], tokens: float, seconds: float) -> None:
         if not seconds > 0 or not math.isfinite(seconds):
             return
-        tok, sec, w = self._arms.get((context, speculated), (0.0, 0.0, 0.0))
-        self._arms[context, speculated] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
+        tok, sec, w = self._arms.get((context, arm), (0.0, 0.0, 0.0))
+        self._arms[context, arm] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
 
-    def hold(self, context: tuple[int, tuple[int, ...]], budget_s: float = math.inf) -> bool:
-        """Should a speculating choice in ``context`` give way to AR this round?
+    def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], budget_s: float = math.inf) -> bool:
+        """Should a speculating choice in ``context``, whose round would run ``arm``, give way to AR this round?
         Yes while AR measures faster — but for a re-test: at most every
         :data:`GUARD_RETEST`-th round, and only when ``budget_s`` (the policy's
         exploration budget, in seconds) covers what one speculating round
@@ -47,7 +59,7 @@ class ARGuard:
         to have the rate speculation must beat, every :data:`GUARD_RETEST`-th
         round while AR's is not known yet."""
         self.retest_rate = None
-        plain, spec = self._arms.get((context, False)), self._arms.get((context, True))
+        plain, spec = self._arms.get((context, ())), self._arms.get((context, arm))
         if spec is None or spec[2] < GUARD_EVIDENCE:
             return False
         n = self._holds[context] = self._holds.get(context, 0) + 1

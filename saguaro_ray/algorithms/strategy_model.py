@@ -74,11 +74,11 @@ What the model assumes, and why:
   keeps a sequence near the SD/SSD boundary from flapping every round.
 
 **The AR guard.** Speculation must never lose to AR, whatever the model
-gets wrong. So the measured throughput of rounds that speculated and of
-rounds that ran AR alone is kept per context (the batch size's power of
-two × the temperature buckets present), as decayed tokens over decayed
-seconds; where both are known and speculation measures below AR, a
-speculating choice gives way to AR — but for a re-test that lets the
+gets wrong. So the measured throughput of rounds that speculated (per
+arm: the modes they speculated with) and of rounds that ran AR alone is
+kept per context (the batch size's power of two × the temperature buckets
+present), as decayed tokens over decayed seconds; where both are known and
+the choice's arm measures below AR, a speculating choice gives way to AR — but for a re-test that lets the
 model's choice run again so its measure stays current (the model may have
 been right after all: acceptance drifts), at most every
 :data:`GUARD_RETEST`-th such round and paid from the exploration budget
@@ -366,7 +366,7 @@ class AutoPolicy:
         if costs.seqs:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
-                any(r.mode != "ar" for r in costs.seqs),
+                ARGuard.arm(r.mode for r in costs.seqs),
                 float(sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)),
                 costs.wall_s,
             )
@@ -482,7 +482,8 @@ class AutoPolicy:
             choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
-                if self._guard.hold(ARGuard.context(len(temps), temps), self._budget_s):
+                arm = ARGuard.arm([c.mode for c in choices] + [c.mode for _, c in fixed])
+                if self._guard.hold(ARGuard.context(len(temps), temps), arm, self._budget_s):
                     choices = [Choice("ar", 0) for _ in auto]
                     self._trial_rate = None  # an exploration displaced by AR is no trial
                 elif self._guard.retest_rate is not None:
