@@ -178,11 +178,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from saguaro_ray.demo import DEFAULT_BATCH, family_models, format_rows, run_demo
 
     models = family_models(args.family)
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
     rows, prompt, answer = run_demo(
-        args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address, args.batch
+        args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address, batch
     )
     where = "in process" if args.in_process else "Ray actors"
-    at_once = "each alone" if (args.batch or DEFAULT_BATCH) == 1 else f"{args.batch} at a time"
+    at_once = "each alone" if batch == 1 else f"{batch} at a time"
     print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
           f"{args.prompts} prompts x {args.max_tokens} tokens ({at_once}), temperature 0, one engine for every mode, {where}")
     print(f"\n--- prompt 1 ---\n{prompt.strip()}\n--- its answer (every mode gives these tokens) ---\n{answer.strip()}\n")

@@ -113,14 +113,12 @@ def run_demo(
     threads: int = 1,
     in_process: bool = False,
     address: str = "local",
-    batch: int | None = None,
+    batch: int = DEFAULT_BATCH,
 ) -> tuple[list[DemoRow], str, str]:
     """Generate with every mode of :data:`DEMO_MODES` on one engine (Ray
     actors by default, on an embedded local Ray instance unless ``address``
     names a cluster), one mode after another, ``batch`` requests at a time:
-    one row per mode, the first prompt and AR's answer to it (``batch``
-    default: :data:`DEFAULT_BATCH`)."""
-    batch = DEFAULT_BATCH if batch is None else batch
+    one row per mode, the first prompt and AR's answer to it."""
     if batch < 1:
         raise ConfigError(f"the demo's batch must be at least 1, got {batch}")
     models = family_models(family)

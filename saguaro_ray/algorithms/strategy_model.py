@@ -78,11 +78,11 @@ gets wrong. So the measured throughput of rounds that speculated (per
 arm: the modes they speculated with) and of rounds that ran AR alone is
 kept per context (the batch size's power of two × the temperature buckets
 present), as decayed tokens over decayed seconds; where both are known and
-the choice's arm measures below AR, a speculating choice gives way to AR — but for a re-test that lets the
-model's choice run again so its measure stays current (the model may have
-been right after all: acceptance drifts), at most every
-:data:`GUARD_RETEST`-th such round and paid from the exploration budget
-(below): a re-test is a trial like any exploration.
+the choice's arm measures below AR, a speculating choice gives way to AR —
+but for a re-test that lets the model's choice run again so its measure
+stays current (the model may have been right after all: acceptance
+drifts), at most every :data:`GUARD_RETEST`-th such round and paid from
+the exploration budget (below): a re-test is a trial like any exploration.
 While AR's rate is not known in a context, every :data:`GUARD_RETEST`-th
 speculating round runs AR instead to measure it.
 
