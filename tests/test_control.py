@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -871,14 +872,19 @@ def test_replayed_verifications_during_sd_leave_the_output_exact(tmp_path):
             s.close()
 
 
-def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
+def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch):
     """A worker killed before it could close leaves its IPC dir; the next
     process to bind one on the node removes it (and no one else's)."""
     import subprocess
     import sys
+    import tempfile
 
     from saguaro_ray.runtime.control import endpoints as control
 
+    # a short root of its own: pytest's tmp_path (longer under xdist) can push the socket path
+    # past the 107 characters a Unix socket's address holds
+    root = tempfile.TemporaryDirectory(prefix="sgr-")
+    tmp_path = Path(root.name)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     dead = tmp_path / f"saguaro-zmq-{gone.pid}-abc"
@@ -898,6 +904,7 @@ def test_ipc_dirs_of_processes_that_are_gone_are_removed(monkeypatch, tmp_path):
     finally:
         s.close(0)
         release_endpoint(ipc)
+        root.cleanup()
 
 
 # ---------------------------------------------------------------- encryption

@@ -102,12 +102,24 @@ def test_auto_switching_strategy_and_k_every_round_equals_ar(engine, ar_tokens):
         starts.extend((st.seq_id, st.start, st.output_pos) for st in steps)
         return real_propose(steps, *args, **kw)
 
-    engine.loop.assigner.policy, saved = policy, engine.loop.assigner.policy
+    assigner = engine.loop.assigner
+    told: list[tuple[object, RoundCosts]] = []  # (round record, what the policy was told of it)
+    real_observe = assigner.observe
+
+    def spying_observe(running, rec):
+        before = len(policy.observed)
+        real_observe(running, rec)
+        if len(policy.observed) > before:
+            told.append((rec, policy.observed[-1]))
+
+    assigner.policy, saved = policy, assigner.policy
+    assigner.observe = spying_observe
     draft.propose = spying_propose
     try:
         res = engine.generate(PROMPTS, greedy(Strategy("auto", 3)))
     finally:
-        engine.loop.assigner.policy = saved
+        assigner.policy = saved
+        del assigner.observe
         draft.propose = real_propose
     assert [r.token_ids for r in res] == ar_tokens
     for r in res:
@@ -116,6 +128,13 @@ def test_auto_switching_strategy_and_k_every_round_equals_ar(engine, ar_tokens):
     # the draft caught up from the steps' recent tokens: never re-sent a history from 0
     assert starts and all(start > 0 for _, start, pos in starts if pos > 0)
     assert policy.observed and all(c.batch == len(c.seqs) for c in policy.observed)
+    # an SSD round's lookup is on its critical path (a miss's backup is drafted in it): the
+    # policy is told it as SSD's exposure, not as control plane
+    looked_up = [(rec, c) for rec, c in told if c.ssd_batch and rec.lookup is not None]
+    assert looked_up
+    for rec, c in looked_up:
+        assert c.ssd_exposed_s >= rec.lookup[1] - rec.lookup[0]
+    assert all(c.ssd_exposed_s == 0.0 for _, c in told if not c.ssd_batch)
 
 
 def test_requests_for_strategies_the_engine_does_not_offer_are_refused(models, ar_tokens):

@@ -33,8 +33,10 @@ What the model assumes, and why:
   exposed: the tree build's overrun, ``e0 + e1·n + e4·n·K_max`` for n SSD
   sequences (the tree grows with the sequences and their K: at batch 8 a
   K = 7 build outlived verification on the real model), and
-  the backup of misses — a neural backup is K sequential steps of the draft
-  whenever any sequence missed, so ``e2·K_max·[a miss] + e3·ΣK_missed``,
+  the lookup with the backup of misses — a neural backup is K sequential
+  steps of the draft whenever any sequence missed (with one draft, drafted
+  inside the lookup call the round waits for), so ``e2·K_max·[a miss] +
+  e3·ΣK_missed``,
   predicted with P(a miss) = 1 − Π h_i and E[ΣK_missed] = Σ (1 − h_i)·K_i
   (a batch hits only if every sequence does). Fitted over rounds with SSD
   sequences, starting from the draft's measured step cost (a point-mass

@@ -84,6 +84,6 @@ class RoundCosts:
     draft_batch: int  # sequences in those steps
     draft_s: float  # their time (0.0 when none)
     ssd_batch: int  # SSD sequences this round
-    ssd_exposed_s: float  # SSD drafting not hidden behind verification (build overrun + miss backups)
+    ssd_exposed_s: float  # SSD on the critical path: build overrun, the lookup (a miss's backup is drafted in it), later backups
     wall_s: float  # the whole round as the coordinator saw it
     seqs: tuple[SeqResult, ...]

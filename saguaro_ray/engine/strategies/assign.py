@@ -99,8 +99,20 @@ class Assigner:
                 draft_batch=len(sequential),
                 draft_s=drafted,
                 ssd_batch=sum(1 for s in running if s.mode == "ssd"),
-                ssd_exposed_s=max(0.0, parts["draft_exposed"] - drafted),
+                ssd_exposed_s=self._ssd_exposed(parts, drafted, rec),
                 wall_s=parts["wall"],
                 seqs=tuple(seqs),
             )
         )
+
+    @staticmethod
+    def _ssd_exposed(parts: dict[str, float], drafted: float, rec: RoundRecord) -> float:
+        """What SSD drafting added to the round's critical path: the build's
+        overrun, backups drafted after the lookup, and the lookup itself — with
+        one draft a miss's neural backup (K sequential draft steps) is drafted
+        inside the lookup call, and the round waits for its answer. Counted as
+        control plane instead, a miss and a longer K looked free to the policy
+        (its backup terms fitted to 0 on the zoo and the real model)."""
+        if not rec.modes.get("ssd"):
+            return 0.0
+        return max(0.0, parts["draft_exposed"] - drafted) + parts["lookup"]
