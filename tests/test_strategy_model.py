@@ -44,7 +44,9 @@ class Truth:
     draft_r: float = 0.0  # the drafting's per-round part (catching up), then per step c + d·n
     step_c: float = 0.001
     step_d: float = 0.00002
-    ssd_base: float = 0.0003  # the tree build's overrun when any sequence is in SSD
+    ssd_base: float = 0.0003  # exposed whenever any sequence is in SSD (the lookup)
+    build_k: float = 0.0  # the tree build: K_max sequential draft steps of this, from verification's
+    build_nk: float = 0.0  # start (and this per SSD sequence and step); what outlasts verification is exposed
     backup: str = "neural"  # what serves a miss: neural (K draft steps, exposed) or fast (a point mass)
     ctl_c0: float = 0.002
     ctl_c1: float = 0.00002
@@ -62,6 +64,9 @@ class Truth:
 
     def step(self, n: float) -> float:
         return self.step_c + self.step_d * n
+
+    def build(self, n_ssd: int, k_max: int) -> float:
+        return k_max * (self.build_k + self.build_nk * n_ssd)
 
     def tokens_of(self, t: float, mode: str, k: int, entering: bool) -> float:
         """Expected emitted tokens of one sequence (an SSD entry is a forced miss)."""
@@ -91,10 +96,11 @@ class Truth:
 
     def expected_time(self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool]) -> float:
         tokens = sum(k + 1 for _, k in choices)
-        t = self.control(choices) + self.verify(tokens, len(choices)) + self.drafting(choices)
+        verify = self.verify(tokens, len(choices))
+        t = self.control(choices) + verify + self.drafting(choices)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
-            t += self.ssd_base
+            t += self.ssd_base + max(0.0, self.build(len(ssd), max(k for _, k, _ in ssd)) - verify)
             if self.backup == "neural":
                 miss = [1.0 if e else 1.0 - self.hit[tt] for tt, _, e in ssd]
                 p_any = 1.0 - math.prod(1.0 - m for m in miss)
@@ -135,13 +141,14 @@ def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids) 
     sd = [k for m, k in choices if m == "sd"]
     draft = truth.drafting(choices) * noise()
     n_ssd = sum(m == "ssd" for m, _ in choices)
-    exposed = 0.0
+    exposed, build = 0.0, math.nan
     if n_ssd:
-        exposed = truth.ssd_base * noise()
+        build = truth.build(n_ssd, ssd_k) * noise()
+        exposed = truth.ssd_base * noise() + max(0.0, build - verify)
         if truth.backup == "neural" and misses:
             exposed += ssd_k * truth.step(misses) * noise()
     wall = verify + draft + exposed + truth.control(choices) * noise()
-    return RoundCosts(len(choices), tokens, verify, max(sd, default=0), len(sd), draft, n_ssd, exposed, wall, tuple(seqs))
+    return RoundCosts(len(choices), tokens, verify, max(sd, default=0), len(sd), draft, n_ssd, exposed, wall, tuple(seqs), build)
 
 
 def simulate(
@@ -261,6 +268,14 @@ TRUTHS = {
     # the same machine's costs where speculation does pay: a drafting round's coordinator
     # overhead is what a mode must beat, not just its verification
     "draft-overhead-b4": (Truth(ctl_draft=0.004, ctl_step=0.0005, ctl_ssd=0.006, draft_r=0.001), [0.0] * 4),
+    # as measured on the real model at batch 1 (int4 self-draft, budget 2): the build, ~21 ms a
+    # K, hides behind verification to K = 2 and outlasts it beyond; acceptance is high, so a
+    # model that cannot see the build's overrun grow with K runs the largest K
+    "build-outgrows-verify-b1": (
+        Truth(ver_a=0.027, ver_b=0.0035, ver_seq=0.0065, step_c=0.0087, step_d=0.0087, build_k=0.021, ssd_base=0.002,
+              alpha={0.0: 0.95, 0.7: 0.6}, hit={0.0: 0.9, 0.7: 0.5}),
+        [0.0],
+    ),
 }
 
 
@@ -465,7 +480,7 @@ def test_an_ssd_entry_is_a_forced_miss_not_a_cache_miss():
     snap = policy.snapshot()["acceptance"]["t=0"]
     assert snap["hit_rate"] == 0.5  # the prior: no lookup was made
     assert snap["miss"][0] < snap["draft"][0]  # the backup's proposals were rejected
-    assert policy.snapshot()["ssd_exposed_s"]["per_missed_k"] > 0.0 or policy.snapshot()["ssd_exposed_s"]["per_backup_step"] > 0.0
+    assert policy.snapshot()["ssd_after_s"]["per_missed_k"] > 0.0 or policy.snapshot()["ssd_after_s"]["per_backup_step"] > 0.0
 
 
 def test_a_round_with_unusable_measurements_changes_no_fit():
@@ -476,7 +491,7 @@ def test_a_round_with_unusable_measurements_changes_no_fit():
     ssd = SeqResult(0, 0.0, "ssd", 4, 2, False)
     policy.observe(RoundCosts(1, 5, nan, 0, 0, 0.0, 1, nan, nan, (ssd,)))
     after = policy.snapshot()
-    for fit in ("verify_s", "control_s", "ssd_exposed_s", "draft_s"):
+    for fit in ("verify_s", "control_s", "ssd_build_s", "ssd_after_s", "draft_s"):
         assert after[fit] == before[fit], fit
     assert after["rounds_observed"] == before["rounds_observed"] + 2
 
@@ -500,7 +515,7 @@ def test_snapshot_is_json_and_names_the_fitted_model():
     policy = _trained()
     snap = json.loads(json.dumps(policy.snapshot()))
     assert snap["rounds_observed"] == 40 and snap["rounds_chosen"] == 40
-    for fit in ("verify_s", "draft_s", "ssd_exposed_s", "control_s"):
+    for fit in ("verify_s", "draft_s", "ssd_build_s", "ssd_after_s", "control_s"):
         assert snap[fit] is not None and all(v >= 0 or name == "a" for name, v in snap[fit].items())
     assert set(snap["acceptance"]) == {"t=0", "t<=0.5", "t<=1", "t>1"}
     assert len(snap["acceptance"]["t=0"]["draft"]) == MAX_K

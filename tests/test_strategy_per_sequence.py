@@ -12,6 +12,8 @@ tested in ``test_exactness_sampling.py``, the same over Ray in
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import test_exactness_greedy
 
@@ -135,6 +137,10 @@ def test_auto_switching_strategy_and_k_every_round_equals_ar(engine, ar_tokens):
     for rec, c in looked_up:
         assert c.ssd_exposed_s >= rec.lookup[1] - rec.lookup[0]
     assert all(c.ssd_exposed_s == 0.0 for _, c in told if not c.ssd_batch)
+    # and when the build ended, from verification's start: what its overrun is predicted from
+    built = [(rec, c) for rec, c in told if c.ssd_batch and rec.build is not None]
+    assert built and all(c.ssd_build_s == pytest.approx(rec.build[1] - rec.verify[0]) for rec, c in built)
+    assert all(math.isnan(c.ssd_build_s) for _, c in told if not c.ssd_batch)
 
 
 def test_requests_for_strategies_the_engine_does_not_offer_are_refused(models, ar_tokens):

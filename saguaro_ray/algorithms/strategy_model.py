@@ -30,19 +30,23 @@ What the model assumes, and why:
   round's own part (the draft first catches up with the tokens just
   accepted).
 * **SSD drafting** hides behind verification (its whole point) except what is
-  exposed: the tree build's overrun, ``e0 + e1·n + e4·n·K_max`` for n SSD
-  sequences (the tree grows with the sequences and their K: at batch 8 a
-  K = 7 build outlived verification on the real model), and
-  the lookup with the backup of misses — a neural backup is K sequential
-  steps of the draft whenever any sequence missed (with one draft, drafted
-  inside the lookup call the round waits for), so ``e2·K_max·[a miss] +
-  e3·ΣK_missed``,
-  predicted with P(a miss) = 1 − Π h_i and E[ΣK_missed] = Σ (1 − h_i)·K_i
-  (a batch hits only if every sequence does). Fitted over rounds with SSD
-  sequences, starting from the draft's measured step cost (a point-mass
-  backup fits its e2, e3 down to ~0). Budget and fan-out are the SSD
-  machinery's own; the hit rate h is per temperature bucket, independent of K
-  and of the batch.
+  exposed. The tree build's overrun is ``max(0, B − V)``: B, when the build
+  ends counted from verification's start, ``b0 + b1·n + K_max·(b2 + b3·n)``
+  for n SSD sequences (K_max sequential draft steps over the sequences'
+  branches), V the predicted verification. B is fitted on every round that
+  builds, hidden or not, so the K at which the build starts to show is
+  predicted, not extrapolated: fitted as one line over the exposure itself
+  (non-negative, through rounds at one K), a build hidden at K = 4 and
+  100 ms exposed at K = 8 on the real model made K = 8 look as good as K = 4
+  (measured 41.7 against 48.3 tok/s). Then the lookup with the backup of
+  misses — a neural backup is K sequential steps of the draft whenever any
+  sequence missed (with one draft, drafted inside the lookup call the round
+  waits for): ``l0 + l1·n + l2·K_max·[a miss] + l3·ΣK_missed``, predicted
+  with P(a miss) = 1 − Π h_i and E[ΣK_missed] = Σ (1 − h_i)·K_i (a batch hits
+  only if every sequence does). Both start from the draft's measured step
+  cost (a point-mass backup fits its l2, l3 down to ~0). Budget and fan-out
+  are the SSD machinery's own; the hit rate h is per temperature bucket,
+  independent of K and of the batch.
 * **Control plane**: the wall time beyond the workers' measured times, ``c0 +
   c1·n_plain + c2·n_drafting + c3·n_ssd + [drafting]·(c4 + c5·S) + [SSD]·c6`` —
   measured on the engine, a round that drafts costs the coordinator far more
@@ -254,8 +258,8 @@ class _Costs:
 
     ver: tuple[float, float, float]  # a, per token, per sequence
     draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
-    # a, per SSD sequence, per backup step when any misses, per missed K, per SSD sequence and K (the build's size)
-    ssd: tuple[float, float, float, float, float]
+    build: tuple[float, float, float, float]  # the build's end after verification's start: a, per SSD sequence, per K, per K and sequence
+    after: tuple[float, float, float, float]  # lookup and backups: a, per SSD sequence, per backup step when any misses, per missed K
     # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
     ctl: tuple[float, float, float, float, float, float, float]
 
@@ -264,14 +268,16 @@ class _Costs:
         c = self.ctl
         ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
         ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
-        t = max(0.0, ctl) + max(0.0, self.ver[0] + self.ver[1] * load.tokens + self.ver[2] * load.n)
+        verify = max(0.0, self.ver[0] + self.ver[1] * load.tokens + self.ver[2] * load.n)
+        t = max(0.0, ctl) + verify
         if sequential:
             d = self.draft
             t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
         if load.n_ssd:
+            b, a = self.build, self.after
+            t += max(0.0, b[0] + b[1] * load.n_ssd + load.ssd_k * (b[2] + b[3] * load.n_ssd) - verify)
             p_any = 1.0 - math.exp(load.log_hit)
-            e = self.ssd
-            t += max(0.0, e[0] + e[1] * load.n_ssd + e[2] * load.ssd_k * p_any + e[3] * load.miss_k + e[4] * load.n_ssd * load.ssd_k)
+            t += max(0.0, a[0] + a[1] * load.n_ssd + a[2] * load.ssd_k * p_any + a[3] * load.miss_k)
         return t
 
 
@@ -334,7 +340,8 @@ class AutoPolicy:
         self._rng = random.Random(seed)
         self._verify = EwLeastSquares(3, COST_DECAY)
         self._drafting = EwLeastSquares(3, COST_DECAY)
-        self._ssd = EwLeastSquares(5, COST_DECAY, intercept_share=0.5)
+        self._build = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
+        self._after = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
         self._accept = [Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
@@ -383,12 +390,10 @@ class AutoPolicy:
             self._drafting.decay_only()
         ssd = [r for r in costs.seqs if r.mode == "ssd"]
         if costs.ssd_batch > 0 and ssd:
-            missed = [r.proposed for r in ssd if self._missed(r)]
-            k_max = max(r.proposed for r in ssd)
-            x = (1.0, float(costs.ssd_batch), float(k_max if missed else 0), float(sum(missed)), float(costs.ssd_batch * k_max))
-            self._ssd.add(x, _clamp_time(costs.ssd_exposed_s), self._ssd_prior(x, costs.ssd_exposed_s))
+            self._observe_ssd(costs, ssd)
         else:
-            self._ssd.decay_only()
+            self._after.decay_only()
+            self._build.decay_only()
         control = costs.wall_s - costs.verify_s - costs.draft_s - costs.ssd_exposed_s
         if costs.batch > 0:
             plain = costs.batch - costs.draft_batch - costs.ssd_batch
@@ -459,15 +464,29 @@ class AutoPolicy:
         just entered SSD (no cache yet; the engine may report no lookup at all)."""
         return r.hit is False or (r.hit is None and r.seq_id in self._entering)
 
-    def _ssd_prior(self, x: Sequence[float], y: float) -> list[float] | None:
-        """SSD exposure's prior: a neural backup is K sequential steps of the same
-        draft SD measures, so its terms start at the draft's step costs; the
-        rest of the first observation is the build's overrun."""
+    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult]) -> None:
+        """Fit SSD's two exposed parts: when the build ended (where it ran this
+        round) and the rest of the exposure, the lookup and backups. Both start
+        from the draft's measured step costs: a build is K sequential steps of
+        the draft SD measures, and so is a neural backup."""
+        n, k_max = float(costs.ssd_batch), max(r.proposed for r in ssd)
+        missed = [r.proposed for r in ssd if self._missed(r)]
         draft = self._drafting.theta
-        if self._ssd.has_prior or draft is None:
-            return None
-        rest = max(0.0, y - draft[1] * x[2] - draft[2] * x[3])
-        return [0.5 * rest, 0.5 * rest / max(1.0, x[1]), draft[1], draft[2], 0.0]
+        overrun = 0.0
+        if math.isfinite(costs.ssd_build_s):
+            x_b = (1.0, n, float(k_max), n * k_max)
+            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, draft[1], draft[2]]
+            self._build.add(x_b, _clamp_time(costs.ssd_build_s), prior_b)
+            overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
+        else:
+            self._build.decay_only()
+        x_a = (1.0, n, float(k_max if missed else 0), float(sum(missed)))
+        y_a = _clamp_time(costs.ssd_exposed_s - overrun)
+        prior_a = None
+        if not self._after.has_prior and draft is not None and y_a == y_a:
+            rest = max(0.0, y_a - draft[1] * x_a[2] - draft[2] * x_a[3])
+            prior_a = [0.5 * rest, 0.5 * rest / n, draft[1], draft[2]]
+        self._after.add(x_a, y_a, prior_a)
 
     # ------------------------------------------------------------------ choosing
 
@@ -517,9 +536,10 @@ class AutoPolicy:
         assert ver is not None
         # unmeasured costs: priors relative to the measured verification
         draft = self._drafting.theta or [0.0, _DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
-        ssd = self._ssd.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, _DRAFT_STEP_PRIOR * ver[0], 0.0, 0.0]
+        build = self._build.theta or [0.0, 0.0, draft[1], draft[2]]  # K draft steps
+        after = self._after.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, draft[1], draft[2]]
         ctl = self._ctl.theta or [0.0] * 7
-        return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), (ssd[0], ssd[1], ssd[2], ssd[3], ssd[4]), tuple(ctl))  # type: ignore[arg-type]
+        return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
@@ -630,7 +650,9 @@ class AutoPolicy:
         off: a step count held fixed would hide its own fixed cost. λ starts
         at the last round's ratio, where it usually already is."""
         b_tok, d_step = costs.ver[1], costs.draft[2]
-        _, e_seq, e_any, e_miss, e_build = costs.ssd
+        # the build's overrun, max(0, B − V), has no slope to linearise by: picks leave it out
+        # and every Q of the sweep is evaluated exactly (with it)
+        _, e_seq, e_any, e_miss = costs.after
         s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
         q_max = max([g.cap for g in groups if "ssd" in g.modes] + [base.ssd_k])
         s_values = ([0] if not base.steps else []) + list(range(max(1, base.steps), s_max + 1))
@@ -652,7 +674,7 @@ class AutoPolicy:
                 miss = 1.0 - g.hit
                 sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
                 ssd = (
-                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + (e_miss * miss + e_build) * k) for k in range(1, g.cap + 1)]
+                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * miss * k) for k in range(1, g.cap + 1)]
                     if "ssd" in g.modes
                     else []
                 )
@@ -711,7 +733,7 @@ class AutoPolicy:
         drafting, or for AR the control plane of a round that drafts nothing."""
         if mode == "sd":
             return self._drafting.weight
-        return self._ssd.weight if mode == "ssd" else self._plain
+        return self._after.weight if mode == "ssd" else self._plain
 
     def _optimistic(self, g: _Group) -> _Group:
         """``g`` valued with its bucket's acceptance and hit rates at their upper bounds."""
@@ -802,7 +824,8 @@ class AutoPolicy:
             "wall_s": self._wall_s,  # wall time observed (explore_s / wall_s: the share trials cost)
             "verify_s": coef(self._verify, ("a", "per_token", "per_seq")),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
-            "ssd_exposed_s": coef(self._ssd, ("a", "per_seq", "per_backup_step", "per_missed_k", "per_seq_k")),
+            "ssd_build_s": coef(self._build, ("a", "per_seq", "per_k", "per_seq_k")),  # the build's end after verification's start
+            "ssd_after_s": coef(self._after, ("a", "per_seq", "per_backup_step", "per_missed_k")),  # lookup and backups
             "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {
                 name: {

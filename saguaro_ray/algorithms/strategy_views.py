@@ -7,6 +7,7 @@ policy agree on one shape; a bad value is a :class:`ConfigError` naming the fiel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from saguaro_ray.errors import ConfigError
@@ -87,3 +88,4 @@ class RoundCosts:
     ssd_exposed_s: float  # SSD on the critical path: build overrun, the lookup (a miss's backup is drafted in it), later backups
     wall_s: float  # the whole round as the coordinator saw it
     seqs: tuple[SeqResult, ...]
+    ssd_build_s: float = math.nan  # when the SSD build ended, from verification's start (NaN: none this round)

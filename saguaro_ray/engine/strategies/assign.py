@@ -11,6 +11,7 @@ cached speculation; any mode and K is exact, so a pick changes speed only.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from saguaro_ray.algorithms.strategy_model import AutoPolicy
@@ -102,6 +103,7 @@ class Assigner:
                 ssd_exposed_s=self._ssd_exposed(parts, drafted, rec),
                 wall_s=parts["wall"],
                 seqs=tuple(seqs),
+                ssd_build_s=rec.build[1] - rec.verify[0] if rec.build is not None and rec.modes.get("ssd") else math.nan,
             )
         )
 
