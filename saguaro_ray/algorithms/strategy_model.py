@@ -140,7 +140,7 @@ step a fifth of a verification step).
 :mod:`~saguaro_ray.algorithms.strategy_views`, the estimators
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
 :mod:`~saguaro_ray.algorithms.strategy_guard`. This module keeps the model
-and its search together (~770 non-blank lines, a sixth of them this
+and its search together (~790 non-blank lines, a sixth of them this
 explanation): the search linearises exactly the round-time model it evaluates,
 so splitting them would put one formula in two places.
 """
