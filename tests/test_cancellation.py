@@ -52,15 +52,18 @@ def test_cancelling_agenerate_aborts_it(engine):
         start = rounds(engine)
         while rounds(engine) < start + 3:
             await asyncio.sleep(0.005)
-        at_cancel = rounds(engine)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return at_cancel
+        # the abort is registered before the cancellation reaches us; counted from task.cancel()
+        # instead, the event loop's own latency (rounds the engine ran before the task woke)
+        # would be charged to the engine
+        return rounds(engine)
 
-    at_cancel = asyncio.run(main())
+    at_abort = asyncio.run(main())
     settle(engine)
-    assert rounds(engine) - at_cancel <= 1
+    assert rounds(engine) - at_abort <= 1  # the round in flight, no more
+    assert rounds(engine) < LONG // 10
     assert free_blocks(engine) == engine.baseline
 
 

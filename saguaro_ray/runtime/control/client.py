@@ -53,6 +53,7 @@ from saguaro_ray.runtime.wire import MALFORMED, MISADDRESSED, BadFrame, FrameCod
 from saguaro_ray.workers.messages import Timed
 
 log = logging.getLogger(__name__)
+_HELLO_RETRY_MS = 10  # how often an unsent hello is retried while no peer takes it
 
 
 @dataclass
@@ -274,10 +275,15 @@ class CommandClient(SocketOwner):
         failure: BaseException | None = None
         hello = {"id": self._hello_id, "method": _HELLO_CALL, "args": [], "reply_to": self._rx_id}
         try:
-            self._dealer.send(self._codec.encode(hello, self._sender.stamp(b"")), zmq.NOBLOCK)
+            # no peer to queue for yet (a connection torn down by a failed CURVE handshake, or
+            # not up): the hello is retried each poll, and calls wait for it until their timeout
+            hello_frame: bytes | None = self._codec.encode(hello, self._sender.stamp(b""))
             while not self._stop.is_set():
+                if hello_frame is not None and self._sent(hello_frame):
+                    hello_frame = None
                 try:
-                    events = dict(poller.poll(self._wait_ms()))
+                    wait = self._wait_ms()
+                    events = dict(poller.poll(wait if hello_frame is None else min(wait, _HELLO_RETRY_MS)))
                 except zmq.ZMQError as e:
                     if e.errno == zmq.ETERM:
                         break
@@ -301,6 +307,14 @@ class CommandClient(SocketOwner):
                 _fail(p.future, err)
             self._dealer.close(0)
             self._inbox.close(0)
+
+    def _sent(self, frame: bytes) -> bool:
+        """Send ``frame`` if a peer can take it now (False: none can, try again)."""
+        try:
+            self._dealer.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _settled(self, p: _Pending) -> None:
         """A call left ``_pending``: a relayed one no longer holds back the direct path."""
