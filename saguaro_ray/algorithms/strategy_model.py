@@ -483,7 +483,7 @@ class AutoPolicy:
         x_a = (1.0, n, float(k_max if missed else 0), float(sum(missed)))
         y_a = _clamp_time(costs.ssd_exposed_s - overrun)
         prior_a = None
-        if not self._after.has_prior and draft is not None and y_a == y_a:
+        if not self._after.has_prior and draft is not None and math.isfinite(y_a):
             rest = max(0.0, y_a - draft[1] * x_a[2] - draft[2] * x_a[3])
             prior_a = [0.5 * rest, 0.5 * rest / n, draft[1], draft[2]]
         self._after.add(x_a, y_a, prior_a)

@@ -91,6 +91,7 @@ class Assigner:
         parts = round_components(rec)
         sequential = [s for s in running if s.mode in ("sd", "pyramid")]
         drafted = rec.draft[1] - rec.draft[0] if rec.draft is not None and sequential else 0.0
+        n_ssd = sum(1 for s in running if s.mode == "ssd")
         self.policy.observe(
             RoundCosts(
                 batch=len(running),
@@ -99,22 +100,20 @@ class Assigner:
                 draft_steps=max((s.k for s in sequential), default=0),
                 draft_batch=len(sequential),
                 draft_s=drafted,
-                ssd_batch=sum(1 for s in running if s.mode == "ssd"),
-                ssd_exposed_s=self._ssd_exposed(parts, drafted, rec),
+                ssd_batch=n_ssd,
+                ssd_exposed_s=self._ssd_exposed(parts, drafted) if n_ssd else 0.0,
                 wall_s=parts["wall"],
                 seqs=tuple(seqs),
-                ssd_build_s=rec.build[1] - rec.verify[0] if rec.build is not None and rec.modes.get("ssd") else math.nan,
+                ssd_build_s=rec.build[1] - rec.verify[0] if rec.build is not None and n_ssd else math.nan,
             )
         )
 
     @staticmethod
-    def _ssd_exposed(parts: dict[str, float], drafted: float, rec: RoundRecord) -> float:
+    def _ssd_exposed(parts: dict[str, float], drafted: float) -> float:
         """What SSD drafting added to the round's critical path: the build's
         overrun, backups drafted after the lookup, and the lookup itself — with
         one draft a miss's neural backup (K sequential draft steps) is drafted
         inside the lookup call, and the round waits for its answer. Counted as
         control plane instead, a miss and a longer K looked free to the policy
         (its backup terms fitted to 0 on the zoo and the real model)."""
-        if not rec.modes.get("ssd"):
-            return 0.0
         return max(0.0, parts["draft_exposed"] - drafted) + parts["lookup"]

@@ -347,9 +347,7 @@ class CommandClient(SocketOwner):
             if p is None:  # timed out while it waited for the handshake
                 return
             p.t_send = time.perf_counter()
-        try:
-            self._dealer.send(self._seal(payload), zmq.NOBLOCK)
-        except zmq.Again:
+        if not self._sent(self._seal(payload)):
             with self._lock:
                 p = self._pending.pop(cid, None)
             if p is not None:
