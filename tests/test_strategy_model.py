@@ -28,6 +28,7 @@ from saguaro_ray.algorithms.strategy_model import (
     temperature_bucket,
 )
 from saguaro_ray.algorithms import strategy_guard
+from saguaro_ray.algorithms.strategy_fits import HitRates
 from saguaro_ray.errors import ConfigError
 
 MAX_K = 8
@@ -57,6 +58,8 @@ class Truth:
     ssd_power: int = 1  # ... to this power of the SSD batch (2: a term no linear fit has)
     alpha: dict = field(default_factory=lambda: {0.0: 0.85, 0.7: 0.55})  # per-position acceptance by T
     hit: dict = field(default_factory=lambda: {0.0: 0.8, 0.7: 0.5})
+    hit_knee: int = 99  # past this K the hit rate falls by hit_drop a K: a fixed budget covers fewer outcomes of a longer speculation
+    hit_drop: float = 0.0
     noise: float = 0.03
 
     def verify(self, tokens: float, n: int = 0) -> float:
@@ -64,6 +67,9 @@ class Truth:
 
     def step(self, n: float) -> float:
         return self.step_c + self.step_d * n
+
+    def hit_at(self, t: float, k: int) -> float:
+        return max(0.05, self.hit[t] - self.hit_drop * max(0, k - self.hit_knee))
 
     def build(self, n_ssd: int, k_max: int) -> float:
         return k_max * (self.build_k + self.build_nk * n_ssd)
@@ -79,7 +85,7 @@ class Truth:
         e_miss = e_draft if self.backup == "neural" else 1.0 + 0.05
         if entering:
             return e_miss
-        h = self.hit[t]
+        h = self.hit_at(t, k)
         return h * e_draft + (1.0 - h) * e_miss
 
     def control(self, choices: list[tuple[str, int]]) -> float:
@@ -102,7 +108,7 @@ class Truth:
         if ssd:
             t += self.ssd_base + max(0.0, self.build(len(ssd), max(k for _, k, _ in ssd)) - verify)
             if self.backup == "neural":
-                miss = [1.0 if e else 1.0 - self.hit[tt] for tt, _, e in ssd]
+                miss = [1.0 if e else 1.0 - self.hit_at(tt, k) for tt, k, e in ssd]
                 p_any = 1.0 - math.prod(1.0 - m for m in miss)
                 k_max = max(k for _, k, _ in ssd)
                 t += k_max * (self.step_c * p_any + self.step_d * sum(miss))
@@ -127,7 +133,7 @@ def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids) 
         a = truth.alpha[t]
         if m == "ssd":
             # an entry has no cache to look up: the engine reports no lookup (None), a forced miss
-            hit = None if en else rng.random() < truth.hit[t]
+            hit = None if en else rng.random() < truth.hit_at(t, k)
             misses += not hit
             ssd_k = max(ssd_k, k)
             if not hit and truth.backup == "fast":
@@ -275,6 +281,14 @@ TRUTHS = {
         Truth(ver_a=0.027, ver_b=0.0035, ver_seq=0.0065, step_c=0.0087, step_d=0.0087, build_k=0.021, ssd_base=0.002,
               alpha={0.0: 0.95, 0.7: 0.6}, hit={0.0: 0.9, 0.7: 0.5}),
         [0.0],
+    ),
+    # the same costs at batch 4, with a hit rate that falls with K past K = 3 (the real model at
+    # budget 2 hit 91-94 % at K = 4 and 57-80 % at K = 8): with one hit rate for every K the
+    # model ran K = 8 (0.76-0.79x the best fixed choice over seeds 0-3), by K 0.91-0.97x
+    "hit-falls-with-k-b4": (
+        Truth(ver_a=0.027, ver_b=0.0035, ver_seq=0.0065, step_c=0.0087, step_d=0.0087, build_k=0.008, ssd_base=0.002,
+              alpha={0.0: 0.97, 0.7: 0.6}, hit={0.0: 0.94, 0.7: 0.5}, hit_knee=3, hit_drop=0.07),
+        [0.0] * 4,
     ),
 }
 
@@ -481,6 +495,23 @@ def test_an_ssd_entry_is_a_forced_miss_not_a_cache_miss():
     assert snap["hit_rate"] == 0.5  # the prior: no lookup was made
     assert snap["miss"][0] < snap["draft"][0]  # the backup's proposals were rejected
     assert policy.snapshot()["ssd_after_s"]["per_missed_k"] > 0.0 or policy.snapshot()["ssd_after_s"]["per_backup_step"] > 0.0
+
+
+def test_hit_rates_by_k_come_from_each_ks_lookups_and_else_from_the_acceptance_curve():
+    """A K with lookups of its own is judged by them; one without, by P(all K
+    accepted) between the rates after full and after partial acceptance."""
+    rates = HitRates(MAX_K, 0.5)
+    for _ in range(60):  # at K = 4: hits after full acceptance, misses after a rejection
+        rates.add(4, True, True)
+        rates.add(4, False, False)
+    for _ in range(40):
+        rates.add(8, False, True)  # K = 8 misses even after full acceptance
+    all_accepted = [0.9**k for k in range(MAX_K + 1)]
+    h = rates.values(all_accepted)
+    assert h[4] > 0.45 and h[8] < 0.2  # their own lookups, not one rate for both
+    assert h[1] > h[2] > h[3]  # unseen: the prediction, falling as A_K falls
+    up = rates.upper(all_accepted)
+    assert all(u >= v for u, v in zip(up, h)) and up[1] - h[1] > up[4] - h[4]  # less evidence, more optimism
 
 
 def test_a_round_with_unusable_measurements_changes_no_fit():

@@ -1,7 +1,7 @@
 """The online estimators ``auto``'s cost model is made of: an exponentially weighted
 least-squares fit with non-negative coefficients, and decayed acceptance and hit rates whose
-priors age with the data (see :mod:`saguaro_ray.algorithms.strategy_model` for why each is
-what it is).
+priors age with the data, and SSD's hit rates by K (``docs/auto.md`` says why each is what
+it is).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 UPPER_Z = 1.5  # optimism of exploration: acceptance and hit rates this many standard errors up
 ACCEPT_DECAY = 0.99  # per round: acceptance counts weigh the last ~100 rounds
 PRIOR_WEIGHT = 4.0  # bucket pooled rate ← prior; hit rate ← prior
+HIT_K_WEIGHT = 8.0  # a K's hit rate ← the pooled hit rate (lookups' worth)
 POSITION_WEIGHT = 16.0  # a position's rate ← the pooled rate (a draft's conditional rate varies slowly along K)
 ALPHA_MAX = 0.99
 FIT_PRIOR_WEIGHT = 0.001
@@ -178,6 +179,63 @@ class DecayedRate:
 
     def upper(self) -> float:
         return min(1.0, upper_bound(self.value, self.n))
+
+
+class HitRates:
+    """SSD's cache hit rate by K: each K's own lookups, shrunk towards what the
+    acceptance curve predicts for that K.
+
+    The hit rate falls with K at a fixed budget (real model, budget 2: 91–94 %
+    at K = 4, 57–80 % at K = 8): a longer speculation is rejected somewhere
+    more often, and the fan-out covers the outcomes after a full acceptance far
+    better than those after a rejection. With one rate for every K, ``auto``
+    went from K = 4 to K = 8 (which looked as good), paid for its misses there,
+    then fitted its K line through both ends and settled at K = 2. So a lookup
+    is counted by its K and by what the round before it ended in (every draft
+    token accepted, or not); a K with few lookups of its own is predicted as
+    ``A_K·h_full + (1 − A_K)·h_part``, A_K = P(all K accepted), and its own
+    count takes over with :data:`HIT_K_WEIGHT` lookups' worth of weight."""
+
+    def __init__(self, max_k: int, prior: float) -> None:
+        self.pooled = DecayedRate(prior)  # every lookup: what the search linearises P(all hit) with
+        self.full = DecayedRate(prior)  # lookups after a round whose every draft token was accepted
+        self.part = DecayedRate(prior)  # ... after a rejection
+        self.hits = [0.0] * (max_k + 1)  # index K; 0 unused (AR looks nothing up)
+        self.n = [0.0] * (max_k + 1)
+
+    def age(self) -> None:
+        for rate in (self.pooled, self.full, self.part):
+            rate.age()
+        for k in range(len(self.n)):
+            self.hits[k] *= ACCEPT_DECAY
+            self.n[k] *= ACCEPT_DECAY
+
+    def add(self, k: int, hit: bool, after_full: bool | None) -> None:
+        """One lookup at K = ``k``; ``after_full``: whether the round before it
+        accepted every draft token (None: not known)."""
+        self.pooled.add(hit)
+        if after_full is not None:
+            (self.full if after_full else self.part).add(hit)
+        k = max(1, min(k, len(self.n) - 1))
+        self.n[k] += 1.0
+        self.hits[k] += 1.0 if hit else 0.0
+
+    def values(self, all_accepted: Sequence[float]) -> list[float]:
+        """Hit rate for K = 0..len(all_accepted) − 1; ``all_accepted[K]``: A_K."""
+        full, part = self.full.value, self.part.value
+        return [self._own(k, a * full + (1.0 - a) * part) for k, a in enumerate(all_accepted)]
+
+    def upper(self, all_accepted: Sequence[float]) -> list[float]:
+        """Optimistic rates by K: :data:`UPPER_Z` standard errors up, a K with
+        few lookups of its own counting its prediction's evidence."""
+        full, part = self.full.upper(), self.part.upper()
+        evidence = min(HIT_K_WEIGHT, self.pooled.n)
+        return [
+            min(1.0, upper_bound(self._own(k, a * full + (1.0 - a) * part), self.n[k] + evidence)) for k, a in enumerate(all_accepted)
+        ]
+
+    def _own(self, k: int, predicted: float) -> float:
+        return (self.hits[k] + HIT_K_WEIGHT * predicted) / (self.n[k] + HIT_K_WEIGHT)
 
 
 def upper_bound(p: float, n: float) -> float:

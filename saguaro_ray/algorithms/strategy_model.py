@@ -4,145 +4,20 @@ Every strategy is exact (each proposal is verified against the target's law
 with the law it was drawn from), so the choice changes speed only. Before a
 round :class:`AutoPolicy` picks, for every ``auto`` sequence, AR (K = 0), SD
 with K or SSD with K so as to maximise the batch's expected emitted tokens
-per second of the round,
+per second of the round, Σ_i E_i(mode_i, K_i) / T(the whole assignment), with
+the batch's fixed-strategy sequences in both sums (they share the round);
+:meth:`AutoPolicy.observe` then fits what the round cost.
 
-    Σ_i E_i(mode_i, K_i)  /  T(the whole assignment),
-
-with the batch's fixed-strategy sequences in both sums (they share the
-round). After the round :meth:`AutoPolicy.observe` fits what it cost. Fixed
-sequences are learned from as well as auto ones.
-
-What the model assumes, and why:
-
-* **Verification** costs ``a + b·tokens + c·batch`` (tokens = Σ (K_i + 1)
-  over the batch; each sequence also brings its own attention and KV, so
-  eight sequences of one token cost more than one of eight — measured on the
-  real model, where without c a batch-8 AR round made K = 7 at batch 1 look
-  as dear), an exponentially weighted least-squares fit over recent rounds. A
-  target is memory-bound at small token counts (tokens nearly free) and
-  compute-bound past a knee; the line is the chord over the token counts run
-  lately. Extended beyond them a convex cost's chord errs low, so a token
-  count not run lately looks cheap rather than dear: it gets chosen, and the
-  fit corrects itself — the model never locks itself out of a range.
-* **SD drafting** is on the critical path: S sequential draft steps, S = the
-  largest K among the round's SD (and PyramidSD) sequences (the others ride
-  along in those steps), ``r + S·(c + d·n)`` for n drafted sequences — r the
-  round's own part (the draft first catches up with the tokens just
-  accepted).
-* **SSD drafting** hides behind verification (its whole point) except what is
-  exposed. The tree build's overrun is ``max(0, B − V)``: B, when the build
-  ends counted from verification's start, ``b0 + b1·n + K_max·(b2 + b3·n)``
-  for n SSD sequences (K_max sequential draft steps over the sequences'
-  branches), V the predicted verification. B is fitted on every round that
-  builds, hidden or not, so the K at which the build starts to show is
-  predicted, not extrapolated: fitted as one line over the exposure itself
-  (non-negative, through rounds at one K), a build hidden at K = 4 and
-  100 ms exposed at K = 8 on the real model made K = 8 look as good as K = 4
-  (measured 41.7 against 48.3 tok/s). Then the lookup with the backup of
-  misses — a neural backup is K sequential steps of the draft whenever any
-  sequence missed (with one draft, drafted inside the lookup call the round
-  waits for): ``l0 + l1·n + l2·K_max·[a miss] + l3·ΣK_missed``, predicted
-  with P(a miss) = 1 − Π h_i and E[ΣK_missed] = Σ (1 − h_i)·K_i (a batch hits
-  only if every sequence does). Both start from the draft's measured step
-  cost (a point-mass backup fits its l2, l3 down to ~0). Budget and fan-out
-  are the SSD machinery's own; the hit rate h is per temperature bucket,
-  independent of K and of the batch.
-* **Control plane**: the wall time beyond the workers' measured times, ``c0 +
-  c1·n_plain + c2·n_drafting + c3·n_ssd + [drafting]·(c4 + c5·S) + [SSD]·c6`` —
-  measured on the engine, a round that drafts costs the coordinator far more
-  than one that does not (draft calls per step, proposals to route, SSD
-  lookups), and what a sequence costs depends on its mode (an SSD sequence
-  brings build items, lookup keys and answers): one per-sequence term for all
-  would charge SSD's to AR's. A round that emits one token per sequence pays
-  c0 all the same. The cold start runs one
-  round of each kind so the intercepts are told apart.
-* **Acceptance** is conditional per position, ``α_j = P(accept j | accepted
-  j−1)``, per temperature bucket (T = 0, (0, 0.5], (0.5, 1], > 1: the draft's
-  agreement with the target falls as sampling spreads), from exponentially
-  decayed counts shrunk towards the bucket's pooled rate (the conditional
-  rate varies slowly along K, and a position never tested gets the pooled
-  rate). Expected emitted tokens of K speculated: ``1 + Σ_{i≤K} Π_{j≤i}
-  α_j``. A sequence's own pooled rate, shrunk towards its bucket's with the
-  weight of 32 observations (a young sequence is its bucket), scales the
-  bucket's curve: prompts differ in how predictable they are, while the
-  per-position shape is the draft's. An SSD hit's speculation was drafted
-  from the true outcome by the same draft, so it is accepted like SD; a miss
-  is served by the backup, whose acceptance has its own table, shrunk towards
-  the draft's (``backup="auto"`` serves misses neurally where they are rare,
-  which is where the prior matters): ``E_ssd = h·E_hit + (1 − h)·E_miss``.
-  Priors age with the data, so an estimate keeps what was last seen while a
-  mode is not run; only its evidence fades.
-* **Switching into or out of SSD costs**: entering has no cache for the first
-  round (a forced miss: the backup's E instead of SSD's), leaving drops the
-  cached speculation (coming back pays the entry again). Either switch is
-  charged ``h·(E_hit − E_miss) / H`` tokens, H = :data:`SWITCH_HORIZON`
-  rounds, the span a choice is expected to hold — a hysteresis band that
-  keeps a sequence near the SD/SSD boundary from flapping every round.
-
-**The AR guard.** Speculation must never lose to AR, whatever the model
-gets wrong. So the measured throughput of rounds that speculated (per
-arm: the modes they speculated with) and of rounds that ran AR alone is
-kept per context (the batch size's power of two × the temperature buckets
-present), as decayed tokens over decayed seconds; where both are known and
-the choice's arm measures below AR, a speculating choice gives way to AR —
-but for a re-test that lets the model's choice run again so its measure
-stays current (the model may have been right after all: acceptance
-drifts), at most every :data:`GUARD_RETEST`-th such round and paid from
-the exploration budget (below): a re-test is a trial like any exploration.
-While AR's rate is not known in a context, every :data:`GUARD_RETEST`-th
-speculating round runs AR instead to measure it.
-
-**Search.** Sequences alike for the model (same bucket, quantised own rate,
-K cap, allowed modes, whether in SSD) form one group and get one choice. For
-a configuration — the SD step count S and the SSD group's largest K, Q —
-every group's best choice separates once the ratio is linearised at its
-current value λ (Dinkelbach: maximise N − λ·T, then λ ← N/T); candidates
-from sweeps of S and of Q are evaluated exactly and the best kept. Nothing is
-searched per sequence: the cost grows with the groups, not the sequences (on
-a loaded 2-core box, ~0.3 ms for 64 sequences in 3 groups, ~1.7 ms in 15).
-
-**Exploration** is bounded in rounds and in time: at most ``explore`` of
-the rounds chosen explore, and trial rounds (explorations and the guard's
-re-tests) may cost at most ``explore`` of the wall time beyond what the
-choice they displaced would have taken. Every observed round adds
-``explore × its wall time`` to a budget (capped at :data:`TRIAL_WINDOW`
-mean rounds' worth, so no burst of trials follows a long calm); a trial
-runs only when the budget covers its predicted excess, and what it then
-measures beyond its reference rate (the displaced choice's predicted rate,
-or AR's measured one) is charged (``explore_s`` in
-:meth:`AutoPolicy.snapshot`). Counted in rounds instead, a trial that costs
-ten ordinary rounds — SSD at batch 8, on the real model's CPU self-draft:
-~1 s against ~55 ms AR rounds — ran as often as a cheap one: auto lost
-13–21 % to AR where it ran AR 97–100 % of the rounds. A trial tries a
-neighbouring choice (K ± 1, SD ⇄ SSD,
-AR ⇄ K = 1) for every group at one choice, if that choice could beat the
-best valued with acceptance and hit rates :data:`UPPER_Z` standard errors up
-(if they hold, the choice is kept: its switch is amortised as any); failing
-any such, a blind check of a mode whose cost beyond verification (drafting,
-or AR's control plane) rests on under :data:`EVIDENCE_MIN` recent rounds, if
-within :data:`EXPLORE_MARGIN` of the best after a one-round excursion's full
-switch cost. The most promising is tried; an SSD entry is held until a few
-lookups were seen (its first round measures no hit rate). Without it a K or
-mode not run lately would be judged forever by stale numbers. Deterministic
-given ``seed``. A batch whose shape (groups and their sizes, fixed
-sequences) is unchanged keeps its choice for :data:`_REUSE_ROUNDS` more
-rounds before the next search: estimates move slowly, and a search costs a
-fifth of a tiny model's AR round.
-
-**Cold start**: before the model has a time scale, a round of AR (the
-control plane of a round that drafts nothing), two of SD at K = max_k/4 and
-max_k/2 (the draft's per-round and per-step costs), then three of SSD at
-max_k/2 (an entry and steady rounds: exposure and hit rate); afterwards
-unmeasured costs are priors relative to the measured verification (a draft
-step a fifth of a verification step).
-
-**Where the parts live.** The data the engine and the policy exchange is
-:mod:`~saguaro_ray.algorithms.strategy_views`, the estimators
+``docs/auto.md`` explains the model term by term and why each term is there
+(verification, SD drafting, SSD's build overrun and lookup, control plane,
+acceptance per position and temperature, switching costs), the AR guard, the
+Dinkelbach search over groups of alike sequences, the time-charged
+exploration and the cold start. The model and its search stay in one module:
+the search linearises exactly the round-time model it evaluates, so splitting
+them would put one formula in two places. The data the engine and the policy
+exchange is :mod:`~saguaro_ray.algorithms.strategy_views`, the estimators
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
-:mod:`~saguaro_ray.algorithms.strategy_guard`. This module keeps the model
-and its search together (~790 non-blank lines, a sixth of them this
-explanation): the search linearises exactly the round-time model it evaluates,
-so splitting them would put one formula in two places.
+:mod:`~saguaro_ray.algorithms.strategy_guard`.
 """
 
 from __future__ import annotations
@@ -151,11 +26,11 @@ import itertools
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX, Acceptance, DecayedRate, EwLeastSquares
+from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX, Acceptance, EwLeastSquares, HitRates
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy's interface, re-exported
     AUTO_MODES,
@@ -202,6 +77,7 @@ class _SeqStat:
     tested: float = 0.0
     accepted: float = 0.0
     seen: int = 0  # the round it was last observed
+    full: bool | None = None  # its last round accepted every draft token (what its next lookup looks up)
 
 
 def _expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[float]:
@@ -284,7 +160,7 @@ class _Costs:
 class _Group:
     """Sequences the model cannot tell apart: one choice for all of them."""
 
-    __slots__ = ("bucket", "scale", "cap", "modes", "in_ssd", "members", "seq_ids", "hit", "e_sd", "e_ssd", "entry", "leave", "opt")
+    __slots__ = ("bucket", "scale", "cap", "modes", "in_ssd", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd", "entry", "leave", "opt")
 
     def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool) -> None:
         self.bucket = bucket
@@ -292,7 +168,8 @@ class _Group:
         self.cap = cap
         self.modes = modes
         self.in_ssd = in_ssd
-        self.hit = _HIT_PRIOR
+        self.hit: list[float] = [_HIT_PRIOR] * (cap + 1)  # SSD's hit rate by K
+        self.hit_pooled = _HIT_PRIOR  # over every K: what the search linearises P(all hit) with
         self.members: list[int] = []  # indices into the round's auto sequences
         self.seq_ids: list[int] = []
         self.e_sd: list[float] = [1.0]  # expected tokens by K (index 0: AR), switch cost included
@@ -319,7 +196,7 @@ class _Group:
 
 
 class AutoPolicy:
-    """Chooses AR / SD K / SSD K per ``auto`` sequence each round (module docstring: the model).
+    """Chooses AR / SD K / SSD K per ``auto`` sequence each round (docs/auto.md: the model).
 
     ``modes``: the fixed modes it may choose (``ar`` always; ``sd``/``ssd``
     need a draft). ``max_k``: the largest K it considers. ``explore``: the
@@ -349,7 +226,7 @@ class AutoPolicy:
         # serves misses neurally where they are rare (small batches), which is where a prior
         # matters; where the point-mass backup wins, misses are common and the data soon rule
         self._miss = [Acceptance(max_k, d) for d in self._accept]
-        self._hit = [DecayedRate(_HIT_PRIOR) for _ in BUCKETS]
+        self._hit = [HitRates(max_k, _HIT_PRIOR) for _ in BUCKETS]
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
         self._held: dict[int, tuple[Choice, int]] = {}  # an exploration in progress: choice, rounds left
@@ -432,16 +309,17 @@ class AutoPolicy:
             self._trial_s += excess
         self._trial_rate = None
 
-    def _curve(self, b: int) -> tuple[list[float], list[float], float, float]:
-        """Bucket ``b``'s acceptance by position (SD and hits; misses), pooled rate and hit rate."""
+    def _curve(self, b: int) -> tuple[list[float], list[float], float, HitRates]:
+        """Bucket ``b``'s acceptance by position (SD and hits; misses), pooled rate and hit rates."""
         d = self._accept[b]
-        return d.alphas(), self._miss[b].alphas(), d.pooled(), self._hit[b].value
+        return d.alphas(), self._miss[b].alphas(), d.pooled(), self._hit[b]
 
     def _observe_seq(self, r: SeqResult) -> None:
         st = self._seqs.get(r.seq_id)
         if st is None:
             st = self._seqs[r.seq_id] = _SeqStat()
         st.seen = self._observed
+        after_full, st.full = st.full, r.proposed > 0 and r.accepted >= r.proposed
         if r.mode not in ("sd", "ssd") or r.proposed <= 0:
             return  # AR speculates nothing; PyramidSD's proposals are qualified tokens, another law
         b = temperature_bucket(r.temperature)
@@ -451,7 +329,7 @@ class AutoPolicy:
             if r.hit is None and not entering:
                 return  # it finished: its count may be cut short, and hit or miss is unknown
             if not entering:  # an entry round's miss is forced (with or without a lookup), not the cache's rate
-                self._hit[b].add(bool(r.hit))
+                self._hit[b].add(r.proposed, bool(r.hit), after_full)
             if self._missed(r):
                 self._miss[b].add(r.proposed, accepted)
                 return
@@ -550,9 +428,9 @@ class AutoPolicy:
         return max(1, round(own / pooled * _SCALE_STEPS)) / _SCALE_STEPS
 
     def _search(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]]) -> list[Choice]:
-        curves: dict[int, tuple[list[float], list[float], float, float]] = {}
+        curves: dict[int, tuple[list[float], list[float], float, HitRates]] = {}
 
-        def curve(b: int) -> tuple[list[float], list[float], float, float]:
+        def curve(b: int) -> tuple[list[float], list[float], float, HitRates]:
             if b not in curves:
                 curves[b] = self._curve(b)
             return curves[b]
@@ -587,8 +465,8 @@ class AutoPolicy:
                 g.opt = opt
         else:
             for g in glist:
-                alphas, miss, _, hit = curve(g.bucket)
-                _fill_values(g, alphas, miss, hit)
+                alphas, miss, _, hits = curve(g.bucket)
+                _fill_values(g, alphas, miss, hits.values, hits.pooled.value)
             costs = self._costs()
             base = self._fixed_load(fixed_all, curve)
             best = self._optimise(glist, base, costs)
@@ -611,9 +489,10 @@ class AutoPolicy:
         load = _Load()
         for v, c in fixed:
             b = temperature_bucket(v.temperature)
-            alphas, miss, pooled, hit = curve(b)
+            alphas, miss, pooled, hits = curve(b)
             k = min(c.k, self.max_k)
-            e = _expected_tokens(alphas, self._seq_scale(v.seq_id, pooled), k)[k]
+            e_draft = _expected_tokens(alphas, self._seq_scale(v.seq_id, pooled), k)
+            e, hit = e_draft[k], hits.values(_all_accepted(e_draft))[k]
             if c.mode == "ssd":
                 e = hit * e + (1.0 - hit) * _expected_tokens(miss, 1.0, k)[k]
             load.add(1, c.mode, c.k, e, hit)
@@ -635,7 +514,7 @@ class AutoPolicy:
         load = base.copy()
         load.e += extra
         for g, opt in zip(groups, opts):
-            load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit)
+            load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]])
         return load.e, costs.round_time(load), math.exp(load.log_hit)
 
     def _optimise(self, groups: list[_Group], base: _Load, costs: _Costs) -> float:
@@ -665,21 +544,20 @@ class AutoPolicy:
         # P(some SSD sequence misses) is not additive: a group is charged its share of it either
         # as the one that joins the incumbent's SSD sequences (dear) or as one of every group
         # that may run SSD (cheap); both kinds of candidate are generated and evaluated exactly
-        weights = [len(g.members) * -math.log(min(max(g.hit, 1e-9), 1.0 - 1e-9)) if "ssd" in g.modes else 0.0 for g in groups]
+        weights = [len(g.members) * -math.log(min(max(g.hit_pooled, 1e-9), 1.0 - 1e-9)) if "ssd" in g.modes else 0.0 for g in groups]
         total_weight = sum(weights)
         p_all = 1.0 - math.exp(base.log_hit - total_weight)
         for _ in range(_DINKELBACH_ITERS):
             per_group = []
             for g, inc, w in zip(groups, best_opts, weights):
-                miss = 1.0 - g.hit
                 sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
                 ssd = (
-                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * miss * k) for k in range(1, g.cap + 1)]
+                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k) for k in range(1, g.cap + 1)]
                     if "ssd" in g.modes
                     else []
                 )
                 c = len(g.members)
-                joined = g.hit**c
+                joined = (g.hit[inc[1]] if inc[0] == "ssd" else g.hit_pooled) ** c
                 others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
                 dear = lam * e_any * others * (1.0 - joined) / c
                 cheap = lam * e_any * p_all * w / total_weight / c if w else dear
@@ -739,7 +617,8 @@ class AutoPolicy:
         """``g`` valued with its bucket's acceptance and hit rates at their upper bounds."""
         up = _Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd)
         up.members = g.members
-        _fill_values(up, self._accept[g.bucket].upper(), self._miss[g.bucket].upper(), self._hit[g.bucket].upper())
+        hits = self._hit[g.bucket]
+        _fill_values(up, self._accept[g.bucket].upper(), self._miss[g.bucket].upper(), hits.upper, hits.pooled.upper())
         return up
 
     def _neighbours(self, g: _Group) -> list[tuple[str, int]]:
@@ -756,7 +635,7 @@ class AutoPolicy:
 
     def _try_explore(self, groups: list[_Group], base: _Load, costs: _Costs, best: float) -> None:
         """Maybe move every group at one choice to a neighbouring choice
-        (module docstring: which, and when). All groups at that choice move:
+        (docs/auto.md, "Exploration": which, and when). All groups at that choice move:
         the cost fits learn from what the whole round does."""
         if self._budget_s <= 0.0 or self._explored + 1 > self.explore * self._chosen:
             return
@@ -831,7 +710,10 @@ class AutoPolicy:
                 name: {
                     "draft": [round(a, 4) for a in self._accept[b].alphas()],
                     "miss": [round(a, 4) for a in self._miss[b].alphas()],
-                    "hit_rate": round(self._hit[b].value, 4),
+                    "hit_rate": round(self._hit[b].pooled.value, 4),
+                    "hit_rate_by_k": [
+                        round(h, 4) for h in self._hit[b].values(_all_accepted(_expected_tokens(self._accept[b].alphas(), 1.0, self.max_k)))[1:]
+                    ],
                 }
                 for b, name in enumerate(BUCKETS)
             },
@@ -841,21 +723,30 @@ class AutoPolicy:
         }
 
 
-def _fill_values(g: _Group, alphas: list[float], miss: list[float], hit: float) -> None:
-    """A group's expected tokens by mode and K under these acceptance and hit rates."""
-    g.hit = hit
+def _fill_values(
+    g: _Group, alphas: list[float], miss: list[float], hit_rates: Callable[[Sequence[float]], list[float]], pooled: float
+) -> None:
+    """A group's expected tokens by mode and K under these acceptance rates and
+    hit rates (``hit_rates``: by K, from P(all K accepted) by K; ``pooled``: over every K)."""
+    e_draft = _expected_tokens(alphas, g.scale, g.cap)
+    hits = hit_rates(_all_accepted(e_draft))
+    g.hit, g.hit_pooled = hits, pooled
     if g.cap == 0:
         return
-    e_draft = _expected_tokens(alphas, g.scale, g.cap)
     if "sd" in g.modes:
         g.e_sd = e_draft
     if "ssd" in g.modes:
         e_miss = _expected_tokens(miss, 1.0, g.cap)
-        g.entry = [hit * max(0.0, d - m) for d, m in zip(e_draft, e_miss)]
+        g.entry = [h * max(0.0, d - m) for h, d, m in zip(hits, e_draft, e_miss)]
         switch = [x / SWITCH_HORIZON for x in g.entry]
-        e_ssd = [hit * d + (1.0 - hit) * m for d, m in zip(e_draft, e_miss)]
+        e_ssd = [h * d + (1.0 - h) * m for h, d, m in zip(hits, e_draft, e_miss)]
         g.e_ssd = e_ssd if g.in_ssd else [e - s for e, s in zip(e_ssd, switch)]
         g.leave = max(switch) if g.in_ssd else 0.0
+
+
+def _all_accepted(expected: list[float]) -> list[float]:
+    """P(all K accepted) for K = 0.. from :func:`_expected_tokens`'s output (its increments)."""
+    return [1.0] + [b - a for a, b in zip(expected, expected[1:])]
 
 
 def _clamp_time(seconds: float) -> float:
