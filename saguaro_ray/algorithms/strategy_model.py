@@ -352,9 +352,13 @@ class AutoPolicy:
         draft = self._drafting.theta
         overrun = 0.0
         if math.isfinite(costs.ssd_build_s):
+            # fitted beyond K sequential draft steps over the SSD sequences (a tree step costs at
+            # least a draft step over as many sequences), so a K-slope the recent rounds leave
+            # open, every one at one K, is the draft's measured step and not 0
             x_b = (1.0, n, float(k_max), n * k_max)
-            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, draft[1], draft[2]]
-            self._build.add(x_b, _clamp_time(costs.ssd_build_s), prior_b)
+            steps = k_max * (draft[1] + draft[2] * n) if draft is not None else 0.0
+            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
+            self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -414,10 +418,16 @@ class AutoPolicy:
         assert ver is not None
         # unmeasured costs: priors relative to the measured verification
         draft = self._drafting.theta or [0.0, _DRAFT_STEP_PRIOR * ver[0], _DRAFT_STEP_PRIOR * ver[1]]
-        build = self._build.theta or [0.0, 0.0, draft[1], draft[2]]  # K draft steps
+        build = self._build_coefficients(draft)
         after = self._after.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, draft[1], draft[2]]
         ctl = self._ctl.theta or [0.0] * 7
         return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
+
+    def _build_coefficients(self, draft: Sequence[float]) -> list[float]:
+        """The build's end: K draft steps (``draft``: the drafting fit or its prior) and what was
+        fitted beyond them (:meth:`_observe_ssd`)."""
+        b = self._build.theta or [0.0, 0.0, 0.0, 0.0]
+        return [b[0], b[1], b[2] + draft[1], b[3] + draft[2]]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
@@ -703,7 +713,12 @@ class AutoPolicy:
             "wall_s": self._wall_s,  # wall time observed (explore_s / wall_s: the share trials cost)
             "verify_s": coef(self._verify, ("a", "per_token", "per_seq")),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
-            "ssd_build_s": coef(self._build, ("a", "per_seq", "per_k", "per_seq_k")),  # the build's end after verification's start
+            # the build's end after verification's start (the draft's steps included)
+            "ssd_build_s": (
+                dict(zip(("a", "per_seq", "per_k", "per_seq_k"), self._build_coefficients(self._drafting.theta or [0.0, 0.0, 0.0])))
+                if self._build.theta is not None
+                else None
+            ),
             "ssd_after_s": coef(self._after, ("a", "per_seq", "per_backup_step", "per_missed_k")),  # lookup and backups
             "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {
