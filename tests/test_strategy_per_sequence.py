@@ -184,13 +184,17 @@ class AlwaysAR(Cycling):
         return [Choice("ar", 0) for _ in auto]
 
 
-def test_an_auto_sequence_running_ar_keeps_its_drafts_near(engine, ar_tokens):
-    """While ``auto`` runs a sequence AR, its drafts are sent the tokens they
-    missed every CATCH_UP_TOKENS tokens (a K = 0 propose, not waited for), so a
-    later switch into speculation does not pay for all of them at once."""
-    from saguaro_ray.engine.round_loop import CATCH_UP_TOKENS
+class ARThenSD(Cycling):
+    """AR for ``ar_first`` rounds, then SD with K = 2."""
 
-    catch_ups: list[int] = []  # the position each catch-up brought the draft to
+    def choose(self, auto, fixed=()):  # type: ignore[override]
+        self.rounds += 1
+        return [Choice("ar", 0) if self.rounds <= self.ar_first else Choice("sd", 2) for _ in auto]
+
+
+def _spy_catch_ups(engine) -> tuple[list[int], object]:
+    """Record the position each draft catch-up (a K = 0 propose) brings the draft to."""
+    catch_ups: list[int] = []
     draft = engine.workers["draft"].logic
     real_propose = draft.propose
 
@@ -199,13 +203,40 @@ def test_an_auto_sequence_running_ar_keeps_its_drafts_near(engine, ar_tokens):
             catch_ups.extend(st.start + len(st.new_tokens) for st in steps)
         return real_propose(steps, ks, *args, **kw)
 
-    engine.loop.assigner.policy, saved = AlwaysAR(), engine.loop.assigner.policy
     draft.propose = spying_propose
+    return catch_ups, real_propose
+
+
+def test_an_auto_sequence_running_ar_leaves_its_drafts_idle(engine, ar_tokens):
+    """While ``auto`` runs a sequence AR and never picks speculation, its
+    drafts are sent nothing: on a shared device they would slow every round."""
+    catch_ups, real_propose = _spy_catch_ups(engine)
+    engine.loop.assigner.policy, saved = AlwaysAR(), engine.loop.assigner.policy
     try:
         [r] = engine.generate([PROMPTS[1]], greedy(Strategy("auto")))
     finally:
         engine.loop.assigner.policy = saved
-        draft.propose = real_propose
+        engine.workers["draft"].logic.propose = real_propose
     assert r.token_ids == ar_tokens[1] and r.stats["strategy"] == {"ar": MAX_TOKENS - 1}
-    assert len(catch_ups) >= (MAX_TOKENS - 1) // CATCH_UP_TOKENS
-    assert all(b - a == CATCH_UP_TOKENS for a, b in zip(catch_ups, catch_ups[1:]))  # one every CATCH_UP_TOKENS tokens
+    assert catch_ups == []
+
+
+def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critical_path(engine, ar_tokens):
+    """The first pick of SD after CATCH_UP_TOKENS or more AR rounds sends the
+    drafts every token they missed (a K = 0 propose, not waited for) and runs
+    that round AR; the sequence speculates once they have taken it, exactly."""
+    from saguaro_ray.engine.round_loop import CATCH_UP_TOKENS
+
+    ar_rounds = CATCH_UP_TOKENS + 2
+    catch_ups, real_propose = _spy_catch_ups(engine)
+    engine.loop.assigner.policy, saved = ARThenSD(ar_first=ar_rounds), engine.loop.assigner.policy
+    try:
+        [r] = engine.generate([PROMPTS[1]], greedy(Strategy("auto", 2)))
+    finally:
+        engine.loop.assigner.policy = saved
+        engine.workers["draft"].logic.propose = real_propose
+    assert r.token_ids == ar_tokens[1]
+    # the drafts took the prompt at prefill: the first SD pick sends them the prefill's token and ar_rounds more
+    assert catch_ups and catch_ups[0] == len(PROMPTS[1]) + 1 + ar_rounds
+    assert r.stats["strategy"]["ar"] >= ar_rounds + 1  # the pick that sent the catch-up ran AR
+    assert r.stats["strategy"].get("sd", 0) > 0 and sum(r.stats["strategy"].values()) == r.stats["rounds"] - 1

@@ -96,7 +96,7 @@ def released(worker: str, fut: "Future[Timed]") -> None:
 
 
 def caught_up(worker: str, fut: "Future[Timed]") -> None:
-    """Report a draft catch-up that failed (see ``RoundLoop._keep_drafts_near``):
+    """Report a draft catch-up that failed (see ``RoundLoop.drafts_ready``):
     harmless — the next call the draft cannot serve is re-sent self-contained."""
     if fut.exception() is not None:
         log.info("catch-up on %s failed: %s", worker, fut.exception())

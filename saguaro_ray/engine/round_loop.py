@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 import torch
@@ -51,7 +52,7 @@ def local(p: Proposal) -> Proposal:
     return p if p.q is None or isinstance(p.q, torch.Tensor) else Proposal(p.tokens, None, p.source)
 
 
-CATCH_UP_TOKENS = 8  # an auto sequence's drafts are kept within this many tokens while it runs AR
+CATCH_UP_TOKENS = 8  # drafts this many tokens behind an auto sequence catch up before it speculates again
 
 
 class RoundLoop:
@@ -87,6 +88,7 @@ class RoundLoop:
         self.default_strategy = self.menu.filled(Strategy(spec.mode))  # the engine's checked when it was configured
         self.strategies = make_strategies(self)
         self.assigner = Assigner(self, policy)
+        self._catching_up: dict[int, list[Future[Any]]] = {}  # per sequence: its drafts' catch-up in flight
 
     # -------------------------------------------------------- draft health
     @property
@@ -249,31 +251,42 @@ class RoundLoop:
         if ssd:
             self.strategies["ssd"].ended(rec)
         self.assigner.observe(batch_order, rec)
-        self._keep_drafts_near(running)
         self.timeline.append(rec)
         return self._retire(running)
 
-    def _keep_drafts_near(self, seqs: list[SequenceState]) -> None:
-        """``auto`` sequences running AR: a draft that sits out rounds must take
-        every token it missed before it drafts again, and on a switch into
-        speculation that all lands on the critical path at once (measured on
-        the real model's int4 self-draft on CPU: ~1 s for eight sequences
-        after ~40 AR rounds, a 0.33x cell). So every :data:`CATCH_UP_TOKENS`
-        tokens the drafts are sent what they missed (a propose of K = 0),
-        without waiting: each draft runs it before anything asked of it later,
-        off the critical path (on its own device, or core)."""
+    def drafts_ready(self, seqs: Sequence[SequenceState]) -> set[int]:
+        """The ids among ``seqs`` (``auto`` sequences picked to speculate this
+        round) whose drafts can draft for them now without a catch-up on the
+        critical path.
+
+        A sequence that ran AR has drafts that missed its tokens; sent with
+        its next proposal they all land on the critical path at once (the real
+        model's int4 self-draft on CPU: ~1 s for eight sequences after ~40 AR
+        rounds, a 0.33x cell). So the drafts of a sequence that lags them by
+        :data:`CATCH_UP_TOKENS` or more are sent what they missed (a propose of
+        K = 0, not waited for) and the sequence runs AR until they have taken
+        it. Kept near every few tokens instead (the earlier design), the drafts
+        worked beside every AR round of batches that never speculate: on a
+        shared CPU those rounds' verification measured up to 1.3x slower."""
+        ready: set[int] = set()
+        lagging: list[SequenceState] = []
+        for s in seqs:
+            pending = self._catching_up.get(s.seq_id)
+            if pending is not None and not all(f.done() for f in pending):
+                continue
+            self._catching_up.pop(s.seq_id, None)
+            if len(s.all_ids) - s.fed.get("draft", len(s.all_ids)) < CATCH_UP_TOKENS:
+                ready.add(s.seq_id)
+            else:
+                lagging.append(s)
         ups = self.drafts.up()
-        lag = [
-            s
-            for s in seqs
-            if s.mode == "ar" and not s.finished and self.strategy_of(s).mode == "auto"
-            and len(s.all_ids) - s.fed.get("draft", len(s.all_ids)) >= CATCH_UP_TOKENS
-        ]
-        if not ups or not lag:
-            return
-        steps = [self.step(s, kind="draft") for s in lag]
-        for d in ups:
-            d.submit("propose", steps, [0] * len(steps)).add_done_callback(lambda f, name=d.name: caught_up(name, f))
+        if lagging and ups:
+            steps = [self.step(s, kind="draft") for s in lagging]
+            futures = [d.submit("propose", steps, [0] * len(steps)) for d in ups]
+            for d, f in zip(ups, futures):
+                f.add_done_callback(lambda f, name=d.name: caught_up(name, f))
+            self._catching_up.update((s.seq_id, futures) for s in lagging)
+        return ready
 
     def _propose(self, seqs: list[SequenceState], rec: RoundRecord) -> tuple[list[Proposal], list[tuple[str, float]]]:
         """The proposals of the sequences that draft before verification (AR,
@@ -319,6 +332,8 @@ class RoundLoop:
         ids = [s.seq_id for s in seqs]
         if not ids:
             return
+        for i in ids:
+            self._catching_up.pop(i, None)
         workers = [self.target, *self.drafts.up()] + ([self.qualifier] if self.qualifier is not None else [])
         for w in workers:
             w.submit("release", ids).add_done_callback(lambda f, name=w.name: released(name, f))
