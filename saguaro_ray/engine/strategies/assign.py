@@ -63,7 +63,7 @@ class Assigner:
             choices = self.policy.choose(views, fixed)  # type: ignore[union-attr]
             ready = loop.drafts_ready([s for s, v, c in zip(auto, views, choices) if c.mode != "ar" and c.mode in v.modes])
             for s, v, c in zip(auto, views, choices):
-                mode = c.mode if c.mode in v.modes and (c.mode == "ar" or s.seq_id in ready) else "ar"
+                mode = c.mode if s.seq_id in ready else "ar"  # ready: a drafting mode the sequence may run, drafts caught up
                 picks[s.seq_id] = (mode, 0 if mode == "ar" else max(1, min(c.k, loop.strategy_of(s).k or 1)))
         leaving = [s for s in running if s.mode == "ssd" and picks[s.seq_id][0] != "ssd"]
         if leaving:
