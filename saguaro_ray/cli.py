@@ -258,13 +258,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None)
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
+    p.add_argument("--markdown", default=None, help="write the cells as a Markdown table here (the README's Performance table)")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from saguaro_ray.bench.plan import parse_modes, sampling_settings, temperature_settings
     from saguaro_ray.bench.plot import plot, require_matplotlib
-    from saguaro_ray.bench.report import format_table
+    from saguaro_ray.bench.report import format_table, markdown_table
     from saguaro_ray.bench.run import BenchArgs, run_bench
 
     if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
@@ -317,6 +318,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown_table(report["results"]) + "\n")
     if args.plot:
         plot(report, args.plot)
     return 0

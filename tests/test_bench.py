@@ -17,11 +17,15 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "saguaro_ray.jobs.bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"),
          "--modes", "ar,sd:2,ssd,auto", "--prompts", "code", "--max-tokens", "8", "--batch-sizes", "1,2", "--temperatures", "0",
-         "--mixed", "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png)],
+         "--mixed", "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png),
+         "--markdown", str(tmp_path / "bench.md")],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out_json.read_text())
+    table = (tmp_path / "bench.md").read_text().splitlines()  # the README's table: a header, a rule, a row per cell
+    assert table[0] == "| batch, T | ar | sd:2 | ssd | auto | auto / best fixed | auto / AR | auto chose |"
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| 1, 0", "| 1, mixed 0/0.7", "| 2, 0", "| 2, mixed 0/0.7"]
     assert {"machine", "results", "step_costs_ms"} <= set(report)
     assert report["config"]["build_ahead"] is True  # in process too, as asked
     assert report["machine"]["cpu_count"] >= 1
@@ -286,7 +290,7 @@ def test_what_requests_ran_is_summed_from_their_stats():
 
 
 def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
-    from saguaro_ray.bench.report import auto_note, format_table, summarise
+    from saguaro_ray.bench.report import auto_note, format_table, markdown_table, summarise
 
     rounds = _rounds(4, 0.004, 0.003)
     runs = []
@@ -315,6 +319,11 @@ def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
     assert peer["best_fixed"] is None and peer["strategy"] is None and peer["mean_k"] is None
     table = format_table({"results": entries})
     assert "mix:0,0.7" in table and sum("best " in line for line in table.splitlines()) == 2
+    md = markdown_table(entries).splitlines()  # the README's: the peer joins its cell's row, the two-draft SSD is a row of its own
+    assert md[0] == "| num_drafts, batch, T | ar | sd:2 | ssd | auto | hf-ar | auto / best fixed | auto / AR | auto chose |"
+    assert md[2] == "| 1, 1, 0 | 300.0 | 420.0 | 390.0 | 410.0 | 999.0 | 0.41 (ssd/d2) | 1.37 | sd 75 %, ar 25 %, K 3.0 |"
+    assert md[3].startswith("| 1, 1, mixed 0/0.7 | 300.0 | 280.0 | 330.0 | 360.0 | – | 1.09 (ssd) | 1.20 |")
+    assert md[4] == "| 2, 1, 0 | – | – | 1000.0 | – | 999.0 | – | – | – |"
 
 
 def test_sampling_settings_are_cells_of_their_own(monkeypatch, capsys):

@@ -13,6 +13,7 @@ coordinator is reported, restarted, and re-attaches fresh workers.
 import math
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -82,6 +83,38 @@ def test_killing_the_draft_keeps_tokens_and_ssd_resumes(ray_instance, target, mo
         if mode == "ssd":
             assert again.stats["cache_hit_rate"] > 0.8
     finally:
+        handle.shutdown()
+
+
+def test_a_draft_too_busy_to_answer_the_liveness_probe_is_not_taken_for_dead(ray_instance, target):
+    """A stopped process (SIGSTOP: paused, swapped out, starved on a loaded
+    machine) answers nothing for longer than the 2 s liveness probe: slow, not
+    dead. Taken for dead, the draft had its calls failed and was dropped from
+    the engine while it lived on, and the releases of the sequences it held
+    stopped reaching it (their KV stayed held: the soak test's leak under two
+    test processes)."""
+    handle = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=SpeculationConfig(mode="ssd", k=3, budget=4)))
+    pid = handle.worker_info()["draft0"]["pid"]
+    resume = threading.Timer(4.0, os.kill, (pid, signal.SIGCONT))
+    try:
+        reference = handle.generate([PROMPT], PARAMS)[0].token_ids
+        tokens = []
+        for i, chunk in enumerate(handle.stream(PROMPT, PARAMS)):
+            tokens += chunk.token_ids
+            if i == 3:
+                os.kill(pid, signal.SIGSTOP)
+                resume.start()
+        assert tokens == reference
+        metrics = handle.metrics()
+        assert (metrics["draft_failures"], metrics["draft_up"]) == (0, True)
+        deadline = time.monotonic() + 30
+        while (info := handle.worker_info()["draft0"])["free_kv_blocks"] != info["kv_tokens"] // info["block_size"]:
+            assert time.monotonic() < deadline, f"the draft still holds sequences {info['held_sequences']}"
+            time.sleep(0.2)
+        assert info["pid"] == pid
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
         handle.shutdown()
 
 

@@ -511,12 +511,16 @@ def _ipc_dirs() -> set[str]:
 
 def test_shutdown_leaves_no_ipc_directory(ray_instance, ckpts, ar_tokens):
     """Every shutdown used to leave a private IPC dir per worker behind."""
+    from saguaro_ray.runtime.control.endpoints import _owner_pid
+
     before = _ipc_dirs()
     # encrypt=True: the engine key with its CURVE keypair travels through Ray (on one node
     # every socket is IPC, so nothing is encrypted; tests/test_control.py covers TCP)
     h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=SpeculationConfig(mode="sd", k=3), encrypt=True))
     try:
-        ours = _ipc_dirs() - before
+        pids = {ray.get(h.coordinator.__ray_call__.remote(lambda self: os.getpid()))} | {i["pid"] for i in h.worker_info().values()}
+        # this engine's (not those of engines another test process launches meanwhile)
+        ours = {d for d in _ipc_dirs() - before if _owner_pid(os.path.basename(d)) in pids}
         # a socket dir each for the target, the draft, the outcome broadcast and the data-plane store
         assert len(ours) >= 4, ours
         assert tokens(bounded(h.generate, PROMPTS[:2], GREEDY)) == [ar_tokens[tuple(p)] for p in PROMPTS[:2]]

@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import pytest
+import ray
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
-from saguaro_ray.runtime.control.endpoints import _IPC_PREFIX, _ipc_dir_root
+from saguaro_ray.runtime.control.endpoints import _IPC_PREFIX, _ipc_dir_root, _owner_pid
 
 TEMPERATURES = (0.0, 0.5, 0.8, 1.0)
 SETTLE_S = 60.0  # releases and discards run after a request returns: how long they may take
@@ -57,13 +58,22 @@ def _state(handle: Any) -> dict[str, dict[str, int]]:
             "free_kv_blocks": info["free_kv_blocks"],
             "all_kv_blocks": info["kv_tokens"] // info["block_size"],
             "pending": plane["pending_sends"] + plane["pending_recvs"],
+            "held": info["held_sequences"],  # which sequences a leak holds
         }
     return out
 
 
-def _ipc_dirs() -> set[str]:
+def _pids(handle: Any) -> set[int]:
+    """The engine's processes: its coordinator and its workers."""
+    coordinator = ray.get(handle.coordinator.__ray_call__.remote(lambda self: os.getpid()))
+    return {coordinator, *(info["pid"] for info in handle.worker_info().values())}
+
+
+def _ipc_dirs(pids: set[int]) -> set[str]:
+    """The IPC socket directories ``pids`` made (not those of engines that
+    other test processes run beside this one)."""
     root = _ipc_dir_root()
-    return {d for d in os.listdir(root) if d.startswith(_IPC_PREFIX)}
+    return {d for d in os.listdir(root) if d.startswith(_IPC_PREFIX) and _owner_pid(d) in pids}
 
 
 def _settled(handle: Any, ok: Callable[[dict[str, dict[str, int]]], bool]) -> dict[str, dict[str, int]]:
@@ -119,7 +129,8 @@ def test_soak_mixed_modes_and_temperatures_leave_workers_as_they_were(ray_instan
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda job: _run(engines[job[0]], *job[1], stream=False), [(m, r) for m, rs in warm.items() for r in rs]))
             base = {mode: _settled(h, _quiet) for mode, h in engines.items()}
-            dirs = _ipc_dirs()
+            ours = set().union(*(_pids(h) for h in engines.values()))
+            dirs = _ipc_dirs(ours)
             jobs = [(m, r, i % 3 == 0) for m, rs in load.items() for i, r in enumerate(rs + greedy)]
             random.Random(0).shuffle(jobs)
             outs = list(pool.map(lambda job: _run(engines[job[0]], *job[1], stream=job[2]), jobs))
@@ -136,7 +147,9 @@ def test_soak_mixed_modes_and_temperatures_leave_workers_as_they_were(ray_instan
                 assert w["free_kv_blocks"] == w["all_kv_blocks"], where
                 assert w["threads"] <= b["threads"], where
                 assert w["rss"] <= b["rss"] * 1.25 + (64 << 20), where  # allocator noise, not growth per request
-        assert _ipc_dirs() <= dirs  # no socket directory per request or per round
+        assert _ipc_dirs(ours) <= dirs  # no socket directory per request or per round
+        # nobody was taken for dead under the load (a lost draft stops getting releases)
+        assert {mode: h.metrics()["draft_failures"] for mode, h in engines.items()} == {"ssd": 0, "sd": 0, "ar": 0}
     finally:
         for h in engines.values():
             h.shutdown()

@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from saguaro_ray.bench.plan import base_mode
+from saguaro_ray.bench.plan import PEER_MODES, base_mode
 from saguaro_ray.engine.timeline import round_components
 
 
@@ -260,3 +260,55 @@ def auto_note(e: dict[str, Any]) -> str:
     if e["mean_k"] is not None:
         parts.append(f"mean K {e['mean_k']:.1f}")
     return "; ".join(parts)
+
+
+def _temperature_label(t: float | str) -> str:
+    """``0.0`` → ``0``; a mixed cell (``mix:0,0.7``) → ``mixed 0/0.7``."""
+    if isinstance(t, str):
+        return "mixed " + "/".join(t.split(":", 1)[-1].split(","))
+    return format(t, "g")
+
+
+def markdown_table(results: Sequence[dict[str, Any]]) -> str:
+    """The report's cells as the README's Markdown table: one row per cell
+    (batch size, temperature — and runtime, drafts, sampling where a run
+    varies them), one tok/s column per mode in the order the run had them
+    (``–``: not run in that cell), then an ``auto`` row's comparison with the
+    cell's best fixed mode and AR and what it chose. ``results`` may join
+    several runs' (``report["results"]`` of each)."""
+    modes = list(dict.fromkeys(e["mode"] for e in results))
+    ours = [e for e in results if e["mode"] not in PEER_MODES]
+    varying = [k for k in ("runtime", "num_drafts", "sampling") if len({str(e.get(k)) for e in ours}) > 1]
+    cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for e in ours:
+        key = (*(str(e.get(k)) for k in varying), e["batch_size"], _temperature_label(e["temperature"]))
+        cells.setdefault(key, {})[e["mode"]] = e
+    for e in results:  # a peer (its own runtime) joins every row of its batch size and temperature
+        if e["mode"] in PEER_MODES:
+            cell = (e["batch_size"], _temperature_label(e["temperature"]))
+            for row in [r for k, r in cells.items() if k[-2:] == cell] or [cells.setdefault(("–",) * len(varying) + cell, {})]:
+                row[e["mode"]] = e
+    has_auto = any(base_mode(m) == "auto" for m in modes)
+    head = [", ".join([*varying, "batch", "T"]), *modes] + (["auto / best fixed", "auto / AR", "auto chose"] if has_auto else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, row in cells.items():
+        out = [", ".join(str(k) for k in key)] + [f"{row[m]['tokens_per_s']:.1f}" if m in row else "–" for m in modes]
+        auto = next((e for m, e in row.items() if base_mode(m) == "auto"), None)
+        if has_auto:
+            out += _auto_cells(auto)
+        lines.append("| " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def _auto_cells(e: dict[str, Any] | None) -> list[str]:
+    """``0.98 (sd:6)``, ``1.83``, ``sd 83 %, ssd 13 %, ar 4 %, K 7.1`` for an ``auto`` row (dashes without one)."""
+    if e is None:
+        return ["–", "–", "–"]
+    vs_best = "–" if e["auto_vs_best"] is None else f"{e['auto_vs_best']:.2f} ({e['best_fixed']})"
+    vs_ar = "–" if e["auto_vs_ar"] is None else f"{e['auto_vs_ar']:.2f}"
+    counts = e["strategy"] or {}
+    total = sum(counts.values())
+    chose = [f"{m} {n / total:.0%}".replace("%", " %") for m, n in sorted(counts.items(), key=lambda kv: -kv[1])] if total else []
+    if e["mean_k"] is not None:
+        chose.append(f"K {e['mean_k']:.1f}")
+    return [vs_best, vs_ar, ", ".join(chose) or "–"]

@@ -146,6 +146,7 @@ class WorkerActor:
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,
             "block_size": self.logic.runner.kv.block_size,
             "free_kv_blocks": self.logic.runner.kv.free_blocks,
+            "held_sequences": sorted(self.logic.runner.kv.seqs),  # a leak names the sequences it holds
             "dropped_frames": self.server.dropped_frames,
             "drop_reasons": self.server.drop_reasons,
             "broadcast_calls": self.server.stats()["broadcast_calls"],

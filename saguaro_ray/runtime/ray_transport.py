@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import ray
 
@@ -47,6 +47,26 @@ def actor_info(actor: Any, timeout_s: float = 60.0) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise ray.exceptions.GetTimeoutError(f"actor unavailable for {timeout_s:.0f} s") from None
             time.sleep(0.2)
+
+
+def same_processes(actors: Sequence[Any], pids: Sequence[int], timeout_s: float) -> bool:
+    """Is every actor still running the process we know (``pids[i]``)?
+
+    Only a definite answer says no: Ray reports an actor dead or restarting
+    (unavailable), or it answers from another process. An answer that takes
+    longer than ``timeout_s`` says nothing — a worker busy on a loaded
+    machine is slow, not dead, and the next check asks again. (Taken for
+    dead, a slow draft had its calls failed and was dropped from the engine
+    while its process lived on, holding the KV of the sequences whose
+    releases no longer reached it; a slow sharded target was killed and
+    restarted. The soak test caught it under two test processes.)"""
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return True
+    except ray.exceptions.RayActorError:  # died, or unavailable while Ray restarts it
+        return False
+    return [i["pid"] for i in infos] == list(pids)
 
 
 class RayWorkerHandle:
@@ -163,11 +183,7 @@ class RayWorkerHandle:
 
     def _alive(self) -> bool:
         """Is the very process we talk to still up? (False while Ray restarts it.)"""
-        try:
-            info = ray.get(self.actor.info.remote(), timeout=max(2.0, 4 * self._check_interval_s))
-        except Exception:
-            return False
-        return info["pid"] == self._pid
+        return same_processes([self.actor], [self._pid], max(2.0, 4 * self._check_interval_s))
 
     def _watch(self) -> None:
         while not self._closed.wait(self._check_interval_s):

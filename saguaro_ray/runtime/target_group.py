@@ -28,7 +28,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from saguaro_ray.engine.transport import WorkerGone
-from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info
+from saguaro_ray.runtime.ray_transport import RayWorkerHandle, actor_info, same_processes
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,6 @@ class TargetGroup:
         """Rank 0's info (the worker the coordinator sees) plus every rank's."""
         infos = self.infos(timeout_s)
         return {**infos[0], "ranks": infos}
-
-    def pids(self, timeout_s: float = 10.0) -> list[int] | None:
-        """Every rank's current pid, or None when any rank does not answer."""
-        try:
-            return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)]
-        except Exception:
-            return None
 
     def restart(self, old_pids: list[int], deadline: float, name: str = "target") -> list[int]:
         """Bring every rank up in a fresh process and re-form the group
@@ -130,7 +123,7 @@ class TargetGroupHandle(RayWorkerHandle):
         return list(self._pids)
 
     def _alive(self) -> bool:
-        return self.group.pids(timeout_s=max(2.0, 4 * self._check_interval_s)) == self._pids
+        return same_processes(self.group.actors, self._pids, max(2.0, 4 * self._check_interval_s))
 
     def recover(self) -> None:
         deadline = time.monotonic() + self._recover_timeout_s
