@@ -45,7 +45,7 @@ def test_every_yaml_in_deploy_loads():
     files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
     names = {str(f.relative_to(DEPLOY)) for f in files}
     assert {
-        "serve/zoo-cpu.yaml", "serve/llama-3.1-70b.yaml", "serve/qwen3-32b.yaml",
+        "serve/zoo-cpu.yaml", "serve/smollm2-cpu.yaml", "serve/llama-3.1-70b.yaml", "serve/qwen3-32b.yaml",
         "cluster/aws-gpu.yaml", "kuberay/raycluster.yaml", "kuberay/rayservice.yaml", "jobs/generate-rayjob.yaml",
     } <= names  # fmt: skip
     for f in files:
@@ -88,11 +88,15 @@ def test_serve_configs_validate(path):
             assert cfg.api_keys_env in path.read_text()
 
 
-def test_zoo_cpu_config_fits_two_cores():
+@pytest.mark.parametrize(
+    "name, target, draft",
+    [("zoo-cpu", "zoo:tiny/target", "zoo:tiny/draft"), ("smollm2-cpu", "real:smollm2-135m-instruct", "self:int4")],
+)
+def test_cpu_configs_fit_two_cores(name, target, draft):
     """`serve run` starts Ray with one logical CPU per core: the replica and the
     engine's placement group must fit in 2 CPUs together."""
-    [(_, cfg)] = check_serve_config(load(DEPLOY / "serve" / "zoo-cpu.yaml"), "zoo-cpu")
-    assert cfg.target == "zoo:tiny/target" and cfg.draft == "zoo:tiny/draft"
+    [(_, cfg)] = check_serve_config(load(DEPLOY / "serve" / f"{name}.yaml"), name)
+    assert cfg.target == target and cfg.draft == draft
     ec = cfg.engine_config()
     assert ec.device == "cpu"
     total = cfg.num_replicas * (cfg.ray_actor_options.get("num_cpus", 1) + ec.coordinator_cpus + ec.worker_cpus * ec.num_worker_actors)

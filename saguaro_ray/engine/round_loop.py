@@ -89,6 +89,7 @@ class RoundLoop:
         self.strategies = make_strategies(self)
         self.assigner = Assigner(self, policy)
         self._catching_up: dict[int, list[Future[Any]]] = {}  # per sequence: its drafts' catch-up in flight
+        self.catch_ups = 0  # catch-ups sent, one per sequence (engine metrics)
 
     # -------------------------------------------------------- draft health
     @property
@@ -159,7 +160,8 @@ class RoundLoop:
     def emit(self, running: list[SequenceState], proposals: Sequence[Proposal], outcomes: Sequence[Outcome], rec: RoundRecord) -> None:
         """Append each outcome's tokens to its sequence's history (the one place the history grows)."""
         for s, prop, out in zip(running, proposals, outcomes):
-            s.emit(out.emitted(prop), self.eos_ids, out.logprobs)
+            kept = s.emit(out.emitted(prop), self.eos_ids, out.logprobs)
+            s.unseen_by_drafts = s.unseen_by_drafts + len(kept) if s.mode == "ar" else 0
             s.rounds += 1
             s.accepted_total += out.accepted
             s.spec_rounds += int(out.proposed > 0)
@@ -262,12 +264,14 @@ class RoundLoop:
         A sequence that ran AR has drafts that missed its tokens; sent with
         its next proposal they all land on the critical path at once (the real
         model's int4 self-draft on CPU: ~1 s for eight sequences after ~40 AR
-        rounds, a 0.33x cell). So the drafts of a sequence that lags them by
-        :data:`CATCH_UP_TOKENS` or more are sent what they missed (a propose of
-        K = 0, not waited for) and the sequence runs AR until they have taken
-        it. Kept near every few tokens instead (the earlier design), the drafts
-        worked beside every AR round of batches that never speculate: on a
-        shared CPU those rounds' verification measured up to 1.3x slower."""
+        rounds, a 0.33x cell). So the drafts of a sequence that emitted
+        :data:`CATCH_UP_TOKENS` or more tokens in AR rounds since they last
+        took part are sent what they missed (a propose of K = 0, not waited
+        for) and the sequence runs AR until they have taken it. Kept near every
+        few tokens instead (the earlier design), the drafts worked beside every
+        AR round of batches that never speculate: on a shared CPU those rounds'
+        verification measured up to 1.3x slower. (The tokens of a round that
+        drafted are no lag: the drafts hold what they drafted.)"""
         ready: set[int] = set()
         lagging: list[SequenceState] = []
         for s in seqs:
@@ -275,12 +279,15 @@ class RoundLoop:
             if pending is not None and not all(f.done() for f in pending):
                 continue
             self._catching_up.pop(s.seq_id, None)
-            if len(s.all_ids) - s.fed.get("draft", len(s.all_ids)) < CATCH_UP_TOKENS:
+            if s.unseen_by_drafts < CATCH_UP_TOKENS:
                 ready.add(s.seq_id)
             else:
                 lagging.append(s)
         ups = self.drafts.up()
         if lagging and ups:
+            for s in lagging:
+                s.unseen_by_drafts = 0  # the catch-up's step carries every token up to the last
+            self.catch_ups += len(lagging)
             steps = [self.step(s, kind="draft") for s in lagging]
             futures = [d.submit("propose", steps, [0] * len(steps)) for d in ups]
             for d, f in zip(ups, futures):

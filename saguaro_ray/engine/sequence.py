@@ -39,6 +39,9 @@ class SequenceState:
     # per worker kind: the tokens it holds at least, as of the last step sent to it (a draft
     # that sat out rounds catches up from there; see RoundLoop.step)
     fed: dict[str, int] = field(default_factory=dict)
+    # tokens emitted in AR rounds since the drafts last took part (a round that drafted, the
+    # prefill, a catch-up): what they miss — the tokens they drafted themselves they hold
+    unseen_by_drafts: int = 0
     # the target's logprobs of output_ids, entry for entry (None: the params ask for none)
     logprobs: list[TokenLogprobs] | None = None
 

@@ -365,6 +365,7 @@ class CoordinatorActor:
             "draft_failures": self.loop.draft_failures,
             "draft_up": self.loop.draft_up,
             "drafts_up": len(self.loop.drafts.up()),
+            "draft_catch_ups": self.loop.catch_ups,  # auto sequences whose drafts were sent the tokens they missed
             "rounds": len(self.loop.timeline),
             "strategies": self.loop.assigner.metrics(),
             "queued": self.scheduler.queued,
