@@ -75,8 +75,10 @@ def test_every_workers_history_follows_its_kv(engine):
     assert {role for role, *_ in engine.released} == set(engine.workers)  # every worker released sequences it held
     bad = [(role, s, len(h), kv) for role, s, h, kv in engine.released if len(h) != kv]
     assert not bad, f"history length != KV length (role, seq, history, kv): {bad}"
-    # and the ids are the sequence's: all but the last round's tokens (at most K + 1) are
-    # committed; a worker that sat out rounds (the qualifier beside SD) holds a shorter prefix
+    # and the ids are the sequence's: all but the last round's tokens (at most K + 1, K up to
+    # the largest an auto sequence may run) are committed; a worker that sat out rounds (the
+    # qualifier beside SD) holds a shorter prefix
+    last = engine.loop.spec.k_max + 1
     truth = [p + r.token_ids for p, r in zip(PROMPTS, results)]
     for role, s, h, _ in engine.released:
-        assert any(h[: len(t) - 4] == t[: min(len(h), len(t) - 4)] for t in truth), f"{role} holds {h} for sequence {s}"
+        assert any(h[: len(t) - last] == t[: min(len(h), len(t) - last)] for t in truth), f"{role} holds {h} for sequence {s}"
