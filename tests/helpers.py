@@ -186,3 +186,15 @@ def perturbed_checkpoint(src: Path, dst: Path, scale: float, seed: int) -> Path:
     }
     save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def coordinator_pid(handle: Any, timeout_s: float = 60.0) -> int:
+    """The process of a Ray engine's coordinator actor."""
+    import ray
+
+    return ray.get(handle.coordinator.__ray_call__.remote(lambda self: os.getpid()), timeout=timeout_s)
+
+
+def engine_pids(handle: Any) -> set[int]:
+    """A Ray engine's processes: its coordinator and its workers."""
+    return {coordinator_pid(handle), *(info["pid"] for info in handle.worker_info().values())}

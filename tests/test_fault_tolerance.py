@@ -19,7 +19,7 @@ import time
 import pytest
 import ray
 
-from helpers import save_tiny_checkpoint
+from helpers import coordinator_pid, save_tiny_checkpoint
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import ConfigError
@@ -206,10 +206,6 @@ def test_a_worker_dying_at_launch_past_its_budget_fails_the_launch_naming_it(ray
     assert not (exit_once / "draft0").exists()
 
 
-def _coordinator_pid(handle) -> int:
-    return ray.get(handle.coordinator.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-
-
 def _wait_for_coordinator(handle, timeout_s: float = 180) -> None:
     """Until the restarted coordinator answers (meanwhile calls fail with WorkerGone: it is restarting)."""
     deadline = time.monotonic() + timeout_s
@@ -232,7 +228,7 @@ def test_a_lost_coordinator_is_reported_restarted_and_serves_with_fresh_workers(
     try:
         reference = handle.generate([PROMPT], PARAMS)[0].token_ids
         pids = {role: info["pid"] for role, info in handle.worker_info().items()}
-        coordinator = _coordinator_pid(handle)
+        coordinator = coordinator_pid(handle)
         with pytest.raises(WorkerGone, match="coordinator"):
             for i, _ in enumerate(handle.stream(PROMPT, PARAMS)):
                 if i == 2:
@@ -240,11 +236,11 @@ def test_a_lost_coordinator_is_reported_restarted_and_serves_with_fresh_workers(
         _wait_for_coordinator(handle)
         again = handle.generate([PROMPT], PARAMS)[0]
         assert again.token_ids == reference
-        assert _coordinator_pid(handle) != coordinator
+        assert coordinator_pid(handle) != coordinator
         info = handle.worker_info()
         assert all(info[role]["pid"] != pid for role, pid in pids.items())  # fresh workers, re-attached
         assert info["target"]["free_kv_blocks"] == info["target"]["kv_tokens"] // info["target"]["block_size"]
-        os.kill(_coordinator_pid(handle), signal.SIGKILL)  # its one restart is spent
+        os.kill(coordinator_pid(handle), signal.SIGKILL)  # its one restart is spent
         with pytest.raises(WorkerGone, match="coordinator"):
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # until Ray has noticed the death

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import ray
 import zmq
-from helpers import save_tiny_checkpoint
+from helpers import engine_pids, save_tiny_checkpoint
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig, connect
 from saguaro_ray.engine import LocalEngine
@@ -518,8 +518,7 @@ def test_shutdown_leaves_no_ipc_directory(ray_instance, ckpts, ar_tokens):
     # every socket is IPC, so nothing is encrypted; tests/test_control.py covers TCP)
     h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=SpeculationConfig(mode="sd", k=3), encrypt=True))
     try:
-        pids = {ray.get(h.coordinator.__ray_call__.remote(lambda self: os.getpid()))} | {i["pid"] for i in h.worker_info().values()}
-        # this engine's (not those of engines another test process launches meanwhile)
+        pids = engine_pids(h)  # this engine's (not those of engines another test process launches meanwhile)
         ours = {d for d in _ipc_dirs() - before if _owner_pid(os.path.basename(d)) in pids}
         # a socket dir each for the target, the draft, the outcome broadcast and the data-plane store
         assert len(ours) >= 4, ours

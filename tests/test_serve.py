@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import save_tiny_checkpoint
+from helpers import coordinator_pid, save_tiny_checkpoint
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import ConfigError
@@ -591,9 +591,7 @@ HELD_BODY = {"model": "held", "prompt": PROMPT, "max_tokens": 4, "temperature": 
 @contextmanager
 def coordinator_stopped(h: Any) -> Iterator[None]:
     """The engine's coordinator process frozen: every request to it waits."""
-    import ray
-
-    pid = ray.get(h.coordinator.__ray_call__.remote(lambda self: os.getpid()), timeout=TIMEOUT_S)
+    pid = coordinator_pid(h, TIMEOUT_S)
     os.kill(pid, signal.SIGSTOP)
     try:
         yield

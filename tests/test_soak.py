@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import pytest
-import ray
+from helpers import engine_pids
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 from saguaro_ray.runtime.control.endpoints import _IPC_PREFIX, _ipc_dir_root, _owner_pid
@@ -61,12 +61,6 @@ def _state(handle: Any) -> dict[str, dict[str, int]]:
             "held": info["held_sequences"],  # which sequences a leak holds
         }
     return out
-
-
-def _pids(handle: Any) -> set[int]:
-    """The engine's processes: its coordinator and its workers."""
-    coordinator = ray.get(handle.coordinator.__ray_call__.remote(lambda self: os.getpid()))
-    return {coordinator, *(info["pid"] for info in handle.worker_info().values())}
 
 
 def _ipc_dirs(pids: set[int]) -> set[str]:
@@ -129,7 +123,7 @@ def test_soak_mixed_modes_and_temperatures_leave_workers_as_they_were(ray_instan
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda job: _run(engines[job[0]], *job[1], stream=False), [(m, r) for m, rs in warm.items() for r in rs]))
             base = {mode: _settled(h, _quiet) for mode, h in engines.items()}
-            ours = set().union(*(_pids(h) for h in engines.values()))
+            ours = set().union(*(engine_pids(h) for h in engines.values()))
             dirs = _ipc_dirs(ours)
             jobs = [(m, r, i % 3 == 0) for m, rs in load.items() for i, r in enumerate(rs + greedy)]
             random.Random(0).shuffle(jobs)

@@ -250,13 +250,18 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shares(e: dict[str, Any]) -> list[tuple[str, float]]:
+    """What a row's requests ran: (mode, share of its sequence-rounds), most run first."""
+    counts = e["strategy"] or {}
+    total = sum(counts.values())
+    return [(m, n / total) for m, n in sorted(counts.items(), key=lambda kv: -kv[1])] if total else []
+
+
 def auto_note(e: dict[str, Any]) -> str:
     """An ``auto`` row's comparison and choices: ``best sd:4 1.02x; chose ar 10%, sd 90%; mean K 3.1``."""
     parts = [f"best {e['best_fixed']} {e['auto_vs_best']:.2f}x" if e["auto_vs_best"] is not None else "best -"]
-    counts = e["strategy"] or {}
-    total = sum(counts.values())
-    if total:
-        parts.append("chose " + ", ".join(f"{m} {n / total:.0%}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+    if shares := _shares(e):
+        parts.append("chose " + ", ".join(f"{m} {f:.0%}" for m, f in shares))
     if e["mean_k"] is not None:
         parts.append(f"mean K {e['mean_k']:.1f}")
     return "; ".join(parts)
@@ -306,9 +311,7 @@ def _auto_cells(e: dict[str, Any] | None) -> list[str]:
         return ["–", "–", "–"]
     vs_best = "–" if e["auto_vs_best"] is None else f"{e['auto_vs_best']:.2f} ({e['best_fixed']})"
     vs_ar = "–" if e["auto_vs_ar"] is None else f"{e['auto_vs_ar']:.2f}"
-    counts = e["strategy"] or {}
-    total = sum(counts.values())
-    chose = [f"{m} {n / total:.0%}".replace("%", " %") for m, n in sorted(counts.items(), key=lambda kv: -kv[1])] if total else []
+    chose = [f"{m} {f:.0%}".replace("%", " %") for m, f in _shares(e)]
     if e["mean_k"] is not None:
         chose.append(f"K {e['mean_k']:.1f}")
     return [vs_best, vs_ar, ", ".join(chose) or "–"]
