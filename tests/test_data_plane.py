@@ -458,6 +458,20 @@ def test_survivors_rebuild_after_a_member_is_killed(agents: Agents, store: DataP
     [(lost, took)] = agents.result(0)
     assert isinstance(lost, TransferLost) and "gone" in str(lost) and took < 5.0
     assert isinstance(agents.call(0, job_send_to_dead, g, 2), TransferLost)
+    # what a surviving draft shares after that loses nothing for the living and
+    # does not fail: a hit's KV delta goes to rank 1 only, q rows for the dead
+    # verifier ride the frame
+    frame = agents.call(0, job_send_kv, g, 5, 2, 3, [1, 2], torch.float32)
+    ref, ext = FrameCodec(KEY).decode(frame)
+    assert [d for d, _ in ref.tags] == [1] and [d for d, _ in ext.kv.tags] == [1]
+    kv, ext_kv = agents.call(1, job_recv_kv, g, frame)
+    assert all(torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(kv, make_kv(5, 2, 3, torch.float32)))
+    assert len(ext_kv) == 2
+    with pytest.raises(TransferLost, match="not sent to rank 2"):  # if rank 2's successor were ever handed it
+        ref.tag_for(2)
+    offloaded, _ = agents.call(0, job_offload, g, [41, 42, 43], 2)
+    reply = FrameCodec(KEY).decode(offloaded)
+    assert all(isinstance(p.q, torch.Tensor) for p, _ in reply.value["pairs"] if p is not None)
     agents.all({0: (job_abandon, g), 1: (job_abandon, g)})
     agents.start(2)  # the restarted worker
     g2 = next(_GEN)

@@ -9,13 +9,17 @@ that every receiver can be handed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from saguaro_ray.errors import TransferLost
 from saguaro_ray.runtime.data_plane.dtypes import dtype_name
 from saguaro_ray.runtime.data_plane.group import DataPlane
 from saguaro_ray.runtime.data_plane.refs import KVDeltaRef, Resolver
+
+log = logging.getLogger(__name__)
 
 
 def pack_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -36,11 +40,21 @@ def unpack_kv(packed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def send_kv(plane: DataPlane, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], dsts: Iterable[int]) -> KVDeltaRef:
     """Send a KV delta to every rank in ``dsts``; returns its descriptor (one
-    for all receivers). Never blocks."""
+    for all receivers). Never blocks.
+
+    A peer that is already gone (its socket closed: killed, restarting) is
+    left out rather than failing the call that shares the delta — the
+    delta is an optimisation for the peers, and one whose rank is not in the
+    descriptor gets :class:`TransferLost` if it ever asks for it, so its
+    call is re-sent self-contained."""
     packed = pack_kv(kv)
-    dsts = list(dict.fromkeys(dsts))
-    tags = tuple((d, plane.send(packed, d)) for d in dsts) if packed.numel() else ()
-    return KVDeltaRef(plane.rank, tags, tuple(packed.shape), dtype_name(packed.dtype), plane.generation)
+    tags: list[tuple[int, int]] = []
+    for d in dict.fromkeys(dsts) if packed.numel() else ():
+        try:
+            tags.append((d, plane.send(packed, d)))
+        except TransferLost as e:
+            log.info("KV delta not shared with rank %d: %s", d, e)
+    return KVDeltaRef(plane.rank, tuple(tags), tuple(packed.shape), dtype_name(packed.dtype), plane.generation)
 
 
 def recv_kv(plane: DataPlane, ref: KVDeltaRef, timeout_s: float) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -137,7 +137,8 @@ class KVDeltaRef:
         for d, tag in self.tags:
             if d == dst:
                 return tag
-        raise DataPlaneError(f"KV delta from rank {self.src} was not sent to rank {dst} (sent to {[d for d, _ in self.tags]})")
+        # its sender left this rank out: it was unreachable then (see send_kv)
+        raise TransferLost.for_transfer(self.src, -1, f"this KV delta was not sent to rank {dst} (sent to {[d for d, _ in self.tags]})")
 
 
 wire.register(TensorRef)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from saguaro_ray.errors import TransferLost
 from saguaro_ray.runtime.data_plane.dtypes import dtype_name
 from saguaro_ray.runtime.data_plane.group import DataPlane
 from saguaro_ray.runtime.data_plane.kv_pack import send_kv, unpack_kv
@@ -79,7 +80,10 @@ def offload_q(value: Any, plane: DataPlane, dst: int) -> Any:
     refs: dict[int, TensorRef] = {}
     for (dt, width), members in groups.items():
         total = sum(int(p.q.shape[0]) for p in members)
-        tag = plane.send(torch.cat([p.q.detach() for p in members]), dst) if total else 0
+        try:
+            tag = plane.send(torch.cat([p.q.detach() for p in members]), dst) if total else 0
+        except TransferLost:  # ``dst`` is gone (restarting): the rows ride the frame, whoever verifies them next
+            continue
         start = 0
         for p in members:
             n = int(p.q.shape[0])
