@@ -81,6 +81,11 @@ def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
     assert r.guess == ngram_guess(s.all_ids, 1) and ssd_protocol.resolve(plan, step, tokens, 3, 4) is None
     hit = ssd_protocol.next_build_item(plan, step, tokens, 1, 4, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
     assert hit == BuildItem(r.step, Proposal([7], None, ProposalSource.CACHE), [2, 1], 1, 0.5)
+    # a hit shorter than the plan's K (built before the policy raised it): the plan's fan-out is
+    # over outcomes it does not have, so it is not the build item (the round loop builds afresh)
+    at_0 = ssd_protocol.resolve(plan, step, tokens, 0, 4)
+    assert at_0.k == 2 and len(at_0.after_hit) == 3
+    assert ssd_protocol.next_build_item(plan, step, tokens, 0, 4, Proposal([7], torch.ones(1, 4), ProposalSource.CACHE)) is None
     guess = ssd_protocol.miss_backup(r)
     assert guess == Proposal(r.guess, None, ProposalSource.FAST)
     assert ssd_protocol.next_build_item(plan, step, tokens, 1, 4, guess) == BuildItem(r.step, guess, [4, 0], 1, 0.5)

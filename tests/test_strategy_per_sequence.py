@@ -277,3 +277,32 @@ def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critic
     assert catch_ups and catch_ups[0] == len(PROMPTS[1]) + 1 + ar_rounds
     assert r.stats["strategy"]["ar"] == ar_rounds + 1  # the pick that sent the catch-up ran AR, then SD ran
     assert r.stats["strategy"].get("sd", 0) > 0 and sum(r.stats["strategy"].values()) == r.stats["rounds"] - 1
+
+
+class SSDCyclingK(Cycling):
+    """SSD every round, K going 3, 1, 4, 2, 3, 1, ... (down as often as up)."""
+
+    def choose(self, auto, fixed=()):  # type: ignore[override]
+        self.rounds += 1
+        return [Choice("ssd", (3, 1, 4, 2)[self.rounds % 4]) for _ in auto]
+
+
+def test_an_ssd_sequence_whose_k_changes_is_built_for_what_is_verified(models, ar_tokens):
+    """The speculation a lookup serves was built for the K its round planned;
+    when ``auto`` verifies fewer of its tokens, the next build must branch
+    off the tokens verified, not the ones planned. (Built for the planned
+    ones, the likeliest outcome — all K accepted, then the speculation's own
+    next token — is not in the tree: on the real model at batch 8 every
+    lookup after a K decrease missed.) The draft is the target, so at T = 0
+    every outcome is the one the tree covers first: every lookup hits."""
+    eng = LocalEngine(EngineConfig(target=str(models["target"]), draft=str(models["target"]), threads_per_worker=1))
+    eng.loop.assigner.policy = SSDCyclingK()
+    try:
+        [r] = eng.generate([PROMPTS[1]], greedy(Strategy("auto", 4)))
+        rounds = [rec for rec in eng.timeline if not rec.prefill and rec.hits + rec.misses]
+    finally:
+        eng.close()
+    assert r.token_ids == ar_tokens[1]
+    assert r.stats["strategy"] == {"ssd": r.stats["rounds"] - 1}
+    assert len({p for rec in rounds for p in rec.proposed}) >= 2  # what was verified changed length
+    assert rounds and sum(rec.misses for rec in rounds) == 0, [(rec.proposed, rec.hits, rec.misses) for rec in rounds]

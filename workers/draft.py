@@ -436,10 +436,11 @@ class DraftLogic(RunnerLogic):
             self._serve_backups(out, resolved)
             served = [r.proposal or r.backup for r in out]
             if not share_kv and all(p is not None for p in served) and all(r is not None for r in resolved):
-                self._next_build = [
+                items = [
                     ssd_protocol.next_build_item(p, it.step, it.proposal.tokens, k, t, x)  # type: ignore[arg-type, union-attr]
                     for p, it, (_, k, t), x in zip(plans, built, keys, served)
                 ]
+                self._next_build = items if all(i is not None for i in items) else None  # else the round loop's build call
         return out
 
     def _serve_backups(self, out: list[LookupResult], plans: Sequence[ssd_protocol.Resolved | None]) -> None:

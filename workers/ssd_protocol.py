@@ -97,7 +97,11 @@ def next_build_item(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: in
     """The only draft's build item for a sequence in the round after ``plan``'s
     lookup, whose outcome was (k, t) and whose next proposal is ``proposal``:
     a hit clipped to the next K with the fan-out after a hit, else the plan's
-    backup with the fan-out after it (None: the plan does not cover k)."""
+    backup with the fan-out after it (None: the plan does not cover k, or
+    its fan-out is for another length than the proposal's — a hit built
+    before the policy changed K is shorter or longer than the plan assumed,
+    and a fan-out over outcomes it does not have builds nothing a lookup
+    can hit)."""
     r = resolve(plan, step, tokens, k, t)
     if r is None:
         return None
@@ -105,6 +109,8 @@ def next_build_item(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: in
         tokens, fanout = proposal.tokens[: r.k], r.after_hit
     else:
         tokens, fanout = proposal.tokens, r.after_backup
+    if len(fanout) != len(tokens) + 1:
+        return None
     return BuildItem(r.step, Proposal(tokens, None, proposal.source), list(fanout), r.k, r.saguaro_c)
 
 

@@ -220,13 +220,18 @@ class SSDStrategy:
         fanouts = [self._fanout_for(p, shards) for p in proposals]
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
         c = loop.spec.saguaro_c
-        ahead = bool(running) and all(self._planned_item(planned.get(s.seq_id), s.proposal) is not None for s in running)  # type: ignore[arg-type]
+        # a plan assumed this round's K; where the policy chose another, what is verified is not
+        # what the plan built for (fewer tokens: the likeliest outcome, all of them accepted and
+        # then the speculation's own next token, would not be in the tree), so it is built afresh
+        ahead_items = [self._planned_item(planned.get(s.seq_id), s.proposal) for s in running]  # type: ignore[arg-type]
+        ahead_items = [it if it is not None and it.proposal.tokens == p.tokens else None for it, p in zip(ahead_items, proposals)]
+        ahead = bool(running) and all(it is not None for it in ahead_items)
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
             items = ssd_protocol.build_items([loop.step(s, full, "draft") for s in running], proposals, fanouts, ks, c, shard, shards, deltas)
             if not full:
-                items = [self._planned_item(planned.get(s.seq_id), s.proposal) or it for s, it in zip(running, items)]  # type: ignore[arg-type]
+                items = [planned_item or it for planned_item, it in zip(ahead_items, items)]
             return (items, rec.index, ahead and not full)
 
         calls = ((d, loop.draft_call("build", lambda full, i=i, d=d: args(full, i, d), d)) for i, d in enumerate(builders))
