@@ -220,11 +220,7 @@ class SSDStrategy:
         fanouts = [self._fanout_for(p, shards) for p in proposals]
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
         c = loop.spec.saguaro_c
-        # a plan assumed this round's K; where the policy chose another, what is verified is not
-        # what the plan built for (fewer tokens: the likeliest outcome, all of them accepted and
-        # then the speculation's own next token, would not be in the tree), so it is built afresh
-        ahead_items = [self._planned_item(planned.get(s.seq_id), s.proposal) for s in running]  # type: ignore[arg-type]
-        ahead_items = [it if it is not None and it.proposal.tokens == p.tokens else None for it, p in zip(ahead_items, proposals)]
+        ahead_items = [self._planned_item(planned.get(s.seq_id), s.proposal, p) for s, p in zip(running, proposals)]  # type: ignore[arg-type]
         ahead = bool(running) and all(it is not None for it in ahead_items)
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
@@ -238,9 +234,17 @@ class SSDStrategy:
         return [(d, call) for d, call in calls if call is not None]
 
     @staticmethod
-    def _planned_item(planned: tuple[NextRound, SeqStep, list[int], int, int] | None, proposal: Proposal) -> BuildItem | None:
-        """The build item the only draft made ahead for a planned sequence (None: not planned)."""
-        return None if planned is None else ssd_protocol.next_build_item(*planned, proposal)
+    def _planned_item(
+        planned: tuple[NextRound, SeqStep, list[int], int, int] | None, proposal: Proposal, verified: Proposal
+    ) -> BuildItem | None:
+        """The build item the only draft made ahead for a planned sequence
+        whose ``proposal`` is verified as ``verified`` (None: not planned, or
+        planned for other tokens). A plan assumed this round's K; where the
+        policy chose a smaller one the tree was built for more tokens than
+        are verified, and the likeliest outcome — all of them accepted, then
+        the speculation's own next token — is not in it: built afresh."""
+        item = None if planned is None else ssd_protocol.next_build_item(*planned, proposal)
+        return item if item is not None and item.proposal.tokens == verified.tokens else None
 
     def _place_lookups(
         self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None, items: int

@@ -49,11 +49,12 @@ def send_kv(plane: DataPlane, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], d
     call is re-sent self-contained."""
     packed = pack_kv(kv)
     tags: list[tuple[int, int]] = []
-    for d in dict.fromkeys(dsts) if packed.numel() else ():
-        try:
-            tags.append((d, plane.send(packed, d)))
-        except TransferLost as e:
-            log.info("KV delta not shared with rank %d: %s", d, e)
+    if packed.numel():  # an empty delta is sent to no one: its receivers make it themselves
+        for d in dict.fromkeys(dsts):
+            try:
+                tags.append((d, plane.send(packed, d)))
+            except TransferLost as e:
+                log.info("KV delta not shared with rank %d: %s", d, e)
     return KVDeltaRef(plane.rank, tuple(tags), tuple(packed.shape), dtype_name(packed.dtype), plane.generation)
 
 
