@@ -35,6 +35,7 @@ MAX_DEADLINE_S = 86_400.0
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 LOGPROBS_MODES = ("raw", "processed")
+VERIFICATION_RULES = ("invariant", "standard")  # SamplingParams.verification
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -99,8 +100,11 @@ class SamplingParams:
     """How to sample one sequence.
 
     ``temperature == 0`` is greedy decoding (ties go to the lowest token id).
-    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
-    sample reproducible; ``None`` draws a fresh one. Generation stops at an
+    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` fixes the
+    sample: the same tokens on every repeat, in every strategy and batch (the
+    drafter-invariant rule, ``verification="invariant"``, the default when a
+    seed is given); ``None`` draws a fresh seed (and, with
+    ``verification=None``, keeps the standard rule). Generation stops at an
     end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``, or
     as soon as the text contains one of the ``stop`` strings (cut before it,
     as OpenAI does) or a token of ``stop_token_ids`` is emitted (kept in the
@@ -142,6 +146,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     response_format: ResponseFormat | None = None
+    verification: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculation", Strategy.of(self.speculation))
@@ -186,6 +191,8 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
             raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")
+        if self.verification is not None and self.verification not in VERIFICATION_RULES:
+            raise ConfigError(f"verification must be one of {', '.join(VERIFICATION_RULES)} or None, got {self.verification!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {self.logprobs_mode!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -222,8 +229,25 @@ class SamplingParams:
         """Is the law changed before temperature (penalties, bias or a grammar)?"""
         return self.penalized or bool(self.logit_bias) or self.response_format is not None
 
+    @property
+    def invariant(self) -> bool:
+        """Is this sequence verified by the drafter-invariant rule (its tokens a
+        function of the seed and the target alone)? ``verification`` says so;
+        None means: when the request names a seed."""
+        return self.verification == "invariant" or (self.verification is None and self.seed is not None)
+
+    @property
+    def needs_q(self) -> bool:
+        """Does verification read the law a proposal was drawn from? Not for
+        greedy rows (point masses) nor under the invariant rule (it compares
+        tokens)."""
+        return not self.greedy and not self.invariant
+
     def with_seed(self, seed: int | None) -> "SamplingParams":
-        return replace(self, seed=seed)
+        """These params with ``seed``, keeping the verification rule they had:
+        an unseeded request's samples get seeds of their own, not the rule a
+        seed asks for."""
+        return replace(self, seed=seed, verification=self.verification or ("invariant" if self.invariant else "standard"))
 
 
 MODES = ("ar", "sd", "ssd", "pyramid")  # the fixed strategies

@@ -7,7 +7,8 @@ items 1 and 2), on one SSD engine over the tiny zoo.
   aborted: the target stops decoding them (tokens verified counted on the
   timeline, never timed), the workers' KV returns to its baseline, and a
   new request still completes, exactly;
-* stops end decoding in the engine.
+* stops end decoding in the engine;
+* a seed fixes the output (issue 34).
 """
 
 from __future__ import annotations
@@ -163,6 +164,21 @@ def test_stops_end_decoding_over_ray(engine, reference):
     assert len(engine.timeline()) - start <= end + 2
     chunks = bounded(lambda: list(engine.stream(PROMPTS[2], greedy(LONG, stop=(stop,)))))
     assert "".join(c.text for c in chunks) == got.text
+    wait_idle(engine)
+
+
+def test_a_seed_gives_ar_tokens_over_ray(engine, reference):
+    """Issue 34 through the actors: a seeded request at T = 0.8, three samples
+    of each prompt, decoded by SSD (hits, misses and builds ahead as the
+    timing falls), gives the in-process AR engine's tokens on every repeat;
+    streamed too."""
+    params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=77)
+    want = [r.token_ids for r in reference.generate(PROMPTS, params, n=3)]
+    assert len({tuple(t) for t in want}) == len(want)  # each sample its own stream
+    for _ in range(2):
+        assert [r.token_ids for r in bounded(engine.generate, PROMPTS, params, 3)] == want
+    chunks = bounded(lambda: list(engine.stream(PROMPTS[0], params)))
+    assert [t for c in chunks for t in c.token_ids] == want[0]
     wait_idle(engine)
 
 

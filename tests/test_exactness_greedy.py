@@ -470,7 +470,7 @@ def test_draft_records_q_rows_only_for_sampled_sequences(tmp_path):
     ckpt = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
     draft = DraftLogic(ModelRunner(str(ckpt)))
     greedy = SamplingParams(temperature=0.0, max_tokens=50)
-    sampled = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
+    sampled = SamplingParams(temperature=1.0, max_tokens=50, seed=1, verification="standard")  # its proposals carry their law
     steps = [SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0), SeqStep(2, 0, [4, 6, 8], sampled, 1, 0)]
     proposals = draft.propose(steps, [3, 1])  # different depths: step 2 drafts only the greedy one
     assert proposals[0].q is None and len(proposals[0].tokens) == 3

@@ -10,7 +10,9 @@ expected count below 5 are merged and a chi-square test at α = 0.001 decides.
 
 M is long enough that several verification rounds (and, for SSD, rounds fed
 from the speculation cache) contribute to the measured tokens. Seeds are
-fixed, so every test is deterministic. All modes draw the verifier's uniforms
+fixed, so every test is deterministic. These tests pin the standard rule
+(``verification="standard"``); a seed alone selects the drafter-invariant
+rule, whose law and token equality ``test_seed_invariance`` checks. All modes draw the verifier's uniforms
 from the same (seed, position) streams, so their statistics are correlated:
 one seed range is either comfortable for all of them or marginal for all. The
 range used here puts plain AR (the ground truth sampler) at p ≈ 0.4; with
@@ -147,9 +149,12 @@ def run(
     num_drafts: int = 1,
     timeline: list | None = None,
     build_ahead: bool = False,
+    verification: str = "standard",
     **spec,
 ):
-    """``n`` samples of ``m`` tokens (``timeline``: receives the engine's rounds)."""
+    """``n`` samples of ``m`` tokens (``timeline``: receives the engine's rounds)
+    under ``verification``'s rule (the drafter-invariant rule has its own
+    tests in ``test_seed_invariance``)."""
     eng = LocalEngine(
         EngineConfig(
             target=str(models["target"]),
@@ -164,7 +169,7 @@ def run(
         )
     )
     try:
-        params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=m, ignore_eos=True, seed=SEED)
+        params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=m, ignore_eos=True, seed=SEED, verification=verification)
         res = eng.generate([PROMPT], params, n=n)
         if timeline is not None:
             timeline.extend(eng.timeline)
@@ -327,7 +332,7 @@ def test_each_strategy_keeps_its_law_beside_other_strategies(models, target_law)
     modes = ["ssd", "sd", "pyramid", "ar"]
     eng = _one_engine(models, N_MIX * len(modes))
     try:
-        params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=M, ignore_eos=True, seed=SEED, speculation=m) for m in modes]
+        params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=M, ignore_eos=True, seed=SEED, speculation=m, verification="standard") for m in modes]
         res = eng.generate([PROMPT] * len(modes), params, n=N_MIX)
         rounds = [r for r in eng.timeline if not r.prefill]
     finally:
@@ -347,7 +352,7 @@ def test_auto_switching_strategy_and_k_every_round_keeps_the_law(models, target_
     eng = _one_engine(models, N)
     eng.loop.assigner.policy = Cycling()
     try:
-        res = eng.generate([PROMPT], SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=M, ignore_eos=True, seed=SEED), n=N)
+        res = eng.generate([PROMPT], SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=M, ignore_eos=True, seed=SEED, verification="standard"), n=N)
     finally:
         eng.close()
     assert all(len(r.stats["strategy"]) >= 2 for r in res)

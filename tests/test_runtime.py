@@ -187,7 +187,7 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         _check_stats(res)
     finally:
         h.shutdown()
-    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=5)
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=5, verification="standard")  # its q rows cross the data plane
     h = Engine.launch(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, num_drafts=2))
     local = LocalEngine(EngineConfig(target=ckpts["target"], draft=ckpts["target"], spec=spec, threads_per_worker=1))
     try:
@@ -218,7 +218,7 @@ def test_ssd_over_ray_samples_match_in_process(ray_instance, ckpts):
     the data plane — it gives the in-process engine's tokens, whose law the
     sampling tests check. The unrelated draft mostly misses (backups), the
     same one mostly hits (cached speculations)."""
-    sampled = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, ignore_eos=True, seed=5)
+    sampled = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, ignore_eos=True, seed=5, verification="standard")  # its q rows cross the data plane
     spec = SpeculationConfig(mode="ssd", k=3, fanout=(2, 2, 1, 1), backup="neural")
     for draft in ("target", "other"):
         same = dict(target=ckpts["target"], draft=ckpts[draft], spec=spec)
@@ -248,7 +248,7 @@ def test_pyramid_over_ray_matches_in_process(ray_instance, ckpts, ar_tokens):
         assert tokens(bounded(h.generate, PROMPTS[:3], GREEDY)) == [ar_tokens[tuple(p)] for p in PROMPTS[:3]]
     finally:
         h.shutdown()
-    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9)
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9, verification="standard")  # q rows cross the data plane
     same = dict(target=ckpts["target"], draft=ckpts["target"], qualifier=ckpts["target"], spec=spec)
     h = Engine.launch(EngineConfig(**same))
     local = LocalEngine(EngineConfig(**same, threads_per_worker=1))
@@ -281,7 +281,7 @@ def test_one_engine_runs_every_strategy_in_one_batch_over_ray(ray_instance, ckpt
         got = bounded(h.generate, PROMPTS, greedy)
         assert tokens(got) == [ar_tokens[tuple(p)] for p in PROMPTS]
         assert [r.mode for r in got] == modes[:5] + ["auto"]
-        sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9 + i, speculation=m) for i, m in enumerate(modes)]
+        sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=9 + i, speculation=m, verification="standard") for i, m in enumerate(modes)]
         assert tokens(bounded(h.generate, PROMPTS, sampled)) == tokens(local.generate(PROMPTS, sampled))
         info = h.worker_info()
         assert info["qualifier"]["data_plane"]["received"] > 0 and info["target"]["data_plane"]["received"] > 0

@@ -31,7 +31,7 @@ from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextR
 from saguaro_ray.workers.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
-SAMPLED = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=50, seed=1, verification="standard")  # proposals carry their law
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -6,6 +6,8 @@ emitted tokens have exactly the target's autoregressive law — for a full draft
 q, Saguaro's q' for several (F, C), and point-mass proposals. Part 2 shows that
 `verify` really is built from those pieces (decisions, residual draws, bonus)
 and matches p empirically. Part 3 covers greedy rows and ragged lengths.
+Part 4 covers the drafter-invariant rule: its race lemma measured, its
+output one function of (seed, target) whatever the proposals, and its law.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import zlib
 import pytest
 import torch
 
-from saguaro_ray.algorithms.sampling import process_logits, sample_from
+from scipy.stats import chi2 as chi2_dist
+
+from saguaro_ray.algorithms.sampling import position_keys, process_logits, race_noise, race_token, sample_from
 from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.verification import (
     acceptance_probability,
+    invariant_outcomes,
     point_mass,
     residual_distribution,
     verify,
@@ -369,3 +374,127 @@ def test_shape_errors_are_reported():
         verify(p, draft, q, torch.tensor([0, 3]), u)
     with pytest.raises(ValueError, match="p must be"):
         verify(p[:, :2], draft, q, lens, u)
+
+
+# ------------------------------------------- Part 4: the drafter-invariant rule
+#
+# Enumerating the public noise is impossible (it is continuous); the rule's
+# law rests on the race lemma (``race_token``'s docstring) and the induction
+# in ``invariant_outcomes``'s. Here: the lemma measured (chi-square over
+# keys), and the induction's consequence, that the emitted tokens are one
+# function of (seed, target) — the same for every proposal family, K and
+# round boundary — whose law over seeds is the autoregressive p.
+
+N_SEEDS = 6000
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}  # chi-square 0.999 quantiles by degrees of freedom
+
+
+def _chi2(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int]:
+    n = float(counts.sum())
+    live = law > 0
+    assert counts[~live].sum() == 0, "a token of probability 0 was emitted"
+    stat = float((((counts - n * law) ** 2) / (n * law).clamp_min(1e-300))[live].sum())
+    return stat, int(live.sum()) - 1
+
+
+def test_race_token_has_the_law_p():
+    """The lemma: the race winner over fresh keys is distributed as p, for
+    sparse laws, unnormalised rows, and one-hot rows (always their token)."""
+    for name in ("a", "b", "c"):
+        p = random_law("race", name)
+        keys = position_keys([17] * N_SEEDS, list(range(N_SEEDS)))
+        toks = race_token((p * 3.0).expand(N_SEEDS, V), keys)  # a scale never matters
+        stat, df = _chi2(torch.bincount(toks, minlength=V).double(), p)
+        assert df == 0 or stat < CHI2_999[df], (name, stat, df)
+    one_hot = point_mass(torch.tensor([3]), V).double().expand(50, V)
+    assert race_token(one_hot, position_keys([1] * 50, range(50))).tolist() == [3] * 50
+
+
+def test_race_noise_is_a_pure_function_of_the_key():
+    keys = position_keys([5, 5, 6], [0, 1, 0])
+    a, b = race_noise(keys, 300), race_noise(list(reversed(keys)), 300)
+    assert torch.equal(a, b.flip(0)) and len({float(r[0]) for r in a}) == 3
+    u = torch.exp(-race_noise(position_keys([9] * 200, range(200)), 100)).flatten()
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+
+
+def _race_proposal(kind: str, seed: int, pos: int, prefix: tuple[int, ...], k: int) -> list[int]:
+    """``k`` draft tokens from ``prefix``: ``race`` proposes the race winners of
+    q under the same public noise (what the drafts do), ``sampled`` draws from
+    q with independent uniforms, ``point`` guesses deterministically."""
+    Q = proposal_maker("saguaro" if kind == "race-saguaro" else "full", 1, 0.3)
+    out: list[int] = []
+    for i in range(k):
+        pre = prefix + tuple(out)
+        if kind.startswith("race"):
+            t = int(race_token(Q(pre).unsqueeze(0), position_keys([seed], [pos + i]))[0])
+        elif kind == "sampled":
+            t = int(sample_from(Q(pre).unsqueeze(0), torch.rand(1, generator=_gen("s", seed, pos + i), dtype=torch.float64))[0])
+        else:
+            t = int(torch.randint(V, (), generator=_gen("x", seed, pre)))
+        out.append(t)
+    return out
+
+
+def invariant_decode(seed: int, n: int, kind: str, ks: tuple[int, ...], keyed_by_position: bool = True) -> tuple[int, ...]:
+    """``n`` tokens by repeated rounds of :func:`invariant_outcomes`, round j
+    proposing ``ks[j % len(ks)]`` tokens of family ``kind`` (``keyed_by_position``
+    False: the keying bug, one noise for every position)."""
+    prefix: tuple[int, ...] = ()
+    j = 0
+    while len(prefix) < n:
+        k = ks[j % len(ks)]
+        draft = _race_proposal(kind, seed, len(prefix), prefix, k)
+        rows = torch.stack([target_law(prefix + tuple(draft[:i])) for i in range(k + 1)])
+        keys = position_keys([seed] * (k + 1), [(len(prefix) + i) * keyed_by_position for i in range(k + 1)])
+        [(acc, t)] = invariant_outcomes(rows, keys, [draft])
+        prefix = prefix + tuple(draft[:acc]) + (t,)
+        j += 1
+    return prefix[:n]
+
+
+PROPOSERS = [("race", (2,)), ("race-saguaro", (3, 1)), ("sampled", (2,)), ("point", (1, 3)), ("race", (0, 4, 1))]
+
+
+def test_invariant_rule_output_is_a_function_of_seed_and_target():
+    """Every proposal family and K schedule emits AR's tokens (K = 0) seed by seed."""
+    for seed in range(300):
+        want = invariant_decode(seed, 4, "race", (0,))
+        for kind, ks in PROPOSERS:
+            assert invariant_decode(seed, 4, kind, ks) == want, (seed, kind, ks)
+
+
+def _joint_law_pvalue(keyed_by_position: bool) -> float:
+    """Chi-square p-value of three emitted tokens over seeds against the
+    autoregressive law of p (cells merged to an expected count of at least 5)."""
+    n = 3
+    law = autoregressive_law(target_law, (), n).flatten()
+    counts = torch.zeros_like(law)
+    for seed in range(N_SEEDS):
+        a, b, c = invariant_decode(seed, n, "race", (2,), keyed_by_position)
+        counts[(a * V + b) * V + c] += 1
+    assert counts[law == 0].sum() == 0
+    e, o, cells = 0.0, 0.0, []
+    for i in torch.argsort(law).tolist():
+        e, o = e + float(law[i]) * N_SEEDS, o + float(counts[i])
+        if e >= 5:
+            cells.append((o, e))
+            e, o = 0.0, 0.0
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return float(chi2_dist.sf(stat, len(cells) - 1))
+
+
+def test_invariant_rule_joint_law_is_autoregressive_p():
+    """Over seeds, three emitted tokens follow the autoregressive law of p;
+    the same statistic rejects noise keyed without the position."""
+    assert _joint_law_pvalue(True) > 1e-3
+    assert _joint_law_pvalue(False) < 1e-6
+
+
+def test_invariant_rule_greedy_rows_and_ragged_proposals():
+    """One-hot rows reduce to greedy verification; empty proposals emit the race winner."""
+    rows = torch.stack([point_mass(torch.tensor(t), V).double() for t in (2, 4, 1, 0, 3, 1)])
+    keys = position_keys([3] * 6, range(6))
+    assert invariant_outcomes(rows, keys, [[2, 0], [], [3]]) == [(1, 4), (0, 0), (1, 1)]
+    with pytest.raises(ValueError):
+        invariant_outcomes(rows[:5], keys[:5], [[2, 0], [], [3]])

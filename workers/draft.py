@@ -46,7 +46,16 @@ import torch
 
 from saguaro_ray.algorithms.cache import SpeculationCache, Speculation
 from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
-from saguaro_ray.algorithms.sampling import STREAM_DRAFT, argmax_lowest, position_uniforms, process_logits, sample_from
+from saguaro_ray.algorithms.sampling import (
+    STREAM_DRAFT,
+    argmax_lowest,
+    position_keys,
+    position_uniforms,
+    process_logits,
+    race_scores,
+    race_token,
+    sample_from,
+)
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
@@ -69,17 +78,53 @@ def _draw(
     """Sample one token per row; returns (tokens, q rows or None when all greedy).
 
     Greedy rows propose the argmax — a point mass, so callers keep no q row for
-    them (their returned row is one-hot in a mixed batch). Stochastic rows draw
-    from the processed draft law, Saguaro-rescaled with the row's fan-out."""
-    greedy = [p.greedy for p in params]
-    if all(greedy):
+    them (their returned row is one-hot in a mixed batch). Rows under the
+    drafter-invariant rule propose the race winner of the plain draft law
+    under the position's public noise, the one the verifier's token is drawn
+    with (no Saguaro rescaling: it would only lower the chance of agreeing;
+    callers keep no q row, see ``SamplingParams.needs_q``). Other stochastic
+    rows draw from the processed draft law, Saguaro-rescaled with the row's
+    fan-out, with the draft stream's uniforms."""
+    if all(p.greedy for p in params):
         return argmax_lowest(logits), None
     q = process_logits(logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
-    if fanouts is not None and saguaro_c < 1.0:
-        q = saguaro_rescale(q, torch.tensor(fanouts), saguaro_c)
-    u = position_uniforms(seeds, positions, 1, STREAM_DRAFT).squeeze(-1)
-    tokens = sample_from(q, u)
+    tokens = torch.empty(len(params), dtype=torch.long, device=q.device)
+    race = [r for r, p in enumerate(params) if p.invariant]
+    std = [r for r, p in enumerate(params) if not p.invariant]
+    if race:
+        idx = torch.tensor(race)
+        tokens[idx] = race_token(q[idx], position_keys([seeds[r] for r in race], [positions[r] for r in race]))
+    if std:
+        idx = torch.tensor(std)
+        q_std = q[idx]
+        if fanouts is not None and saguaro_c < 1.0:
+            q_std = saguaro_rescale(q_std, torch.tensor([fanouts[r] for r in std]), saguaro_c)
+            q[idx] = q_std
+        u = position_uniforms([seeds[r] for r in std], [positions[r] for r in std], 1, STREAM_DRAFT).squeeze(-1)
+        tokens[idx] = sample_from(q_std, u)
     return tokens, q
+
+
+def _race_rows(rows: list[RowSource], step: SeqStep) -> list[RowSource]:
+    """A glue row's ranking under the drafter-invariant rule: row k (the draft's
+    logits for output position ``output_pos + k``) becomes its race scores
+    there, whose top is the draft's own proposal and whose runner-up is its
+    best guess at the target's token after a rejection (the target emits its
+    own race winner, a deterministic function of p and the same noise, so the
+    draft ranks outcomes as it does at T = 0). Token-list rows (a peer's KV
+    delta) keep their order: a weaker guess, never a wrong one."""
+    if not step.params.invariant or step.params.greedy:
+        return rows
+    live = [k for k, r in enumerate(rows) if isinstance(r, torch.Tensor)]
+    if not live:
+        return rows
+    pp = step.params
+    q = process_logits(torch.stack([rows[k] for k in live]), [pp.temperature], [pp.top_k], [pp.top_p])
+    scores = race_scores(q, position_keys([step.seed] * len(live), [step.output_pos + k for k in live]))
+    out = list(rows)
+    for k, row in zip(live, scores.log().float()):
+        out[k] = row
+    return out
 
 
 class DraftLogic(RunnerLogic):
@@ -147,7 +192,7 @@ class DraftLogic(RunnerLogic):
             )
             for r, i in enumerate(active):
                 tokens[i].append(int(toks[r]))
-                if q is not None and not steps[i].params.greedy:  # greedy proposals are point masses
+                if q is not None and steps[i].params.needs_q:  # greedy and invariant proposals are point masses
                     qrows[i].append(q[r])
             j += 1
             active = [i for i in active if len(tokens[i]) < ks[i]]
@@ -284,7 +329,7 @@ class DraftLogic(RunnerLogic):
         picks: list[tuple[int, int, int]] = []
         for i, it in enumerate(items):
             toks = it.proposal.tokens
-            ranking = [RowOrder(row, toks[k] if k < len(toks) else None) for k, row in enumerate(rows[i])]
+            ranking = [RowOrder(row, toks[k] if k < len(toks) else None) for k, row in enumerate(_race_rows(rows[i], it.step))]
             self._rankings[it.step.seq_id] = ranking
             self.cache.put_round(it.step.seq_id, {})
             if it.k_next > 0:
@@ -360,7 +405,7 @@ class DraftLogic(RunnerLogic):
             if entry is not None:
                 live, q = entry
                 for pos, r in enumerate(live):
-                    if not b_params[r].greedy:  # greedy rows are point masses
+                    if b_params[r].needs_q:  # greedy and invariant rows are point masses
                         q_rows[r].append(q[pos])
         self._tree, self._tree_logits = tree, step_logits
         per_seq: dict[int, dict[tuple[int, int], Speculation]] = {}

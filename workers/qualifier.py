@@ -3,7 +3,9 @@
 The qualifier checks a draft proposal with its own processed law p_Q under a
 stage-1 rule (``exact``, ``assisted`` or ``fuzzy``) and returns the qualified
 tokens — the accepted draft prefix plus its recovery/bonus token — together
-with the p_Q rows they follow, which the target then uses as q.
+with the p_Q rows they follow, which the target then uses as q. A sequence
+under the drafter-invariant rule is qualified by that rule under the target's
+noise (its qualified tokens are the qualifier's race winners; no rows).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Sequence
 from saguaro_ray.algorithms.pyramid import qualify
 from saguaro_ray.algorithms.sampling import STREAM_QUALIFIER
 from saguaro_ray.workers.messages import Proposal, ProposalSource, VerifyItem
-from saguaro_ray.workers.target import RunnerLogic, verification_batch
+from saguaro_ray.workers.target import RunnerLogic, flat_rows, invariant_check, rule_of, verification_batch
 
 
 class QualifierLogic(RunnerLogic):
@@ -22,11 +24,21 @@ class QualifierLogic(RunnerLogic):
         proposals = [it.proposal for it in items]
         n_rows = [len(p.tokens) + 1 for p in proposals]
         logits = self.adjusted(self.feed(steps, [p.tokens for p in proposals], n_rows), steps, n_rows)
-        vb = verification_batch(logits, steps, proposals, STREAM_QUALIFIER)
-        res = qualify(items[0].rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, items[0].tau, items[0].div)
-        out = []
-        for i, (st, prop) in enumerate(zip(steps, proposals)):
-            k, t = int(res.accepted[i]), int(res.next_token[i])
-            rows = None if st.params.greedy else vb.p[i, : k + 1].clone()
-            out.append(Proposal(prop.tokens[:k] + [t], rows, ProposalSource.QUALIFIED))
-        return out
+        inv = [i for i, it in enumerate(items) if rule_of(it) == "invariant"]
+        out: list[Proposal | None] = [None] * len(items)
+        if inv:  # the qualifier's own race winners under the target's noise: the target checks tokens only
+            rows = flat_rows(n_rows, inv)
+            for i, (k, t) in zip(inv, invariant_check(logits[rows], [steps[i] for i in inv], [proposals[i] for i in inv])):
+                out[i] = Proposal(proposals[i].tokens[:k] + [t], None, ProposalSource.QUALIFIED)
+        std = [i for i in range(len(items)) if out[i] is None]
+        if std:
+            steps_s, props_s = [steps[i] for i in std], [proposals[i] for i in std]
+            vb = verification_batch(logits[flat_rows(n_rows, std)], steps_s, props_s, STREAM_QUALIFIER)
+            first = items[std[0]]
+            res = qualify(first.rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, first.tau, first.div)
+            for r, (i, st, prop) in enumerate(zip(std, steps_s, props_s)):
+                k, t = int(res.accepted[r]), int(res.next_token[r])
+                law = None if st.params.greedy else vb.p[r, : k + 1].clone()
+                out[i] = Proposal(prop.tokens[:k] + [t], law, ProposalSource.QUALIFIED)
+        return out  # type: ignore[return-value]
+

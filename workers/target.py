@@ -14,9 +14,9 @@ from typing import Sequence
 import torch
 
 from saguaro_ray.algorithms.logprobs import row_logprobs, token_logprobs
-from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_uniforms, process_logits
+from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_keys, position_uniforms, process_logits
 from saguaro_ray.algorithms.pyramid import target_check
-from saguaro_ray.algorithms.verification import greedy_outcomes, point_mass
+from saguaro_ray.algorithms.verification import greedy_outcomes, invariant_outcomes, point_mass
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
 from saguaro_ray.workers.grammar_masks import GrammarMasks
 from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
@@ -93,6 +93,36 @@ class VerificationBatch:
     u: torch.Tensor  # [B, Kmax+1, 2]
 
 
+def processed_rows(logits: torch.Tensor, steps: Sequence[SeqStep], lens: Sequence[int]) -> torch.Tensor:
+    """The processed law of each of the flat logit rows (``lens[i] + 1`` rows
+    for ``steps[i]``), each under its own sequence's sampling parameters."""
+    params = [st.params for st in steps]
+    if all(p is params[0] for p in params):  # one law for every row: scalars broadcast
+        pp = params[0]
+        return process_logits(logits, [pp.temperature], [pp.top_k], [pp.top_p])
+    reps = torch.tensor([n + 1 for n in lens])
+    per_row = lambda f: torch.tensor([f(p) for p in params]).repeat_interleave(reps)  # noqa: E731
+    return process_logits(logits, per_row(lambda p: p.temperature), per_row(lambda p: p.top_k), per_row(lambda p: p.top_p))
+
+
+def row_keys(steps: Sequence[SeqStep], lens: Sequence[int]) -> list[int]:
+    """The public noise key of each flat row (``lens[i] + 1`` for ``steps[i]``,
+    at output positions ``output_pos .. output_pos + lens[i]``)."""
+    return position_keys(
+        [st.seed for st, n in zip(steps, lens) for _ in range(n + 1)],
+        [st.output_pos + j for st, n in zip(steps, lens) for j in range(n + 1)],
+    )
+
+
+def invariant_check(logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal]) -> list[tuple[int, int]]:
+    """The drafter-invariant rule on flat logit rows (target and qualifier alike):
+    (accepted, emitted token) per sequence."""
+    lens = [len(p.tokens) for p in proposals]
+    if all(st.params.greedy for st in steps):  # one-hot laws: the race winner is the argmax
+        return greedy_outcomes(logits, [p.tokens for p in proposals])
+    return invariant_outcomes(processed_rows(logits, steps, lens), row_keys(steps, lens), [p.tokens for p in proposals])
+
+
 def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal], stream: int) -> VerificationBatch:
     """Turn the verifying model's logit rows (``len(proposal)+1`` per sequence,
     flat) into the processed law p, the proposals' q, and the uniforms of
@@ -101,13 +131,7 @@ def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals
     kmax = max(lens)
     b, vocab = len(steps), logits.shape[-1]
     params = [st.params for st in steps]
-    if all(p is params[0] for p in params):  # one law for every row: scalars broadcast
-        pp = params[0]
-        p_flat = process_logits(logits, [pp.temperature], [pp.top_k], [pp.top_p])
-    else:
-        reps = torch.tensor([n + 1 for n in lens])
-        per_row = lambda f: torch.tensor([f(p) for p in params]).repeat_interleave(reps)  # noqa: E731
-        p_flat = process_logits(logits, per_row(lambda p: p.temperature), per_row(lambda p: p.top_k), per_row(lambda p: p.top_p))
+    p_flat = processed_rows(logits, steps, lens)
     if min(lens) == kmax:
         p = p_flat.view(b, kmax + 1, vocab)
     else:
@@ -152,6 +176,22 @@ def with_logprobs(
             o.logprobs = token_logprobs(logp, o.emitted(prop), pp.logprobs)
         start += len(prop.tokens) + 1
     return outcomes
+
+
+def flat_rows(n_rows: Sequence[int], idx: Sequence[int]) -> torch.Tensor:
+    """The indices of items ``idx``'s rows among flat logit rows (``n_rows[i]`` per item)."""
+    starts = [0]
+    for n in n_rows:
+        starts.append(starts[-1] + n)
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx])
+
+
+def rule_of(item: VerifyItem) -> str:
+    """The rule that checks ``item``: ``invariant`` for an exact check of a
+    sequence under the drafter-invariant rule (SD, SSD, AR, PyramidSD's exact
+    stages: it compares tokens, so a qualified block is checked like any
+    proposal), else the item's own."""
+    return "invariant" if item.rule in ("exact", "assisted") and item.step.params.invariant else item.rule
 
 
 class RunnerLogic:
@@ -206,15 +246,12 @@ class TargetLogic(RunnerLogic):
         logits = self.adjusted(raw, steps, n_rows)
         groups: dict[tuple[str, float, str], list[int]] = {}
         for i, it in enumerate(items):
-            groups.setdefault((it.rule, it.tau, it.div), []).append(i)
+            groups.setdefault((rule_of(it), it.tau, it.div), []).append(i)
         if len(groups) == 1:
             return with_logprobs(self._check(next(iter(groups)), logits, steps, proposals), raw, logits, steps, proposals)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n + 1)
         out: list[Outcome | None] = [None] * len(items)
         for key, idx in groups.items():
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx])
+            rows = flat_rows(n_rows, idx)
             for i, o in zip(idx, self._check(key, logits[rows], [steps[i] for i in idx], [proposals[i] for i in idx])):
                 out[i] = o
         return with_logprobs(out, raw, logits, steps, proposals)  # type: ignore[arg-type]
@@ -224,6 +261,9 @@ class TargetLogic(RunnerLogic):
         """Verify ``proposals`` under one rule from their flat logit rows."""
         rule, tau, div = rule_key
         lens = [len(p.tokens) for p in proposals]
+        if rule == "invariant":
+            outs = invariant_check(logits, steps, proposals)
+            return [Outcome(st.seq_id, a, t, n) for st, (a, t), n in zip(steps, outs, lens)]
         if rule == "exact" and all(st.params.greedy for st in steps):  # the same rule, in closed form
             outs = greedy_outcomes(logits, [p.tokens for p in proposals])
             return [Outcome(st.seq_id, a, t, n) for st, (a, t), n in zip(steps, outs, lens)]

@@ -114,6 +114,10 @@ def make_generator(seed: int) -> torch.Generator:
 STREAM_TARGET = 0
 STREAM_DRAFT = 1
 STREAM_QUALIFIER = 2
+# The drafter-invariant rule's public noise: one stream that every worker kind
+# (target, qualifier, draft) reads, because the rule *needs* the proposal and the
+# verifier to share their noise (see :func:`race_token`).
+STREAM_RACE = 3
 
 
 def position_generator(seed: int, position: int, stream: int = STREAM_TARGET) -> torch.Generator:
@@ -152,3 +156,69 @@ def position_uniforms(seeds: Sequence[int], positions: Sequence[int], n: int = 1
         rows.append(torch.rand(n, generator=g, dtype=torch.float64))
     return torch.stack(rows) if rows else torch.empty(0, n, dtype=torch.float64)
 
+
+
+# ---------------------------------------------------------------- public noise
+# A counter-based generator (SplitMix64's finaliser, Steele et al. 2014) over
+# int64 tensors: the uniform of token v at a position is a hash of (the
+# position's key, v), so any row of noise is computed where the logits are, on
+# any device, with no state and no communication. Constants above 2**63 are
+# written as their two's-complement int64; multiplication wraps, and the right
+# shifts are made logical with a mask.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def position_keys(seeds: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """The noise key of each (seed, output position): what :func:`race_noise` hashes."""
+    return [_stream_seed(s, p, STREAM_RACE) for s, p in zip(seeds, positions)]
+
+
+def race_noise(keys: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(keys), vocab]`` float64 Exp(1) noise ``E = -log U``, row r a pure
+    function of ``keys[r]`` (:func:`position_keys`) and the token id.
+
+    Uniforms take the hash's top 53 bits plus a half step, so they lie in
+    (0, 1) and E is finite and positive. Rows are independent across keys and
+    tokens as far as the hash is (SplitMix64 passes BigCrush); the tests check
+    the race's law."""
+    k = torch.tensor(list(keys), dtype=torch.int64, device=device).unsqueeze(1)
+    ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=device).unsqueeze(0)
+    z = _splitmix(_splitmix(k) + ids * _GOLDEN)
+    u = (_shr(z, 11).double() + 0.5) * 2.0**-53
+    return -torch.log(u)
+
+
+def race_scores(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+    """``probs[r, v] / E_r(v)`` (float64) for each row of ``probs [R, V]``: the
+    noisy scores whose argmax is :func:`race_token`. Their order is the order of
+    the Gumbel-perturbed log-probabilities ``log p(v) + G(v)`` with
+    ``G = -log E``; SSD's fan-out ranks a draft's candidates by them."""
+    return probs.double() / race_noise(keys, probs.shape[-1], probs.device)
+
+
+def race_token(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+    """The winner of each row's exponential race under its key's noise:
+    ``argmax_v p(v) / E(v)`` for ``probs [R, V]`` (the Gumbel-max trick).
+
+    **Lemma (exponential race / Gumbel-max).** For independent E(v) ~ Exp(1) and
+    a law p, ``E(v) / p(v)`` is Exp(p(v)); the smallest of independent
+    exponentials is the one of v with probability ``p(v) / sum_w p(w)``, so
+    ``P(race_token = x) = p(x)``. Zero-probability tokens score 0 and never win
+    (a row has a positive entry); a one-hot (greedy) row returns its token. Rows
+    need not be normalised. Ties have probability 0 (lowest id on rounding).
+    """
+    if probs.shape[0] == 0:
+        return torch.empty(0, dtype=torch.long, device=probs.device)
+    return argmax_lowest(race_scores(probs, keys))

@@ -1,4 +1,5 @@
-"""The one verification rule: speculative sampling (Leviathan et al.; Chen et al.).
+"""The verification rules: speculative sampling (Leviathan et al.; Chen et al.)
+and the drafter-invariant rule (:func:`invariant_outcomes`, for seeded requests).
 
 Every mode (SD, SSD hits and misses, every PyramidSD stage) checks proposed
 tokens with this file and nothing else. A proposed token ``x`` drawn from a law
@@ -31,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from .sampling import argmax_lowest, sample_from
+from .sampling import argmax_lowest, race_token, sample_from
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +230,15 @@ def greedy_outcomes(logits: torch.Tensor, proposals: Sequence[Sequence[int]]) ->
     laws: on a CPU that is most of a greedy round's verification cost beyond the
     forward pass. ``tests/test_fast_paths.py`` checks it against :func:`verify`.
     """
-    best = argmax_lowest(logits).tolist()
+    return match_outcomes(argmax_lowest(logits).tolist(), proposals)
+
+
+def match_outcomes(best: Sequence[int], proposals: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``(accepted, emitted token)`` per sequence when the verifier's token at
+    each position is already decided (``best``: ``len(tokens) + 1`` per
+    sequence, flat): keep the proposal while it equals ``best``, then emit
+    ``best`` at the first difference, or as the bonus after the last token.
+    Shared by :func:`greedy_outcomes` and :func:`invariant_outcomes`."""
     if len(best) != sum(len(t) + 1 for t in proposals):
         raise ValueError(f"expected {sum(len(t) + 1 for t in proposals)} logit rows (len(tokens) + 1 per sequence), got {len(best)}")
     out, offset = [], 0
@@ -241,3 +250,33 @@ def greedy_outcomes(logits: torch.Tensor, proposals: Sequence[Sequence[int]]) ->
             k += 1
         out.append((k, rows[k]))
     return out
+
+
+def invariant_outcomes(p: torch.Tensor, keys: Sequence[int], proposals: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The drafter-invariant rule (Daliri, Musco, Suresh, arXiv 2408.07978):
+    ``(accepted, emitted token)`` per sequence.
+
+    ``p`` holds the verifier's processed rows, ``len(tokens) + 1`` per
+    sequence, flat; ``keys[r]`` is row r's public noise key
+    (:func:`~saguaro_ray.algorithms.sampling.position_keys` of the sequence's
+    seed and the row's output position). The verifier's token at each position
+    is the race winner ``y_i`` of its row (:func:`race_token`); the proposal is
+    kept while it equals ``y_i`` and ``y_k`` is emitted at the first difference
+    (or as the bonus). The proposal's law is never read: a draft that wants to
+    be accepted proposes the race winner of its own law under the same noise,
+    which equals ``y_i`` with probability at least ``(1 - TV) / (1 + TV)``.
+
+    **Exactness and invariance.** Induct over positions: the emitted token at
+    output position j is ``y_j``, the race winner of the target's law after
+    the emitted prefix, under the noise of (seed, j). Whatever proposal led
+    there, the prefix is a function of the noise of positions < j only (each
+    earlier emitted token is some ``y_i``, i < j, under its own key), and the
+    noise of position j is independent of it; by the race lemma ``y_j`` then
+    has law ``p_j(· | prefix)`` — every token is an exact sample of the
+    target, and the whole output is the same function of (seed, target) that
+    autoregressive sampling with :func:`race_token` computes: identical for
+    every draft, K, cache hit or miss, backup and batch. Greedy rows (one-hot
+    p) reduce to :func:`greedy_outcomes`.
+    """
+    best = race_token(p.reshape(-1, p.shape[-1]), keys).tolist()
+    return match_outcomes(best, proposals)
