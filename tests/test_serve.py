@@ -463,6 +463,57 @@ def test_invalid_requests_are_400_with_openai_shape(server, client, tokenizer):
     assert httpx.get(server + "/health", timeout=TIMEOUT_S).status_code == 200
 
 
+# bodies OpenAI refuses for their types or shape (they were answered 200): each a
+# 400 naming the parameter as OpenAI spells it
+LAX_BODIES = [
+    ("/v1/completions", {"n": True}, "n"),
+    ("/v1/completions", {"stream": "yes"}, "stream"),
+    ("/v1/completions", {"max_tokens": 4.0}, "max_tokens"),
+    ("/v1/completions", {"temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"ignore_eos": 1}, "ignore_eos"),
+    ("/v1/completions", {"stop": 5}, "stop"),
+    ("/v1/chat/completions", {"n": True}, "n"),
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [MESSAGES[0], {"role": "user", "content": None}]}, "messages[1].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, "messages[0].tool_calls"),
+]
+
+
+def test_lax_types_and_messages_are_400_naming_the_parameter(server, client):
+    bases = {
+        "/v1/completions": {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        "/v1/chat/completions": {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0},
+    }
+    for path, fields, param in LAX_BODIES:
+        err = assert_openai_error(raw_post(server, path, {**bases[path], **fields}), 400, param)
+        assert param.split("[")[0].split(".")[0] in err["message"], err
+    err = assert_openai_error(raw_post(server, "/v1/completions", {**bases["/v1/completions"], "stop": 5}), 400, "stop")
+    assert "expected one of: str, list[str]" in err["message"]
+    # the official client raises its typed error from these bodies
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)  # type: ignore[misc]
+    assert info.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"n": True})
+    assert info.value.body["param"] == "n"
+    # what the OpenAI API accepts still runs: n: 2, stream: false, an integer
+    # temperature, content as text parts, the developer role
+    ok = raw_post(server, "/v1/completions", {**bases["/v1/completions"], "n": 2, "stream": False, "temperature": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Sort "}, {"type": "text", "text": "a list."}]}]
+    as_parts = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=4, temperature=0, stream=False)  # type: ignore[arg-type]
+    as_text = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Sort a list."}], max_tokens=4, temperature=0)
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    dev = raw_post(server, "/v1/chat/completions", {**bases["/v1/chat/completions"], "messages": [{"role": "developer", "content": "Be brief."}, MESSAGES[1]]})
+    assert dev.status_code in (200, 400), dev.text  # 400 only if the template refuses the role, naming messages
+    if dev.status_code == 400:
+        assert dev.json()["error"]["param"] == "messages"
+
+
 def test_api_keys(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
     err = assert_openai_error(raw_post(server, "/v1/completions", body, key=None), 401)

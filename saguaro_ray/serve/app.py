@@ -109,20 +109,52 @@ def _route_of(request: Request) -> str:
 
 
 def _invalid_body(exc: RequestValidationError) -> APIError:
-    """FastAPI's body validation failure as an OpenAI 400 naming the first bad field."""
+    """FastAPI's body validation failure as an OpenAI 400 naming the first bad
+    field as OpenAI does (``messages[0].role``); a union's alternatives are
+    named in the message, not in the parameter."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    path = _field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         msg, param = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
-    elif not loc:  # the body is missing, or not a JSON object
+    elif not path:  # the body is missing, or not a JSON object
         msg, param = "request body must be a JSON object (sent with Content-Type: application/json)", None
     else:
-        param = ".".join(loc)
-        msg = f"{param}: {first['msg']}"
-        if len(errors) > 1:
-            msg += f" (and {len(errors) - 1} more error(s))"
+        param = _param_name(path)
+        same = [e for e in errors if _field_path(e.get("loc", ())) == path]
+        tags = [str(e["loc"][len(path) + 1]) for e in same if len(e.get("loc", ())) > len(path) + 1]
+        if len(same) > 1 and len(tags) == len(same):  # every alternative of a union refused it
+            msg = f"{param}: invalid type; expected one of: {', '.join(tags)}"
+        else:
+            msg = f"{param}: {first['msg']}"
+        if len(errors) > len(same):
+            msg += f" (and {len(errors) - len(same)} more error(s))"
     return APIError(400, msg, param=param, code="invalid_request")
+
+
+# pydantic names a union's alternative in an error's location ("stop", "list[str]"):
+# a type, not a field of the body
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _field_path(loc: Any) -> tuple[Any, ...]:
+    """An error location's fields and indices, without "body" and union tags."""
+    path: list[Any] = []
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part):
+            break
+        path.append(part)
+    return tuple(path)
+
+
+def _param_name(path: tuple[Any, ...]) -> str:
+    """``("messages", 0, "role")`` -> ``"messages[0].role"`` (OpenAI's spelling)."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
 @serve.ingress()

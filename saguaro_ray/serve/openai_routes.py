@@ -79,6 +79,7 @@ class OpenAIRoutes:
         cfg = self.replica.cfg
         engine = self.replica.engine
         stops, requested, strategy = self._prepare(body, request)
+        body.check_messages()
         deadline = time.monotonic() + body.timeout_s(cfg.request_timeout_s)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_prompt_bytes([m["content"] for m in messages], engine.prompt_bytes, "messages")

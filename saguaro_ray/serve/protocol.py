@@ -4,7 +4,11 @@ Request models check *types* and sizes (stop sequences, the ``timeout``
 extension); values (temperature, top_p, max_tokens, seed ...) are validated by
 :class:`~saguaro_ray.config.SamplingParams` — against what the engine and its
 wire can carry — so the HTTP server rejects exactly what the CLI and the
-Python API reject, with the same message. Unknown fields are ignored (clients send ``user`` and the like);
+Python API reject, with the same message. Types are strict, as OpenAI's
+are (``n: true``, ``stream: "yes"``, ``temperature: "0.5"`` are 400s naming
+the field; an integer is a number); a chat message's role is one of OpenAI's
+and a null content is refused (OpenAI allows one only next to ``tool_calls``,
+which are refused like ``tools``). Unknown fields are ignored (clients send ``user`` and the like);
 fields that would change the output in ways the engine cannot honour
 (``echo``, ``best_of > 1``, tools) are refused with a 400 rather than
 silently dropped. The penalties and ``logit_bias`` are honoured exactly
@@ -20,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -147,8 +151,13 @@ def too_many_requests_message(message: str, retry_after_s: int) -> APIError:
 StopT = str | list[str] | None
 
 
+# strict: no coercion (``true`` is not 1, ``"yes"`` not true, ``"0.5"`` not a
+# number), as the OpenAI API refuses them; JSON integers still fill float fields
+STRICT_BODY = ConfigDict(extra="allow", strict=True)
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_BODY
 
     model: str
     n: int = 1
@@ -243,12 +252,22 @@ class CompletionRequest(_Common):
         return list(p)  # several prompts (strings or token-id lists)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# the roles the OpenAI API accepts (it refuses any other with a 400 naming messages[i].role)
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
-    role: str
+
+class ChatMessage(BaseModel):
+    model_config = STRICT_BODY
+
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    def tool_field(self) -> str | None:
+        """The tool-call field this message carries (None: none): OpenAI's
+        reason a content may be null, and a history the engine cannot render."""
+        extra = self.model_extra or {}
+        return next((f for f in ("tool_calls", "function_call") if extra.get(f)), None)
 
     def text(self) -> str:
         if self.content is None:
@@ -271,6 +290,22 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Any = None
 
     LOGPROBS_PARAM: ClassVar[str] = "top_logprobs"
+
+    def check_messages(self) -> None:
+        """A message without content is a 400 naming it (OpenAI allows a null
+        content only next to ``tool_calls``, which, like ``tools``, the engine
+        cannot honour: refused naming them)."""
+        for i, m in enumerate(self.messages):
+            tool_field = m.tool_field()
+            if tool_field is not None:
+                raise APIError(400, f"{tool_field} in messages are not supported", param=f"messages[{i}].{tool_field}", code="unsupported")
+            if m.content is None:
+                raise APIError(
+                    400,
+                    f"messages[{i}].content: a {m.role} message needs content (a string or text parts), got null",
+                    param=f"messages[{i}].content",
+                    code="invalid_value",
+                )
 
     def logprobs_count(self) -> Any:
         if self.logprobs is not None and type(self.logprobs) is not bool:
