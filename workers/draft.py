@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import torch
 
 from saguaro_ray.algorithms.cache import SpeculationCache, Speculation
+from saguaro_ray.algorithms.tensors import host_to, tensor_like
 from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
 from saguaro_ray.algorithms.sampling import (
     STREAM_DRAFT,
@@ -92,13 +93,13 @@ def _draw(
     race = [r for r, p in enumerate(params) if p.invariant]
     std = [r for r, p in enumerate(params) if not p.invariant]
     if race:
-        idx = torch.tensor(race)
+        idx = tensor_like(q, race)
         tokens[idx] = race_token(q[idx], position_keys([seeds[r] for r in race], [positions[r] for r in race]))
     if std:
-        idx = torch.tensor(std)
+        idx = tensor_like(q, std)
         q_std = q[idx]
         if fanouts is not None and saguaro_c < 1.0:
-            q_std = saguaro_rescale(q_std, torch.tensor([fanouts[r] for r in std]), saguaro_c)
+            q_std = saguaro_rescale(q_std, tensor_like(q, [fanouts[r] for r in std]), saguaro_c)
             q[idx] = q_std
         u = position_uniforms([seeds[r] for r in std], [positions[r] for r in std], 1, STREAM_DRAFT).squeeze(-1)
         tokens[idx] = sample_from(q_std, u)
@@ -178,7 +179,7 @@ class DraftLogic(RunnerLogic):
         qrows: list[list[torch.Tensor]] = [[] for _ in steps]
         active = [i for i, k in enumerate(ks) if k > 0]
         if active:
-            logits = logits[torch.tensor(active)]  # from here on, one row per active sequence
+            logits = logits[tensor_like(logits, active)]  # from here on, one row per active sequence
         j = 0
         while active:
             fo = None if fanouts is None else [fanouts[i][j] if j < len(fanouts[i]) else 0 for i in active]
@@ -365,7 +366,7 @@ class DraftLogic(RunnerLogic):
             b_hist = [[t] for _, _, t in branches]
             b_prefix = [it.step.start + len(it.step.new_tokens) + k for it, (_, k, _) in zip(b_item, branches)]
             b_seq = [it.step.seq_id for it in b_item]
-        cur = torch.tensor([[t] for _, _, t in branches])
+        cur = host_to(self.runner.device, [[t] for _, _, t in branches])
         steps: list[torch.Tensor] = []  # sampled tokens per step [N] (rows past a branch's length unused)
         step_q: list[tuple[list[int], torch.Tensor] | None] = []  # (live rows, their q rows) per step
         step_logits = []
@@ -392,7 +393,7 @@ class DraftLogic(RunnerLogic):
                     min(b_item[r].saguaro_c for r in live),
                 )
                 toks = cur[:, 0].clone()
-                toks[torch.tensor(live)] = toks_live
+                toks[tensor_like(toks, live)] = toks_live
                 step_q.append(None if q is None else (live, q))
             steps.append(toks)
             if b_hist is not None:

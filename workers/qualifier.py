@@ -27,13 +27,13 @@ class QualifierLogic(RunnerLogic):
         inv = [i for i, it in enumerate(items) if rule_of(it) == "invariant"]
         out: list[Proposal | None] = [None] * len(items)
         if inv:  # the qualifier's own race winners under the target's noise: the target checks tokens only
-            rows = flat_rows(n_rows, inv)
+            rows = flat_rows(logits, n_rows, inv)
             for i, (k, t) in zip(inv, invariant_check(logits[rows], [steps[i] for i in inv], [proposals[i] for i in inv])):
                 out[i] = Proposal(proposals[i].tokens[:k] + [t], None, ProposalSource.QUALIFIED)
         std = [i for i in range(len(items)) if out[i] is None]
         if std:
             steps_s, props_s = [steps[i] for i in std], [proposals[i] for i in std]
-            vb = verification_batch(logits[flat_rows(n_rows, std)], steps_s, props_s, STREAM_QUALIFIER)
+            vb = verification_batch(logits[flat_rows(logits, n_rows, std)], steps_s, props_s, STREAM_QUALIFIER)
             first = items[std[0]]
             res = qualify(first.rule, vb.p, vb.tokens, vb.q, vb.lens, vb.u, first.tau, first.div)
             for r, (i, st, prop) in enumerate(zip(std, steps_s, props_s)):

@@ -98,7 +98,7 @@ class ModelRunner:
         self.checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = self.checkpoint.config
         self.dtype = parse_dtype(dtype, default=torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.backend = select_backend(attention_backend, self.device)
+        self.backend = select_backend(attention_backend, self.device, self.dtype)
         if block_size is None:
             block_size = FlashAttnBackend.required_block_size if isinstance(self.backend, FlashAttnBackend) else 16
         if block_size <= 0:

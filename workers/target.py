@@ -16,6 +16,7 @@ import torch
 from saguaro_ray.algorithms.logprobs import row_logprobs, token_logprobs
 from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_keys, position_uniforms, process_logits
 from saguaro_ray.algorithms.pyramid import target_check
+from saguaro_ray.algorithms.tensors import tensor_like
 from saguaro_ray.algorithms.verification import greedy_outcomes, invariant_outcomes, point_mass
 from saguaro_ray.workers.messages import NeedsPrefillError, Outcome, Proposal, SeqStep, VerifyItem
 from saguaro_ray.workers.grammar_masks import GrammarMasks
@@ -100,8 +101,8 @@ def processed_rows(logits: torch.Tensor, steps: Sequence[SeqStep], lens: Sequenc
     if all(p is params[0] for p in params):  # one law for every row: scalars broadcast
         pp = params[0]
         return process_logits(logits, [pp.temperature], [pp.top_k], [pp.top_p])
-    reps = torch.tensor([n + 1 for n in lens])
-    per_row = lambda f: torch.tensor([f(p) for p in params]).repeat_interleave(reps)  # noqa: E731
+    reps = tensor_like(logits, [n + 1 for n in lens])
+    per_row = lambda f: tensor_like(logits, [f(p) for p in params]).repeat_interleave(reps)  # noqa: E731
     return process_logits(logits, per_row(lambda p: p.temperature), per_row(lambda p: p.top_k), per_row(lambda p: p.top_p))
 
 
@@ -140,7 +141,7 @@ def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals
         for i, n in enumerate(lens):
             p[i, : n + 1] = p_flat[offset : offset + n + 1]
             offset += n + 1
-    tokens = torch.tensor([prop.tokens + [0] * (kmax - n) for prop, n in zip(proposals, lens)], dtype=torch.long).view(b, kmax)
+    tokens = tensor_like(logits, [prop.tokens + [0] * (kmax - n) for prop, n in zip(proposals, lens)], torch.long).view(b, kmax)
     q = None  # every proposal a point mass: verification uses δ_token
     if any(prop.q is not None for prop in proposals):
         q = p_flat.new_zeros(b, kmax, vocab)
@@ -150,7 +151,7 @@ def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals
     if all(pr.greedy for pr in params):
         # one-hot p: every accept test and every draw is decided whatever the
         # uniform, so none is drawn (identical results, no generator work)
-        u = torch.zeros(b, kmax + 1, 2, dtype=torch.float64)
+        u = p.new_zeros(b, kmax + 1, 2, dtype=torch.float64)
     else:
         u = position_uniforms(
             [st.seed for st in steps for _ in range(kmax + 1)],
@@ -158,7 +159,8 @@ def verification_batch(logits: torch.Tensor, steps: Sequence[SeqStep], proposals
             2,
             stream,
         ).view(b, kmax + 1, 2)
-    return VerificationBatch(p, tokens, q, torch.tensor(lens), u)
+        u = tensor_like(p, u)
+    return VerificationBatch(p, tokens, q, tensor_like(p, lens), u)
 
 
 def with_logprobs(
@@ -178,12 +180,13 @@ def with_logprobs(
     return outcomes
 
 
-def flat_rows(n_rows: Sequence[int], idx: Sequence[int]) -> torch.Tensor:
-    """The indices of items ``idx``'s rows among flat logit rows (``n_rows[i]`` per item)."""
+def flat_rows(like: torch.Tensor, n_rows: Sequence[int], idx: Sequence[int]) -> torch.Tensor:
+    """The indices of items ``idx``'s rows among flat logit rows (``n_rows[i]``
+    per item), on the device of ``like`` (the rows they index)."""
     starts = [0]
     for n in n_rows:
         starts.append(starts[-1] + n)
-    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx])
+    return tensor_like(like, [r for i in idx for r in range(starts[i], starts[i + 1])])
 
 
 def rule_of(item: VerifyItem) -> str:
@@ -251,7 +254,7 @@ class TargetLogic(RunnerLogic):
             return with_logprobs(self._check(next(iter(groups)), logits, steps, proposals), raw, logits, steps, proposals)
         out: list[Outcome | None] = [None] * len(items)
         for key, idx in groups.items():
-            rows = flat_rows(n_rows, idx)
+            rows = flat_rows(logits, n_rows, idx)
             for i, o in zip(idx, self._check(key, logits[rows], [steps[i] for i in idx], [proposals[i] for i in idx])):
                 out[i] = o
         return with_logprobs(out, raw, logits, steps, proposals)  # type: ignore[arg-type]

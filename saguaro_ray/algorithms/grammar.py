@@ -29,11 +29,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
-import xgrammar
+
+if TYPE_CHECKING:  # imported when a grammar is first compiled: an engine that never sees a
+    import xgrammar  # response_format (a GPU check with no xgrammar, say) does not need it
 
 from saguaro_ray.config import ResponseFormat
 from saguaro_ray.errors import ConfigError
@@ -61,6 +63,8 @@ class GrammarCompiler:
             raise ConfigError("response_format needs the model's end-of-sequence token id; the checkpoint names none")
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
+        import xgrammar
+
         self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(self.eos_ids))
         self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)  # ours is bounded
         self._compiled: OrderedDict[ResponseFormat, xgrammar.CompiledGrammar] = OrderedDict()
@@ -100,6 +104,8 @@ class GrammarCompiler:
 
     def start(self, fmt: ResponseFormat) -> "SequenceGrammar":
         """A fresh grammar state for one sequence generating under ``fmt``."""
+        import xgrammar
+
         return SequenceGrammar(xgrammar.GrammarMatcher(self.compile(fmt)), self)
 
 
@@ -160,6 +166,8 @@ def _eos_only(row: torch.Tensor, eos_ids: Sequence[int]) -> None:
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed packed mask for ``rows`` rows (int32 words, on the CPU)."""
+    import xgrammar
+
     return xgrammar.allocate_token_bitmask(rows, vocab_size)
 
 

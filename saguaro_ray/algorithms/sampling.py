@@ -159,8 +159,8 @@ def position_uniforms(seeds: Sequence[int], positions: Sequence[int], n: int = 1
     rows = []
     for s, p in zip(seeds, positions):
         g.manual_seed(_stream_seed(s, p, stream))
-        rows.append(torch.rand(n, generator=g, dtype=torch.float64))
-    return torch.stack(rows) if rows else torch.empty(0, n, dtype=torch.float64)
+        rows.append(torch.rand(n, generator=g, dtype=torch.float64, device=g.device))
+    return torch.stack(rows) if rows else torch.empty(0, n, dtype=torch.float64, device=g.device)
 
 
 
@@ -226,7 +226,7 @@ def race_noise(keys: Sequence[int], vocab: int, device: torch.device | str = "cp
         return _exp_noise(k, offsets)
     # on a CPU, a few rows at a time: the ~10 passes of the hash stay in cache (40 rows of
     # a 49k vocabulary at once took 2.2 ms a row, one at a time 0.4)
-    out = torch.empty(len(keys), vocab, dtype=torch.float64)
+    out = torch.empty(len(keys), vocab, dtype=torch.float64, device=dev)
     for i in range(0, len(keys), _CPU_ROWS):
         out[i : i + _CPU_ROWS] = _exp_noise(k[i : i + _CPU_ROWS], offsets)
     return out

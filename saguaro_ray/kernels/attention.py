@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from saguaro_ray.algorithms.tensors import host_to
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.kernels.paged_attention import PagedBatch, PagedPlan, attend_paged, plan_paged
 from saguaro_ray.kernels.tree_attention import TreeBatch, TreePlan, attend_tree, plan_tree
@@ -94,45 +95,57 @@ class FlashAttnBackend(TorchBackend):
         self._with_kvcache = flash_attn_with_kvcache
 
     def plan_paged(self, batch: PagedBatch, window: int | None, device: torch.device) -> dict:
-        return {
-            "block_tables": batch.block_tables.to(device=device, dtype=torch.int32),
-            "context_lens": torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
-            "query_lens": batch.query_lens,
-            "window": (-1, -1) if window is None else (window - 1, 0),
-        }
-
-    def paged(self, plan: dict, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        # Sequences with different query lengths are run per distinct length so
-        # the kernel's bottom-right causal alignment stays per sequence.
-        qlens = plan["query_lens"]
-        out = torch.empty_like(q)
+        """Sequences with different query lengths run per distinct length, so
+        the kernel's bottom-right causal alignment stays per sequence: each
+        length's rows, lengths and tables are gathered here, once per step,
+        not in every layer."""
+        qlens = batch.query_lens
+        tables = batch.block_tables.to(device=device, dtype=torch.int32)
+        context = host_to(device, batch.context_lens, torch.int32)
         starts = [0]
         for n in qlens:
             starts.append(starts[-1] + n)
+        groups = []
         for n in sorted(set(qlens)):
             idx = [b for b, m in enumerate(qlens) if m == n]
-            rows = torch.cat([torch.arange(starts[b], starts[b] + n) for b in idx]).to(q.device)
-            qb = q[rows].view(len(idx), n, *q.shape[1:])
-            sel = torch.tensor(idx, device=q.device)
+            if len(idx) == len(qlens):  # one length: every row, in order
+                groups.append((n, None, context, tables))
+                continue
+            rows = host_to(device, [r for b in idx for r in range(starts[b], starts[b] + n)])
+            sel = host_to(device, idx)
+            groups.append((n, rows, context[sel], tables[sel]))
+        return {"groups": groups, "window": (-1, -1) if window is None else (window - 1, 0)}
+
+    def paged(self, plan: dict, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q) if len(plan["groups"]) > 1 else None
+        for n, rows, context, tables in plan["groups"]:
+            qb = (q if rows is None else q[rows]).view(-1, n, *q.shape[1:])
             o = self._with_kvcache(
                 qb,
                 k_cache,
                 v_cache,
-                cache_seqlens=plan["context_lens"][sel],
-                block_table=plan["block_tables"][sel],
+                cache_seqlens=context,
+                block_table=tables,
                 softmax_scale=scale,
                 causal=True,
                 window_size=plan["window"],
-            )
-            out[rows] = o.reshape(-1, *q.shape[1:])
+            ).reshape(-1, *q.shape[1:])
+            if out is None:
+                return o
+            out[rows] = o
         return out
 
 
-def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """Pick an attention backend: ``None``/``"auto"`` → flash-attn on CUDA when
-    importable, else torch; ``"torch"``/``"sdpa"`` or ``"flash_attn"`` force one."""
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what flash-attn's kernels compute in
+
+
+def select_backend(name: str | None, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """Pick an attention backend by device *and* dtype: ``None``/``"auto"`` →
+    flash-attn on CUDA in fp16/bf16 when importable, else torch (fp32 on CUDA
+    runs torch's attention: flash-attn has no fp32 kernels);
+    ``"torch"``/``"sdpa"`` or ``"flash_attn"`` force one."""
     if name in (None, "auto"):
-        if device.type == "cuda":
+        if device.type == "cuda" and dtype in FLASH_DTYPES:
             try:
                 return FlashAttnBackend()
             except ImportError:
@@ -143,6 +156,8 @@ def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
     if name in ("flash_attn", "flash-attn"):
         if device.type != "cuda":
             raise ConfigError("attention backend 'flash_attn' needs a CUDA device; use 'torch' on CPU")
+        if dtype not in FLASH_DTYPES:
+            raise ConfigError(f"attention backend 'flash_attn' runs in fp16 or bf16, not {dtype}; use dtype bf16 or attention backend 'torch'")
         return FlashAttnBackend()
     raise ConfigError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'flash_attn'")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro_ray.algorithms.tensors import host_to
 from saguaro_ray.kernels.attention_ops import contiguous_range, gather_keys, kv_slots, sdpa
 
 
@@ -55,31 +56,31 @@ def plan_paged(batch: PagedBatch, window: int | None, device: torch.device) -> P
     kv_range = contiguous_range(batch.block_tables, batch.block_lists, lmax, bs) if b == 1 else None
     slots = None if kv_range is not None else kv_slots(batch.block_tables, lmax, bs, device)
     uniform = min(qlens) == qmax
-    ar_q = torch.arange(qmax)
-    q_valid = None if uniform else ar_q.unsqueeze(0) < torch.tensor(qlens).unsqueeze(1)  # [B, Qmax]
+    ar_q = torch.arange(qmax, device=device)
+    q_valid = None if uniform else ar_q.unsqueeze(0) < host_to(device, qlens).unsqueeze(1)  # [B, Qmax]
     # key j is visible to query i of sequence b when j <= its own cache index
     # (and within the window); queries beyond a sequence's length are padding
     need_mask = qmax > 1 or min(clens) != lmax or (window is not None and lmax > window)
     mask = None
     if need_mask:
-        key = torch.arange(lmax)
+        key = torch.arange(lmax, device=device)
         if b == 1:
             q_cache_idx = (ar_q + (clens[0] - qlens[0])).view(1, -1, 1)
         else:
-            q_cache_idx = (torch.tensor([c - n for c, n in zip(clens, qlens)]).unsqueeze(1) + ar_q).unsqueeze(-1)
+            q_cache_idx = (host_to(device, [c - n for c, n in zip(clens, qlens)]).unsqueeze(1) + ar_q).unsqueeze(-1)
         allowed = key <= q_cache_idx  # [B, Q, L]; also < clens[b] since q_cache_idx < clens[b]
         if window is not None:
             allowed &= (q_cache_idx - key) < window
         if q_valid is not None:
             allowed[:, :, 0] |= ~q_valid  # padded query rows see key 0 so softmax stays finite
-        mask = allowed.unsqueeze(1).to(device)
+        mask = allowed.unsqueeze(1)
     q_index = q_valid_t = None
     if q_valid is not None:
         starts = [0]
         for n in qlens[:-1]:
             starts.append(starts[-1] + n)
-        q_index = (torch.tensor(starts).unsqueeze(1) + ar_q).masked_fill(~q_valid, 0).to(device)
-        q_valid_t = q_valid.to(device)
+        q_index = (host_to(device, starts).unsqueeze(1) + ar_q).masked_fill(~q_valid, 0)
+        q_valid_t = q_valid
     return PagedPlan(kv_slots=slots, kv_range=kv_range, mask=mask, q_index=q_index, q_valid=q_valid_t, qmax=qmax)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro_ray.algorithms.tensors import host_to
 from saguaro_ray.kernels.attention_ops import attention_with_lse, contiguous_range, gather_keys, kv_slots, merge_by_lse, sdpa
 
 
@@ -113,32 +114,32 @@ def _plan_joint(batch: TreeBatch, window: int | None, device: torch.device) -> J
     identity = all(len(m) == rows for m in members) and all(
         r == g * rows + i for g, m in enumerate(members) for i, r in enumerate(m)
     )
-    limits = torch.tensor([[batch.prefix_lens[r] for r in m] + [0] * (rows - len(m)) for m in members])  # [S, rows]
+    limits = host_to(device, [[batch.prefix_lens[r] for r in m] + [0] * (rows - len(m)) for m in members])  # [S, rows]
     kv_range = contiguous_range(batch.block_tables, batch.block_lists, lmax, batch.block_size) if groups == 1 else None
     slots = None if kv_range is not None else kv_slots(batch.block_tables, lmax, batch.block_size, device)
-    key = torch.arange(lmax)
+    key = torch.arange(lmax, device=device)
     lim = limits.view(groups, rows, 1, 1)
     prefix = key < lim  # [S, rows, 1, L]
-    qj = torch.arange(n_new).view(1, 1, -1, 1)
+    qj = torch.arange(n_new, device=device).view(1, 1, -1, 1)
     if window is not None:
         prefix = prefix & ((lim + sfx + qj - key) < window)
     prefix = prefix.expand(groups, rows, n_new, lmax)
     # suffix key (slot b, i) is visible to row (slot a, j) iff b == a and i <= sfx + j (within the window)
-    ki = torch.arange(total)
+    ki = torch.arange(total, device=device)
     own = ki <= sfx + qj.view(-1, 1)  # [n_new, total]
     if window is not None:
         own &= (sfx + qj.view(-1, 1) - ki) < window
-    suffix = torch.eye(rows, dtype=torch.bool).view(rows, 1, rows, 1) & own.view(1, n_new, 1, total)
+    suffix = torch.eye(rows, dtype=torch.bool, device=device).view(rows, 1, rows, 1) & own.view(1, n_new, 1, total)
     suffix = suffix.reshape(1, rows, n_new, rows * total).expand(groups, rows, n_new, rows * total)
     mask = torch.cat([prefix, suffix], dim=-1).view(groups, 1, rows * n_new, lmax + rows * total)
     member = row_group = row_slot = None
     if not identity:
-        member = torch.tensor([m + [0] * (rows - len(m)) for m in members], device=device)
-        row_group = torch.tensor(batch.branch_seq, device=device)
-        row_slot = torch.tensor([members[s].index(r) for r, s in enumerate(batch.branch_seq)], device=device)
+        member = host_to(device, [m + [0] * (rows - len(m)) for m in members])
+        row_group = host_to(device, batch.branch_seq)
+        row_slot = host_to(device, [members[s].index(r) for r, s in enumerate(batch.branch_seq)])
     return JointTreePlan(
         groups=groups, rows=rows, identity=identity, member=member, row_group=row_group, row_slot=row_slot,
-        kv_slots=slots, kv_range=kv_range, mask=mask.to(device), n_new=n_new, suffix_total=total,
+        kv_slots=slots, kv_range=kv_range, mask=mask, n_new=n_new, suffix_total=total,
     )
 
 
@@ -179,28 +180,29 @@ def _plan_cascade(batch: TreeBatch, window: int | None, device: torch.device) ->
         counts[s] += 1
     rows_max = max(counts)
     # prefix length limit of every (group, row) — padded rows see nothing
-    limits = torch.zeros(groups, rows_max, dtype=torch.long)
+    limit_rows = [[0] * rows_max for _ in range(groups)]
     for r, (s, slot) in enumerate(zip(batch.branch_seq, row_slot)):
-        limits[s, slot] = batch.prefix_lens[r]
+        limit_rows[s][slot] = batch.prefix_lens[r]
+    limits = host_to(device, limit_rows)
     lmax = max(max(batch.prefix_lens), 1)
     slots = kv_slots(batch.block_tables, lmax, batch.block_size, device)
-    key = torch.arange(lmax)
+    key = torch.arange(lmax, device=device)
     allowed = key.view(1, 1, 1, -1) < limits.view(groups, rows_max, 1, 1)  # [S, rows, 1, L]
     allowed = allowed.expand(groups, rows_max, n_new, lmax)
     if window is not None:
-        q_abs = limits.view(groups, rows_max, 1) + sfx + torch.arange(n_new).view(1, 1, -1)
+        q_abs = limits.view(groups, rows_max, 1) + sfx + torch.arange(n_new, device=device).view(1, 1, -1)
         allowed = allowed & ((q_abs.unsqueeze(-1) - key.view(1, 1, 1, -1)) < window)
     prefix_allowed = allowed.reshape(groups, 1, rows_max * n_new, lmax)
     total = sfx + n_new
-    qi = sfx + torch.arange(n_new).view(-1, 1)
-    kj = torch.arange(total).view(1, -1)
+    qi = sfx + torch.arange(n_new, device=device).view(-1, 1)
+    kj = torch.arange(total, device=device).view(1, -1)
     suffix_allowed = kj <= qi
     if window is not None:
         suffix_allowed &= (qi - kj) < window
     return CascadeTreePlan(
-        row_group=torch.tensor(batch.branch_seq, device=device), row_slot=torch.tensor(row_slot, device=device),
-        rows_max=rows_max, kv_slots=slots, prefix_allowed=prefix_allowed.to(device),
-        suffix_allowed=suffix_allowed.view(1, 1, n_new, total).to(device), n_new=n_new, suffix_total=total,
+        row_group=host_to(device, batch.branch_seq), row_slot=host_to(device, row_slot),
+        rows_max=rows_max, kv_slots=slots, prefix_allowed=prefix_allowed,
+        suffix_allowed=suffix_allowed.view(1, 1, n_new, total), n_new=n_new, suffix_total=total,
     )
 
 
