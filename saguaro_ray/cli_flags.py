@@ -125,6 +125,7 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--device", default="cpu")
     group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
     group.add_argument("--attention-backend", default=None, help="auto | torch | flash_attn")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on CUDA, run every step eagerly (default: decode and verify replay CUDA graphs)")
     group.add_argument("--num-drafts", type=int, default=1, help="SSD: drafts that split the outcome set (each its own actor, or thread in process)")
     add_draft_vocab_arg(group)
     group.add_argument("--max-batch-size", type=int, default=64)
@@ -142,6 +143,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        cuda_graphs=args.cuda_graphs,
         max_batch_size=args.max_batch_size,
         threads_per_worker=args.threads,
         address=args.address,

@@ -113,18 +113,19 @@ def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
     report: dict = {}
     gpu_check._section(report, "boom", lambda: 1 / 0)
     gpu_check._section(report, "fine", lambda: {"ok": True, "x": 1.5})
-    assert "ZeroDivisionError" in report["boom"]["error"] and report["fine"] == {"ok": True, "x": 1.5}
+    assert "ZeroDivisionError" in report["boom"]["error"] and report["fine"]["x"] == 1.5 and "seconds" in report["fine"]
     assert gpu_check._failed(report["boom"]) and not gpu_check._failed(report["fine"])
     assert gpu_check._failed({"a": {"ssd_equals_ar": False}}) and gpu_check._failed({"returncode": 1})
     assert not gpu_check._failed({"skipped": "needs 2 GPUs"})
-    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
+    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=4096))  # gpu_check's long prompt: ~2k characters
     models = {"target": target, "draft": target}
     got = gpu_check._end_to_end(models, ray=False, device="cpu")
-    assert got["ok"] and got["ssd_tokens_per_s"] > 0
+    assert got["ok"] and got["ssd_tokens_per_s"] > 0 and got["seeded_ar_repeats"] and got["completed_sampled"]
+    assert got["ssd_first_divergence"] == [None] * 4  # the long prompt's too
     started = not ray.is_initialized()
     try:
         got = gpu_check._end_to_end(models, ray=True, device="cpu")
-        assert got["ok"] and got["ssd_data_plane_generation"] >= 1
+        assert got["ok"] and got["ssd_data_plane"]["data_plane_generation"] >= 1
     finally:
         if started:
             ray.shutdown()

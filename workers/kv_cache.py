@@ -46,6 +46,13 @@ class PagedKVCache:
         self._free = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[object, SequenceKV] = {}
 
+    def reserve_block(self) -> int:
+        """Take one block out of the pool for good (a static step's padding
+        rows write there) and return its id."""
+        if not self._free:
+            raise OutOfKVBlocksError("no KV block left to reserve")
+        return self._free.pop()
+
     @property
     def free_blocks(self) -> int:
         return len(self._free)

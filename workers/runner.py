@@ -26,6 +26,7 @@ from typing import Hashable, Sequence
 
 import torch
 
+from saguaro_ray.algorithms.tensors import tensor_like
 from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError
 from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatch, select_backend
 from saguaro_ray.kernels.linear import linear_kernel, pack_linears
@@ -33,6 +34,7 @@ from saguaro_ray.kernels.quantized import SCHEMES, quantize_decoder, scheme
 from saguaro_ray.kernels.subset_head import SubsetHead, check_draft_vocab, subset_ids
 from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
 from saguaro_ray.workers.decoder import AttentionStep
+from saguaro_ray.workers.graphs import StepGraphs
 from saguaro_ray.workers.kv_cache import PagedKVCache
 from saguaro_ray.workers.model_config import parse_dtype
 from saguaro_ray.workers.tensor_parallel import TPContext
@@ -70,6 +72,7 @@ class ModelRunner:
         max_tree_branches: int = 64,
         max_tree_depth: int = 16,
         attention_backend: str | None = None,
+        cuda_graphs: bool = True,
         tp: TPContext | None = None,
         quantize: str | None = None,
         head_vocab: int | None = None,
@@ -84,7 +87,10 @@ class ModelRunner:
         ``head_vocab``: a draft's reduced-vocabulary LM head over that many ids
         (``EngineConfig.draft_vocab``; see :mod:`saguaro_ray.kernels.subset_head`):
         logits are -inf at every other id; ``None`` or the vocabulary size or
-        more: the full head."""
+        more: the full head.
+        ``cuda_graphs``: on CUDA, decode and verification steps replay CUDA
+        graphs (:mod:`saguaro_ray.workers.graphs`); a quantised, sharded or
+        reduced-head runner, and any CPU runner, runs eagerly."""
         check_draft_vocab(head_vocab)
         if quantize is not None:
             scheme(quantize)  # refuse an unknown name before loading anything
@@ -126,6 +132,9 @@ class ModelRunner:
             (torch.zeros(sshape, dtype=self.dtype, device=self.device), torch.zeros(sshape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
+        self.graphs: StepGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and quantize is None and tp is None and self.head_ids is None:
+            self.graphs = StepGraphs(self.model, self.kv, cfg.sliding_window, max_context=min(self.max_context, max_kv_tokens))
 
     # ---------------------------------------------------------------- facts
     @property
@@ -196,6 +205,11 @@ class ModelRunner:
         slots: list[int] = []
         for s, n in zip(seq_ids, qlens):
             slots.extend(self.kv.reserve(s, n))
+        context_lens = [s + n for s, n in zip(starts, qlens)]
+        if self.graphs is not None and self.graphs.fits(qlens, context_lens):
+            pos_lists = positions if positions is not None else [range(s, s + n) for s, n in zip(starts, qlens)]
+            logits = self.graphs.run(tokens, pos_lists, slots, self.kv.block_lists(seq_ids), context_lens)
+            return self._wanted_rows(logits, qlens, wanted)
         if positions is not None:
             pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.long, device=dev)
         elif len(starts) == 1:
@@ -205,7 +219,7 @@ class ModelRunner:
         lists = self.kv.block_lists(seq_ids)
         batch = PagedBatch(
             block_tables=self.kv.table_tensor(lists, dev),
-            context_lens=[s + n for s, n in zip(starts, qlens)],
+            context_lens=context_lens,
             query_lens=qlens,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_size=self.kv.block_size,
@@ -219,17 +233,21 @@ class ModelRunner:
         )
         ids = torch.tensor(tokens[0] if len(tokens) == 1 else [t for seq in tokens for t in seq], dtype=torch.long, device=dev)
         hidden = self.model.hidden_states(ids, pos, self.kv.layers, step)
-        if wanted != qlens:
-            if len(qlens) == 1:
-                hidden = hidden[qlens[0] - wanted[0] :]
-            else:
-                rows: list[int] = []
-                end = 0
-                for n, w in zip(qlens, wanted):
-                    end += n
-                    rows.extend(range(end - w, end))
-                hidden = hidden[torch.tensor(rows, device=dev)]
-        return self._logits(hidden)
+        return self._logits(self._wanted_rows(hidden, qlens, wanted))
+
+    @staticmethod
+    def _wanted_rows(rows: torch.Tensor, qlens: Sequence[int], wanted: Sequence[int]) -> torch.Tensor:
+        """The last ``wanted[b]`` of each sequence's ``qlens[b]`` rows (flat, in batch order)."""
+        if list(wanted) == list(qlens):
+            return rows
+        if len(qlens) == 1:
+            return rows[qlens[0] - wanted[0] :]
+        index: list[int] = []
+        end = 0
+        for n, w in zip(qlens, wanted):
+            end += n
+            index.extend(range(end - w, end))
+        return rows[tensor_like(rows, index)]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_ids is not None:

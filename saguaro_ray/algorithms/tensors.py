@@ -30,6 +30,15 @@ def host_to(device: torch.device, data: Any, dtype: torch.dtype | None = None) -
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def upload_into(dst: torch.Tensor, data: Any) -> torch.Tensor:
+    """Copy host values into the existing tensor ``dst`` (a static buffer) — on
+    CUDA straight from pinned memory, queued on the current stream."""
+    t = torch.as_tensor(data, dtype=dst.dtype, device=_CPU)
+    if dst.device.type == "cuda":
+        return dst.copy_(t.pin_memory(), non_blocking=True)
+    return dst.copy_(t)
+
+
 def tensor_like(like: torch.Tensor, data: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``data`` as a tensor on ``like``'s device (``dtype``: as :func:`torch.as_tensor` infers)."""
     return host_to(like.device, data, dtype)

@@ -53,6 +53,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     attention_backend: str | None = None
+    cuda_graphs: bool = True  # on CUDA: decode and verify replay CUDA graphs (saguaro_ray.workers.graphs)
     max_kv_tokens: int | None = None
     max_batch_size: int = 64
     max_queued: int | None = None  # samples waiting for admission; past it a request is refused (EngineOverloadedError)
@@ -154,7 +155,7 @@ class EngineConfig:
     @property
     def runner_options(self) -> dict[str, Any]:
         """What of this config every worker's :class:`ModelRunner` takes."""
-        return {"device": self.device, "dtype": self.dtype, "attention_backend": self.attention_backend, "max_kv_tokens": self.max_kv_tokens}
+        return {"device": self.device, "dtype": self.dtype, "attention_backend": self.attention_backend, "cuda_graphs": self.cuda_graphs, "max_kv_tokens": self.max_kv_tokens}
 
     def role_runner_options(self, role: str) -> dict[str, Any]:
         """:attr:`runner_options` for a worker of ``role``: a draft's also

@@ -1,0 +1,208 @@
+"""CUDA graphs of the runner's uniform steps: decode (1 token per sequence)
+and verification (K+1 tokens per sequence).
+
+A small model's step on a GPU is launch-bound: a 24-layer decoder issues a
+few hundred small kernels, each costing more to launch from Python than to
+run. A CUDA graph records them once and replays them with one launch. What a
+graph replays is fixed — shapes and the addresses it reads — so a step runs
+through *static buffers* of a fixed size, and everything that varies from
+step to step is data in those buffers:
+
+* one packed int64 buffer per graph holds the step's token ids, positions,
+  the cache slots the new K/V go to, each sequence's context length and its
+  block table; the host fills it with one pinned, non-blocking copy;
+* the keys a sequence attends to are gathered through its block table up to
+  a fixed *context bucket* L (a power of two); the mask (key j visible to
+  query i of sequence b iff j <= its cache index, within the sliding window)
+  is computed on the device from the context lengths, inside the graph;
+* a batch of B sequences runs in the graph of the next *batch bucket*
+  (1, 2, 4, 8, 16, 32, ...); padding rows read and write only a reserved pad
+  block of the KV pool, and attend to it alone, so they touch nothing real.
+
+Graphs are keyed by (batch bucket, query length, context bucket) and captured
+the first time a step of that shape comes (a warm-up run on a side stream,
+then the capture; both compute the real step, so the replay that follows
+rewrites the same K/V). All graphs share one memory pool, as nano-vllm's and
+the SSD reference engine's do (they are never replayed at once).
+
+Without CUDA (``capture=False``) the same static path runs eagerly: the CPU
+tests hold it to the runner's ordinary forward, so the first GPU run has only
+the capture itself left to validate (``tests/test_parity.py``'s GPU test and
+``python -m saguaro_ray.jobs.gpu_check`` compare graphed with eager logits).
+Prefill, ragged batches, tree steps and anything beyond the largest bucket run
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from saguaro_ray.algorithms.tensors import upload_into
+from saguaro_ray.kernels.attention import TorchBackend
+from saguaro_ray.kernels.paged_attention import PagedPlan
+from saguaro_ray.workers.decoder import AttentionStep, Decoder
+from saguaro_ray.workers.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+MIN_CONTEXT_BUCKET = 256
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    """The smallest power of two times ``smallest`` that holds ``n``."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass
+class _Graph:
+    """One captured shape: its packed input buffer and output (static addresses)."""
+
+    batch: int  # sequences (bucket)
+    query: int  # tokens per sequence
+    context: int  # keys per sequence (bucket)
+    inputs: torch.Tensor  # [3 * B * n + B + B * L / block_size] int64
+    logits: torch.Tensor | None = None  # [B * n, V] fp32, set by the run that fills it
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class StepGraphs:
+    """The graphed (or, without CUDA, static-eager) decode and verify steps of one runner."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        kv: PagedKVCache,
+        window: int | None,
+        *,
+        max_batch: int = 32,
+        max_query: int = 9,
+        max_context: int = 4096,
+        capture: bool = True,
+    ) -> None:
+        if max_query > kv.block_size:
+            raise ValueError(f"max_query {max_query} must not exceed the block size {kv.block_size} (padding rows live in one block)")
+        self.model, self.kv, self.window = model, kv, window
+        self.max_batch, self.max_query = max_batch, max_query
+        self.block_size = kv.block_size
+        self.max_context = bucket(max_context, bucket(MIN_CONTEXT_BUCKET, self.block_size))
+        self.capture = capture
+        self.device = kv.layers[0][0].device
+        self.pad_block = kv.reserve_block()  # padding rows write here, and read nothing else
+        self.backend = TorchBackend()  # the static plan is a masked gather, torch's paged form
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._pool = None
+        self.captured = 0  # graphs captured so far
+        self.replays = 0  # steps served by a graph (or by the static path without CUDA)
+
+    def fits(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> bool:
+        """Whether a step can run here: one query length up to ``max_query``,
+        at most ``max_batch`` sequences, every context within the largest bucket."""
+        n = query_lens[0]
+        return (
+            n <= self.max_query
+            and len(query_lens) <= self.max_batch
+            and all(q == n for q in query_lens)
+            and max(context_lens) <= self.max_context
+        )
+
+    def run(
+        self,
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        block_lists: Sequence[list[int]],
+        context_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """fp32 logits ``[B * n, V]`` of every new token (a copy: the next replay reuses the buffer)."""
+        b, n = len(tokens), len(tokens[0])
+        bb = bucket(b)
+        ctx = bucket(max(context_lens), bucket(MIN_CONTEXT_BUCKET, self.block_size))
+        key = (bb, n, ctx)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = _Graph(bb, n, ctx, torch.zeros(self._input_size(bb, n, ctx), dtype=torch.long, device=self.device))
+        upload_into(g.inputs, self._pack(g, tokens, positions, slots, block_lists, context_lens))
+        if g.graph is not None:
+            g.graph.replay()
+        elif self.capture:
+            self._capture(g)
+        else:
+            g.logits = self._body(g)
+        self.replays += 1
+        assert g.logits is not None
+        return g.logits[: b * n].clone()
+
+    # ------------------------------------------------------------ internals
+    def _input_size(self, b: int, n: int, ctx: int) -> int:
+        return 3 * b * n + b + b * (ctx // self.block_size)
+
+    def _pack(
+        self,
+        g: _Graph,
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        block_lists: Sequence[list[int]],
+        context_lens: Sequence[int],
+    ) -> list[int]:
+        """The packed inputs: ids | positions | slots | context lengths | block
+        tables, padded to the graph's batch and context buckets."""
+        b, n, bs = len(tokens), g.query, self.block_size
+        pad_rows = g.batch - b
+        width = g.context // bs
+        pad_slots = [self.pad_block * bs + j for j in range(n)]
+        ids = [t for seq in tokens for t in seq] + [0] * (pad_rows * n)
+        pos = [p for seq in positions for p in seq] + list(range(n)) * pad_rows
+        slot = list(slots) + pad_slots * pad_rows
+        lens = list(context_lens) + [n] * pad_rows
+        tables: list[int] = []
+        for blocks in block_lists:
+            tables.extend(blocks[:width])
+            tables.extend([self.pad_block] * (width - min(len(blocks), width)))
+        tables.extend([self.pad_block] * (width * pad_rows))
+        return ids + pos + slot + lens + tables
+
+    def _body(self, g: _Graph) -> torch.Tensor:
+        """The step, reading only ``g.inputs``: what the graph records."""
+        b, n, ctx, bs = g.batch, g.query, g.context, self.block_size
+        t = b * n
+        ids, pos, slot = g.inputs[:t], g.inputs[t : 2 * t], g.inputs[2 * t : 3 * t]
+        lens = g.inputs[3 * t : 3 * t + b]
+        table = g.inputs[3 * t + b :].view(b, ctx // bs)
+        dev = g.inputs.device
+        kv_slots = (table.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).view(b, ctx)
+        q_index = (lens - n).unsqueeze(1) + torch.arange(n, device=dev)  # [B, n] cache index of each query
+        key = torch.arange(ctx, device=dev)
+        allowed = key.view(1, 1, ctx) <= q_index.unsqueeze(-1)  # [B, n, L]
+        if self.window is not None:
+            allowed &= (q_index.unsqueeze(-1) - key) < self.window
+        plan = PagedPlan(kv_slots=kv_slots, kv_range=None, mask=allowed.unsqueeze(1), q_index=None, q_valid=None, qmax=n)
+        step = AttentionStep(kind="paged", backend=self.backend, plan=plan, slot_mapping=slot)
+        hidden = self.model.hidden_states(ids, pos, self.kv.layers, step)
+        return self.model.logits(hidden).float()
+
+    def _capture(self, g: _Graph) -> None:
+        """Warm up on a side stream (cuBLAS workspaces, lazy inits), then
+        record the step; both compute the real step, so its K/V are written
+        and its logits are there before the first replay."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._body(g)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            g.logits = self._body(g)
+        graph.replay()
+        g.graph = graph
+        self.captured += 1
+        log.debug("captured the step graph for batch %d, query %d, context %d", g.batch, g.query, g.context)
