@@ -99,14 +99,17 @@ class StepGraphs:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
         self.captured = 0  # graphs captured so far
+        self.capture_error: str | None = None  # why capturing failed (then every step runs eagerly)
         self.replays = 0  # steps served by a graph (or by the static path without CUDA)
 
     def fits(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> bool:
         """Whether a step can run here: one query length up to ``max_query``,
-        at most ``max_batch`` sequences, every context within the largest bucket."""
+        at most ``max_batch`` sequences, every context within the largest bucket
+        (and no capture has failed)."""
         n = query_lens[0]
         return (
-            n <= self.max_query
+            self.capture_error is None
+            and n <= self.max_query
             and len(query_lens) <= self.max_batch
             and all(q == n for q in query_lens)
             and max(context_lens) <= self.max_context
@@ -191,18 +194,31 @@ class StepGraphs:
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream (cuBLAS workspaces, lazy inits), then
         record the step; both compute the real step, so its K/V are written
-        and its logits are there before the first replay."""
+        and its logits are there before the first replay.
+
+        The capture is thread-local: in process every worker runs on its own
+        thread (``engine/transport.py``), and another worker's kernels or
+        allocations while this one records must not invalidate the recording
+        (they would, in CUDA's default global mode). A capture that fails
+        anyway turns graphs off for this runner — the step and every later one
+        run eagerly, and ``capture_error`` says why (``gpu_check`` fails on it)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._body(g)
+            g.logits = self._body(g)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            g.logits = self._body(g)
-        graph.replay()
-        g.graph = graph
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self._body(g)
+        except Exception as e:  # noqa: BLE001 — keep serving, eagerly, and say why
+            self.capture_error = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graph capture failed (batch %d, query %d, context %d); this runner runs eagerly from now on: %s",
+                        g.batch, g.query, g.context, self.capture_error)
+            return  # the warm-up computed this step's logits and K/V
+        graph.replay()  # recording ran nothing: this step's logits come from the replay (its K/V writes repeat the warm-up's)
+        g.logits, g.graph = logits, graph
         self.captured += 1
         log.debug("captured the step graph for batch %d, query %d, context %d", g.batch, g.query, g.context)

@@ -64,8 +64,10 @@ GPU_TEST_FILES = ["tests/test_parity.py", "tests/test_step_graphs.py", "tests/te
 DISTRIBUTED = ("ray", "zmq")  # what the default sections must not import
 
 
-def _section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
-    """Run one check; its result, or the error it raised, goes under ``name``."""
+def _section(report: dict[str, Any], name: str, fn: Callable[[], Any], path: str | None = None) -> None:
+    """Run one check; its result, or the error it raised, goes under ``name``.
+    With ``path`` the report so far is written there after every section, so a
+    run cut short by its time limit still leaves what it measured."""
     t0 = time.perf_counter()
     try:
         report[name] = fn()
@@ -74,7 +76,9 @@ def _section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
     seconds = time.perf_counter() - t0
     if isinstance(report[name], dict):
         report[name]["seconds"] = round(seconds, 1)
-    print(f"gpu_check: {name} done in {seconds:.1f} s", file=sys.stderr, flush=True)
+    print(f"gpu_check: {name} done in {seconds:.1f} s: {json.dumps(report[name], default=str)[:1500]}", file=sys.stderr, flush=True)
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
 
 
 def _failed(value: Any) -> bool:
@@ -114,38 +118,48 @@ def main(argv: list[str] | None = None) -> int:
         report["flash_attn"] = flash_attn.__version__
     except ImportError:
         report["flash_attn"] = None
-    if not args.skip_tests:
-        _section(report, "gpu_tests", _gpu_tests)
     build_family(args.preset)
     fam = zoo_root() / args.preset
     models = {"target": str(fam / "target"), "draft": str(fam / "draft")}
-    _section(report, "attention_parity", lambda: attention_parity(models["target"]))
-    _section(report, "end_to_end", lambda: {dt: _end_to_end(models, dtype=dt) for dt in ("fp32", "bf16")})
+    section = lambda name, fn: _section(report, name, fn, args.json)  # noqa: E731
+    if not args.skip_tests:
+        section("gpu_tests", _gpu_tests)
+    section("attention_parity", lambda: attention_parity(models["target"]))
+    section("end_to_end", lambda: {dt: _end_to_end(models, dtype=dt) for dt in ("fp32", "bf16")})
     if not args.skip_real_sizes:
         with tempfile.TemporaryDirectory(prefix="gpu_check_models_") as tmp:
-            real = _real_size_models(Path(tmp))
-            _section(report, "step_costs", lambda: step_costs(real))
-            _section(report, "ssd_overlap", lambda: ssd_overlap(real))
+            real: dict[str, Any] = {}
+            section("real_size_models", lambda: real.update(_real_size_models(Path(tmp))) or {"roles": sorted(real)})
+            if real:
+                section("step_costs", lambda: step_costs(real))
+                section("ssd_overlap", lambda: ssd_overlap(real))
     if args.ray:
-        _section(report, "ray_shared_gpu", lambda: _end_to_end(models, dtype="fp32", ray=True))
-        _section(report, "tensor_parallel", lambda: tensor_parallel_check(models))
+        section("ray_shared_gpu", lambda: _end_to_end(models, dtype="fp32", ray=True))
+        section("tensor_parallel", lambda: tensor_parallel_check(models))
     else:
         imported = sorted(m for m in DISTRIBUTED if m in sys.modules)
-        report["in_process_only"] = {"imported": imported, "ok": not imported}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text)
+        section("in_process_only", lambda: {"imported": imported, "ok": not imported})
+    print(json.dumps(report, indent=1, default=str))
     return 1 if any(_failed(v) for v in report.values()) else 0
 
 
 def _gpu_tests() -> dict[str, Any]:
-    """The GPU-marked tests of the modules that import no distributed runtime."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TEST_FILES]
+    """The GPU-marked tests of the modules that import no distributed runtime
+    (``-rA``: every test's outcome; the failures' tracebacks are kept)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TEST_FILES]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
-    return {"returncode": proc.returncode, "summary": lines[-1:], "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:20]}
+    return {
+        "returncode": proc.returncode,
+        "summary": lines[-1:],
+        "outcomes": [ln for ln in lines if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))][:60],
+        "output_tail": proc.stdout[-6000:] if proc.returncode else "",
+    }
+
+
+def _graph_errors(*runners: Any) -> list[str]:
+    """Why a runner's CUDA graph capture failed, if one did (it then ran eagerly)."""
+    return [r.graphs.capture_error for r in runners if r.graphs is not None and r.graphs.capture_error]
 
 
 def _timed(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
@@ -189,7 +203,12 @@ def attention_parity(target: str) -> dict[str, Any]:
         agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
         diff = float((got - want).abs().max())
         bound = 0.97 if name == "bf16" else 0.999
-        out[name] = {"backend": runner.backend.name, "argmax_agreement": round(agree, 4), "max_abs_diff": round(diff, 4), "ok": agree >= bound}
+        errors = _graph_errors(runner)
+        captured = runner.graphs.captured if runner.graphs is not None else 0
+        out[name] = {
+            "backend": runner.backend.name, "argmax_agreement": round(agree, 4), "max_abs_diff": round(diff, 4),
+            "graphs_captured": captured, "graph_errors": errors, "ok": agree >= bound and not errors and captured > 0,
+        }
         del runner
         torch.cuda.empty_cache()
     return out
@@ -230,6 +249,10 @@ def _end_to_end(models: dict[str, str], dtype: str = "fp32", ray: bool = False, 
             if mode == "ar" and graphs:
                 again = [r.token_ids for r in engine.generate(prompts, SAMPLED)]
                 out["seeded_ar_repeats"] = again == sampled[label]
+            if not ray:
+                errors = _graph_errors(*(w.logic.runner for w in engine.workers.values()))
+                if errors:
+                    out[f"{label}_graph_errors"] = errors
             if ray:
                 metrics = engine.metrics()
                 out[f"{mode}_data_plane"] = {k: metrics.get(k) for k in ("data_plane_generation", "data_plane_backend", "data_plane_error")}
@@ -246,6 +269,7 @@ def _end_to_end(models: dict[str, str], dtype: str = "fp32", ray: bool = False, 
         checks.append(out["graphs_equal_eager"] or dtype != "fp32")
     if dtype == "fp32":
         checks += [out["sd_equals_ar"], out["ssd_equals_ar"]]
+    checks += [not any(k.endswith("_graph_errors") for k in out)]
     if ray:
         checks += [(out[f"{m}_data_plane"].get("data_plane_generation") or 0) >= 1 for m in ("sd", "ssd")]
     out["ok"] = all(checks)
@@ -282,11 +306,11 @@ def _real_size_models(root: Path) -> dict[str, Any]:
 
     out = {}
     for role, shape in CODER_SHAPES.items():
-        with torch.device("cuda"):
-            model = Qwen2ForCausalLM(Qwen2Config(**shape, **CODER_COMMON)).to(torch.bfloat16)
+        # initialised on the CPU: the CUDA generator stays out of it (and out of
+        # any state a failed graph capture may have left it in)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, **CODER_COMMON)).to(torch.bfloat16)
         model.save_pretrained(root / role)
         del model
-        torch.cuda.empty_cache()
         out[role] = open_checkpoint(root / role, require_tokenizer=False)
     return out
 
@@ -331,6 +355,8 @@ def step_costs(models: dict[str, Any], context: int = 512, k: int = 8) -> dict[s
                         runner.tree_forward(t, [[1]] * branches)
 
                     costs[f"tree_step_{branches}"] = _timed(tree)
+            if graphs:
+                costs["graph_errors"] = _graph_errors(runner)  # type: ignore[assignment]
             del runner
             torch.cuda.empty_cache()
         costs["graph_speedup_decode_b1"] = round(costs["eager_b1_q1"] / costs["graphed_b1_q1"], 2)
