@@ -110,3 +110,41 @@ def test_cuda_graphs_replay_the_eager_steps(ckpt, dtype):
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=tol, rtol=tol)
         assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.95
+
+
+def _grow_trees(runner: ModelRunner) -> list[torch.Tensor]:
+    """Two sequences (one past the 256-key bucket), then two builds of four
+    one-token tree steps: five branches over both (3 in the bucket of 4 ...
+    5 in the bucket of 8), then one branch alone."""
+    runner.add_sequence(0)
+    runner.add_sequence(1)
+    runner.forward([0, 1], [_ids(20, 270), _ids(21, 40)])
+    out = []
+    for seqs, prefixes in (([0, 0, 1, 0, 1], [270, 265, 40, 200, 33]), ([1], [36])):
+        tree = runner.tree_start(seqs, prefixes, depth=4)
+        for j in range(4):
+            out.append(runner.tree_forward(tree, [[_ids(400 + 10 * j + r, 1)[0]] for r in range(len(seqs))]))
+        runner.tree_commit(tree, len(seqs) - 1, 2)  # the last branch's first two tokens join its sequence
+        out.append(runner.forward([0, 1], [_ids(500, 1), _ids(501, 1)]))
+    return out
+
+
+def test_the_static_tree_step_gives_the_tree_forwards_logits(ckpt):
+    eager = ModelRunner(str(ckpt))
+    static = ModelRunner(str(ckpt))
+    static.graphs = StepGraphs(static.model, static.kv, static.config.sliding_window, max_context=1024, capture=False)
+    want, got = _grow_trees(eager), _grow_trees(static)
+    assert any(k[0] == "tree" for k in static.graphs._graphs)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_the_eager_tree_steps(ckpt):
+    eager = ModelRunner(str(ckpt), device="cuda", dtype=torch.float32, attention_backend="torch", cuda_graphs=False)
+    graphed = ModelRunner(str(ckpt), device="cuda", dtype=torch.float32, attention_backend="torch")
+    want, got = _grow_trees(eager), _grow_trees(graphed)
+    assert any(k[0] == "tree" and g.graph is not None for k, g in graphed.graphs._graphs.items())
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)

@@ -34,6 +34,7 @@ class AttentionStep:
     backend: AttentionBackend
     plan: object
     slot_mapping: torch.Tensor | None = None
+    scratch_slots: torch.Tensor | None = None  # a static tree step: each row's flat scratch slot (data, not Python ints)
     num_branches: int = 0
     suffix_len: int = 0
     n_new: int = 0
@@ -90,9 +91,13 @@ class Attention(nn.Module):
         else:
             assert scratch is not None
             ks, vs = scratch
-            nb, lo, hi = step.num_branches, step.suffix_len, step.suffix_len + step.n_new
-            ks[:nb, lo:hi] = k.view(nb, step.n_new, self.hkv, self.d)
-            vs[:nb, lo:hi] = v.view(nb, step.n_new, self.hkv, self.d)
+            if step.scratch_slots is not None:
+                ks.view(-1, self.hkv, self.d).index_copy_(0, step.scratch_slots, k)
+                vs.view(-1, self.hkv, self.d).index_copy_(0, step.scratch_slots, v)
+            else:
+                nb, lo, hi = step.num_branches, step.suffix_len, step.suffix_len + step.n_new
+                ks[:nb, lo:hi] = k.view(nb, step.n_new, self.hkv, self.d)
+                vs[:nb, lo:hi] = v.view(nb, step.n_new, self.hkv, self.d)
             out = step.backend.tree(step.plan, q, k_cache, v_cache, ks, vs, self.scale)
         return self.o(out.reshape(t, self.h * self.d))
 

@@ -326,6 +326,11 @@ class ModelRunner:
         depth_cap = self._scratch[0][0].shape[1]
         if tree.suffix_len + n_new > depth_cap:
             raise ValueError(f"tree depth {tree.suffix_len + n_new} exceeds the scratch capacity {depth_cap}")
+        if self.graphs is not None and n_new == 1 and positions is None and self.graphs.fits_tree(nb, tree.prefix_lens, self._scratch[0][0].shape[0]):
+            lists = self.kv.block_lists(tree.seq_ids)
+            logits = self.graphs.run_tree(tok, tree.prefix_lens, [lists[s] for s in tree.branch_seq], tree.suffix_len, self._scratch)
+            tree.suffix_len += 1
+            return logits.view(nb, 1, -1)
         if positions is None:
             base = torch.tensor(tree.prefix_lens, device=dev).unsqueeze(1) + tree.suffix_len
             positions = base + torch.arange(n_new, device=dev).unsqueeze(0)

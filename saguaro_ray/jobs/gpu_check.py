@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -126,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         section("gpu_tests", _gpu_tests)
     section("attention_parity", lambda: attention_parity(models["target"]))
     section("end_to_end", lambda: {dt: _end_to_end(models, dtype=dt) for dt in ("fp32", "bf16")})
+    section("zoo_step_ms", lambda: zoo_steps(models["target"]))
     if not args.skip_real_sizes:
         with tempfile.TemporaryDirectory(prefix="gpu_check_models_") as tmp:
             real: dict[str, Any] = {}
@@ -211,6 +211,39 @@ def attention_parity(target: str) -> dict[str, Any]:
         }
         del runner
         torch.cuda.empty_cache()
+    return out
+
+
+def zoo_steps(target: str, context: int = 300) -> dict[str, Any]:
+    """Median ms of the zoo target's decode (batch 4) per dtype, eager and
+    graphed, and in bf16 eager also without cuDNN's attention (which builds a
+    plan per new shape): what the end-to-end tokens/s are made of."""
+    import torch
+
+    from saguaro_ray.workers.runner import ModelRunner
+
+    out: dict[str, float] = {}
+    for dtype in ("fp32", "bf16"):
+        for graphs in (False, True):
+            runner = ModelRunner(target, device="cuda", dtype=dtype, cuda_graphs=graphs)
+            for s in range(4):
+                runner.add_sequence(s)
+                runner.forward([s], [[(5 * i + s) % 1000 for i in range(context + s)]])
+            grow = [0]
+
+            def decode() -> None:
+                runner.forward([0, 1, 2, 3], [[7]] * 4)  # contexts grow: a new length every step, as in decoding
+                grow[0] += 1
+
+            out[f"{dtype}_{'graphed' if graphs else 'eager'}_b4"] = _timed(decode)
+            if dtype == "bf16" and not graphs and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+                was = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+                try:
+                    out["bf16_eager_b4_no_cudnn_sdp"] = _timed(decode)
+                finally:
+                    torch.backends.cuda.enable_cudnn_sdp(was)
+            del runner
     return out
 
 
@@ -322,8 +355,8 @@ def _runner(ckpt: Any, graphs: bool = True) -> Any:
 
 
 def step_costs(models: dict[str, Any], context: int = 512, k: int = 8) -> dict[str, Any]:
-    """Median ms per step at the pair's sizes, bf16: decode and (K+1) verify at
-    batch 1 and 8, eager and graphed; tree steps of 1-16 branches (eager)."""
+    """Median ms per step at the pair's sizes, bf16, eager and graphed: decode
+    and (K+1) verify at batch 1 and 8, one-token tree steps of 1-16 branches."""
     import torch
 
     out: dict[str, Any] = {}
@@ -346,30 +379,31 @@ def step_costs(models: dict[str, Any], context: int = 512, k: int = 8) -> dict[s
                     costs[f"{tag}_b{batch}_q{n}"] = _timed(step)
                 for s in seqs:
                     runner.free_sequence(s)
-            if not graphs:
-                runner.add_sequence(0)
-                runner.forward([0], [[(7 * i) % 1000 for i in range(context)]])
-                for branches in (1, 2, 4, 8, 16):
-                    def tree(branches: int = branches) -> None:
-                        t = runner.tree_start([0] * branches, [context - (i % 4) for i in range(branches)], depth=k)
-                        runner.tree_forward(t, [[1]] * branches)
+            runner.add_sequence(0)
+            runner.forward([0], [[(7 * i) % 1000 for i in range(context)]])
+            for branches in (1, 2, 4, 8, 16):
+                def tree(branches: int = branches) -> None:
+                    t = runner.tree_start([0] * branches, [context - (i % 4) for i in range(branches)], depth=k)
+                    runner.tree_forward(t, [[1]] * branches)
 
-                    costs[f"tree_step_{branches}"] = _timed(tree)
+                costs[f"{tag}_tree_step_{branches}"] = _timed(tree)
             if graphs:
                 costs["graph_errors"] = _graph_errors(runner)  # type: ignore[assignment]
             del runner
             torch.cuda.empty_cache()
         costs["graph_speedup_decode_b1"] = round(costs["eager_b1_q1"] / costs["graphed_b1_q1"], 2)
-        costs[f"graph_speedup_verify_b1"] = round(costs[f"eager_b1_q{k + 1}"] / costs[f"graphed_b1_q{k + 1}"], 2)
+        costs["graph_speedup_verify_b1"] = round(costs[f"eager_b1_q{k + 1}"] / costs[f"graphed_b1_q{k + 1}"], 2)
+        costs["graph_speedup_tree_8"] = round(costs["eager_tree_step_8"] / costs["graphed_tree_step_8"], 2)
         out[role] = costs
     return out
 
 
 def ssd_overlap(models: dict[str, Any], context: int = 512, k: int = 4, branches: int = 8) -> dict[str, Any]:
     """The target's (K+1)-token verify and the draft's build (K tree steps of
-    ``branches`` branches), each alone, then both at once from two threads on
-    two CUDA streams — as SSD overlaps them. ``hidden``: the share of the
-    build that ran under the verify: (verify + build - both) / build."""
+    ``branches`` branches, graphed), each alone, then both issued at once on
+    two CUDA streams of one GPU — the SSD overlap when target and draft share
+    a device (on two devices nothing is shared). ``build_hidden``: the share
+    of the build that ran under the verify: (verify + build - both) / build."""
     import torch
 
     target, draft = _runner(models["target"]), _runner(models["draft"])
@@ -392,16 +426,12 @@ def ssd_overlap(models: dict[str, Any], context: int = 512, k: int = 4, branches
         def run() -> None:
             with torch.cuda.stream(stream):
                 fn()
-            stream.synchronize()
 
         return run
 
-    def both() -> None:
-        threads = [threading.Thread(target=on(s, f)) for s, f in zip(streams, (verify, build))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    def both() -> None:  # launches are asynchronous: the two streams' work runs side by side
+        on(streams[0], verify)()
+        on(streams[1], build)()
 
     alone_v, alone_b = _timed(on(streams[0], verify)), _timed(on(streams[1], build))
     together = _timed(both)

@@ -15,6 +15,12 @@ A step is planned in one of two forms:
   branches' suffix keys. Chosen once ``rows * suffix`` outgrows the prefix.
 
 Both forms compute the same attention (``tests/test_fast_paths.py``).
+
+A third, **static** form is what a CUDA graph of a one-token tree step records
+(:mod:`saguaro_ray.workers.graphs`): every branch row gathers its own prefix
+up to a fixed key bucket and reads its whole scratch row; which keys count is
+data (each row's prefix length, the suffix length) turned into the mask on the
+device, so nothing of the step's shape changes from step to step.
 """
 
 from __future__ import annotations
@@ -74,11 +80,23 @@ class CascadeTreePlan:
 
 
 @dataclass
+class StaticTreePlan:
+    """One new token per branch row, every shape fixed: row r attends to its
+    prefix keys ``kv_slots[r]`` where ``prefix_ok`` and to its scratch row where
+    ``suffix_ok`` (the suffix already there plus the token being written)."""
+
+    kv_slots: torch.Tensor  # [N, L] flat cache slot of each prefix key
+    mask: torch.Tensor  # [N, 1, 1, L + S_cap] bool: prefix keys, then the scratch row's
+    suffix_cap: int  # S_cap: the scratch depth every row reads
+
+
+@dataclass
 class TreePlan:
-    """A tree step's plan: exactly one of the two forms is set."""
+    """A tree step's plan: exactly one of the forms is set."""
 
     joint: JointTreePlan | None = None
     cascade: CascadeTreePlan | None = None
+    static: StaticTreePlan | None = None
 
 
 def plan_tree(batch: TreeBatch, window: int | None, device: torch.device, cascade_factor: float, cascade_slack: int) -> TreePlan:
@@ -98,7 +116,43 @@ def attend_tree(
     scratch: [N_cap, S_cap, Hkv, D] (branch r's suffix in row r)."""
     if plan.cascade is not None:
         return _attend_cascade(plan.cascade, q, (k_cache, v_cache), (k_scratch, v_scratch), scale)
+    if plan.static is not None:
+        return _attend_static(plan.static, q, (k_cache, v_cache), (k_scratch, v_scratch), scale)
     return _attend_joint(plan.joint, q, (k_cache, v_cache), (k_scratch, v_scratch), scale)
+
+
+def plan_static_tree(
+    table: torch.Tensor, prefix_lens: torch.Tensor, suffix_len: torch.Tensor, block_size: int, suffix_cap: int, window: int | None
+) -> StaticTreePlan:
+    """The static form from device tensors only: ``table [N, L / block_size]``
+    (each row's sequence's blocks), ``prefix_lens [N]``, ``suffix_len [1]``
+    (tokens already in every row's scratch; the new token goes at that index)."""
+    n, width = table.shape
+    dev = table.device
+    slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=dev)).view(n, width * block_size)
+    key = torch.arange(width * block_size, device=dev)
+    prefix_ok = key.unsqueeze(0) < prefix_lens.unsqueeze(1)  # [N, L]
+    own = torch.arange(suffix_cap, device=dev)
+    suffix_ok = (own <= suffix_len).unsqueeze(0).expand(n, suffix_cap)  # [N, S_cap]
+    if window is not None:
+        q_abs = (prefix_lens + suffix_len).unsqueeze(1)  # the new token's position
+        prefix_ok = prefix_ok & ((q_abs - key.unsqueeze(0)) < window)
+        suffix_ok = suffix_ok & ((suffix_len - own) < window).unsqueeze(0)
+    mask = torch.cat([prefix_ok, suffix_ok], dim=-1).view(n, 1, 1, -1)
+    return StaticTreePlan(kv_slots=slots, mask=mask, suffix_cap=suffix_cap)
+
+
+def _attend_static(
+    plan: StaticTreePlan, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], scratches: tuple[torch.Tensor, torch.Tensor], scale: float
+) -> torch.Tensor:
+    """q: [N, Hq, D] (one token per row) -> [N, Hq, D]."""
+    n = q.shape[0]
+
+    def keys(cache: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        return torch.cat([gather_keys(cache, plan.kv_slots, None), scratch[:n, : plan.suffix_cap]], dim=1).transpose(1, 2)
+
+    k, v = (keys(cache, scratch) for cache, scratch in zip(caches, scratches))
+    return sdpa(q.unsqueeze(2), k, v, plan.mask, scale).squeeze(2)
 
 
 # -- joint form: one masked attention over a group's prefix and all its branches' suffixes
