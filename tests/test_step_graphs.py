@@ -148,3 +148,37 @@ def test_cuda_graphs_replay_the_eager_tree_steps(ckpt):
     assert any(k[0] == "tree" and g.graph is not None for k, g in graphed.graphs._graphs.items())
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)
+
+
+def test_in_process_workers_sharing_turns_never_run_at_once():
+    """On CUDA the in-process engine's workers take turns (a graph recorded in
+    one thread must not see another thread's kernels): two workers' calls,
+    submitted together, do not overlap; without turns they do."""
+    import threading
+    import time
+
+    from saguaro_ray.engine.transport import InProcessWorker
+
+    class Slow:
+        def __init__(self, spans):
+            self.spans = spans
+
+        def work(self):
+            t0 = time.perf_counter()
+            time.sleep(0.05)
+            self.spans.append((t0, time.perf_counter()))
+
+    def overlap(turns):
+        spans: list = []
+        a, b = InProcessWorker("a", Slow(spans), turns=turns), InProcessWorker("b", Slow(spans), turns=turns)
+        try:
+            for f in [a.submit("work"), b.submit("work")]:
+                f.result()
+        finally:
+            a.close()
+            b.close()
+        (s1, e1), (s2, e2) = sorted(spans)
+        return s2 < e1
+
+    assert overlap(None) is True
+    assert overlap(threading.Lock()) is False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import AsyncIterator, Iterator
 
 import torch
@@ -55,9 +56,12 @@ class LocalEngine:
             for i in range(1, config.num_drafts):  # further drafts: their own copy of the draft model
                 runners[f"draft{i}"] = runner("draft")
         logic = {"target": TargetLogic, "draft": DraftLogic, "qualifier": QualifierLogic}
+        # on CUDA the workers share one device (and its legacy stream): their calls take turns,
+        # so a CUDA graph being recorded never sees another thread's kernels (engine/transport.py)
+        turns = threading.Lock() if any(r.graphs is not None for r in runners.values()) else None
         self.workers = {
             # build_ahead None: off in process (see EngineConfig.build_ahead)
-            role: InProcessWorker(role, logic[role_kind(role)](r), after_reply=config.build_ahead is True)
+            role: InProcessWorker(role, logic[role_kind(role)](r), after_reply=config.build_ahead is True, turns=turns)
             for role, r in runners.items()
         }
         self.eos_ids = models.eos_ids

@@ -8,9 +8,11 @@ Ray actors over ZeroMQ. One protocol, two transports.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, ContextManager, Protocol
 
 # the round loop catches these by type; they live in saguaro_ray.errors, imported
 # here so the transport contract names them where it always has
@@ -39,28 +41,39 @@ class InProcessWorker:
     worker's thread before the answer is released, so it runs ahead of any
     later call."""
 
-    def __init__(self, name: str, logic: Any, after_reply: bool = False) -> None:
+    def __init__(self, name: str, logic: Any, after_reply: bool = False, turns: threading.Lock | None = None) -> None:
+        """``turns``: a lock the workers of one device share, so their calls
+        take turns (the in-process engine on CUDA: a CUDA graph being recorded
+        in one worker's thread fails — and fails the other worker's call —
+        when another thread launches work on the device meanwhile, as the
+        first GPU run showed)."""
         self.name = name
         self.logic = logic
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"saguaro-{name}")
         self._after_reply = getattr(logic, "after_reply", None) if after_reply else None
+        self._turn: ContextManager[Any] = turns if turns is not None else contextlib.nullcontext()
 
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
         fn = getattr(self.logic, method)
 
         def run() -> Timed:
             start = time.perf_counter()
-            value = fn(*args)
+            with self._turn:
+                value = fn(*args)
             timed = Timed.since(value, start)
             work = self._after_reply() if self._after_reply is not None else None
             if work is not None:
                 try:
-                    self._pool.submit(work)
+                    self._pool.submit(self._in_turn, work)
                 except RuntimeError:  # the worker is closing: nothing more will be asked of it
                     pass
             return timed
 
         return self._pool.submit(run)
+
+    def _in_turn(self, work: Any) -> None:
+        with self._turn:
+            work()
 
     def call(self, method: str, *args: Any) -> Any:
         return self.submit(method, *args).result().value
