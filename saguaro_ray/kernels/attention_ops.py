@@ -85,7 +85,19 @@ def attention_with_lse(
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """``scaled_dot_product_attention`` for grouped-query heads: q [B, Hq, Q, D],
-    k/v [B, Hkv, L, D]; K and V are repeated only where torch lacks ``enable_gqa``."""
+    k/v [B, Hkv, L, D]; K and V are repeated only where torch lacks ``enable_gqa``.
+
+    On CUDA without cuDNN's attention: it builds an execution plan for every
+    new shape, and a decode step's key length is new every step — measured on
+    an H200 (torch 2.11, bf16, batch 4): 42.0 ms a step with it, 2.0 ms
+    without (fp32, which cuDNN's kernel does not serve: 1.9 ms)."""
+    if q.is_cuda and _NO_CUDNN is not None:
+        with sdpa_kernel(_NO_CUDNN):
+            return _sdpa(q, k, v, mask, scale)
+    return _sdpa(q, k, v, mask, scale)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:
         if _SDPA_GQA:
@@ -105,3 +117,9 @@ def _sdpa_supports_gqa() -> bool:
 
 
 _SDPA_GQA = _sdpa_supports_gqa()
+try:  # every backend torch has but cuDNN's (see sdpa)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _NO_CUDNN: list[SDPBackend] | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:
+    _NO_CUDNN = None
