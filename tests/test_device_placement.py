@@ -70,9 +70,11 @@ def _round(target: TargetLogic, draft: DraftLogic, seqs: list[SequenceState], k:
         draft.lookup([(o.seq_id, o.accepted, o.next_token) for o in outcomes], round_id=1)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
-def test_a_round_makes_no_tensor_on_the_default_device(ckpts, temperature):
-    params = SamplingParams(temperature=temperature, max_tokens=40, seed=5)
+@pytest.mark.parametrize(
+    "temperature,rule", [(0.0, None), (0.9, "invariant"), (0.9, "standard")], ids=["greedy", "sampled-invariant", "sampled-standard"]
+)
+def test_a_round_makes_no_tensor_on_the_default_device(ckpts, temperature, rule):
+    params = SamplingParams(temperature=temperature, max_tokens=40, seed=5, verification=rule)
     target, draft = _logic(ckpts)
     seqs = [SequenceState(i, [3, 5, 7, 9 + i], params, 0) for i in range(2)]
     _round(target, draft, seqs, 3, ["exact", "exact"])
