@@ -335,7 +335,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="run an OpenAI-compatible Ray Serve deployment from a Serve config YAML")
     p.add_argument("--config", required=True, help="Serve config YAML, e.g. deploy/serve/zoo-cpu.yaml")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else start locally)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a cluster `ray start` started, else its own local instance)")
     p.add_argument("--detach", action="store_true", help="return once the applications are RUNNING (needs a running cluster)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the applications to start")
     p.set_defaults(func=run)

@@ -3,9 +3,9 @@
 The file is an ordinary Ray Serve config (``ServeDeploySchema``: ``http_options``,
 ``applications: [{name, route_prefix, import_path, args, runtime_env,
 deployments}]``), so ``serve run FILE.yaml`` works on it just as well. This
-command adds what a user of the engine expects: it joins a running cluster
-(or starts a local Ray instance with enough logical CPUs for the engines'
-fractional asks), deploys the applications the same way ``serve run`` does,
+command adds what a user of the engine expects: it joins only a cluster the
+user meant (see :func:`intended_cluster`) or starts its own local Ray
+instance with enough logical CPUs for the engines' fractional asks, deploys the applications the same way ``serve run`` does,
 waits (bounded) until every application is RUNNING — or reports why one
 failed — prints the URLs, and then blocks until Ctrl-C or SIGTERM (``--detach``: returns
 at once and leaves the applications running on the cluster). On the stop it drains:
@@ -64,28 +64,61 @@ def validate_app_args(config: Any) -> None:
                 raise ConfigError(f"application {app.name!r}: {exc}") from None
 
 
+def intended_cluster(address: str | None) -> tuple[str | None, str]:
+    """The Ray cluster ``serve`` should join, and where that choice came from.
+
+    Only a cluster the user meant: ``--address`` (``local``: none, start one;
+    ``auto``: Ray's own search, as the user asked), else ``RAY_ADDRESS``, else
+    the cluster ``ray start`` recorded in its address file
+    (``$RAY_TMPDIR/ray/ray_current_cluster``, /tmp/ray/... by default; ``ray
+    stop`` removes it) — exactly where ``ray.init()`` without an address
+    looks. Never Ray's legacy ``auto`` fallback to *any* Ray process found on
+    the machine: that joined the short-lived private instance of whatever
+    script ran ``ray.init()`` here, and died with it. (None, why): start a
+    local instance."""
+    from ray._common.utils import get_ray_address_file
+
+    if address is not None:
+        return (None if address == "local" else address), "--address"
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env:
+        return env, "RAY_ADDRESS"
+    path = get_ray_address_file(None)
+    try:
+        recorded = Path(path).read_text(encoding="utf-8").strip()
+    except OSError:
+        recorded = ""
+    if recorded:
+        return recorded, f"the cluster `ray start` recorded in {path}"
+    return None, "no --address, RAY_ADDRESS or `ray start` cluster"
+
+
 def _connect_or_start(address: str | None, detach: bool) -> bool:
-    """Join a cluster (or start a local instance); True when we started it."""
+    """Join the cluster the user meant (:func:`intended_cluster`), or start a
+    local instance; True when we started it."""
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 
     if ray.is_initialized():
         return False
-    if detach or (address not in (None, "local")):
+    target, source = intended_cluster(address)
+    if target is not None:
+        recorded = source.startswith("the cluster")
         try:
-            ray.init(address=address or "auto", namespace=SERVE_NAMESPACE, log_to_driver=False)
-        except ConnectionError:
-            hint = "--detach needs a running Ray cluster to leave the applications on" if detach else "no Ray cluster"
-            raise ConfigError(f"{hint} at {address or 'auto'}; start one with `ray start --head` or pass --address") from None
-        return False
-    if address is None:
-        try:
-            ray.init(address="auto", namespace=SERVE_NAMESPACE, log_to_driver=False)
+            # `ray start`'s cluster is joined as ray.init() joins it (address=None:
+            # Ray reads the same file, and enables token auth as for a cluster it found)
+            ray.init(address=None if recorded else target, namespace=SERVE_NAMESPACE, log_to_driver=False)
             return False
         except ConnectionError:
-            pass
+            if recorded and not detach:  # a stale file: `ray start`'s cluster died without `ray stop`
+                log.warning("no Ray cluster at %s (%s); starting a local instance", target, source)
+            else:
+                hint = "--detach needs a running Ray cluster to leave the applications on" if detach else "no Ray cluster"
+                raise ConfigError(f"{hint} at {target} (from {source}); start one with `ray start --head` or pass --address") from None
+    elif detach:
+        raise ConfigError(f"--detach needs a running Ray cluster to leave the applications on ({source}); start one with `ray start --head` or pass --address")
     # engines ask for fractional CPUs: give a small machine enough logical CPUs;
-    # address="local": a new instance, even where another one's address file is left on this machine
+    # address="local": a new instance, whatever else runs on this machine
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 8), namespace=SERVE_NAMESPACE, include_dashboard=False)
     return True
 
