@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 EXIT_USAGE = 2
 MODEL_FORMS = "a directory, zoo:<preset>/<role>, real:<name> (see `saguaro-ray models list`) or hf:<org>/<name>"
-SELF_FORMS = f"or {' / '.join(SELF_PREFIX + s for s in QUANT_SCHEMES)} (the target's own weights, quantised at load)"
+SELF_FORMS = (
+    f"or {' / '.join(SELF_PREFIX + s for s in QUANT_SCHEMES)} (the target's own weights, quantised at load), "
+    f"or {' / '.join(s + ':SPEC' for s in QUANT_SCHEMES)} (any of the forms above, quantised at load)"
+)
 
 
 def add_sampling_args(group: argparse._ActionsContainer) -> None:

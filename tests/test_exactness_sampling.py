@@ -222,6 +222,16 @@ def test_ssd_matches_exact_law(ssd_results, target_law):
     assert_law(ssd_results, target_law, "ssd k=2 auto budget 4")
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_a_separate_draft_quantised_at_load_matches_exact_law(models, target_law, mode):
+    """``int4:<draft>``: the draft model quantised when it is loaded proposes
+    from its own quantised law, and that law is the q verification uses."""
+    spec = {"fanout": "auto", "budget": 4, "backup": "neural"} if mode == "ssd" else {}
+    res = run(dict(models, int4=f"int4:{models['draft']}"), mode, draft="int4", k=2, **spec)
+    assert 0.3 < mean_stat(res, "mean_accepted")  # its proposals are taken
+    assert_law(res, target_law, f"{mode} k=2, int4 draft")
+
+
 def test_ssd_two_drafts_matches_exact_law(models, target_law):
     """Two drafts, each building half the outcome set with its own sampled
     speculations (and taking the other's KV deltas): the law is unchanged."""

@@ -91,3 +91,21 @@ def test_bundles_follow_the_config():
     assert cfg.bundle("coordinator") == {"CPU": 0.25, "head": 1}
     assert cfg.bundle("draft1") == {"CPU": 0.5, "GPU": 0.5, "node_a": 1}
     assert cfg.bundle("target") == {"CPU": 0.5, "GPU": 0.5}
+
+
+# ------------------------------------------------- a separate draft quantised at load
+def test_a_quantised_spec_names_any_model_quantised_at_load(tmp_path):
+    """``int4:<spec>`` / ``int8:<spec>``: a draft or qualifier given as any spec,
+    quantised when loaded; the target runs as stored, and a scheme wraps no
+    ``self:`` or other scheme."""
+    from saguaro_ray.models.resolve import resolve_models
+    from saguaro_ray.models.spec import ModelRef
+
+    target = str(save_tiny_checkpoint(tmp_path, "llama", seed=0))
+    draft = str(save_tiny_checkpoint(tmp_path / "d", "llama", seed=1))
+    refs = resolve_models({"target": target, "draft": f"int4:{draft}", "qualifier": f"int8:{target}"})
+    assert refs["draft"] == ModelRef(draft, "int4") and refs["qualifier"] == ModelRef(target, "int8")
+    for bad, where in (({"target": f"int4:{target}"}, "run as stored"), ({"target": target, "draft": "int4:self:int8"}, "self:int4"),
+                       ({"target": target, "draft": "int8:int4:x"}, "quantises a model"), ({"target": target, "draft": "int4:"}, "quantises a model")):
+        with pytest.raises(ConfigError, match=where):
+            resolve_models(bad)

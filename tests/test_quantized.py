@@ -171,17 +171,20 @@ def test_quantized_runner_paths_agree(qrunner: ModelRunner) -> None:
     r.free_sequence("b")
 
 
+@pytest.mark.parametrize("form", ["self", "separate"])
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_quantized_self_draft_keeps_greedy_tokens(name: str, mode: str, zoo_tiny, monkeypatch) -> None:
-    """The target's own weights, quantised, as the draft: SD and SSD emit AR's tokens at T = 0."""
+def test_quantized_draft_keeps_greedy_tokens(name: str, mode: str, form: str, zoo_tiny, monkeypatch) -> None:
+    """A draft quantised at load — the target's own weights (``self:int4``) or
+    a separate draft model (``int4:<spec>``): SD and SSD emit AR's tokens at T = 0."""
     target = str(zoo_tiny / "target")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [_toks(10, 7), _toks(11, 12), _toks(12, 4)]
     ar = LocalEngine(EngineConfig(target=target, threads_per_worker=1))
     expected = [r.token_ids for r in ar.generate(prompts, params)]
     ar.close()
-    eng = LocalEngine(EngineConfig(target=target, draft=f"self:{name}", spec=SpeculationConfig(mode=mode, k=3), threads_per_worker=1))
+    draft = f"self:{name}" if form == "self" else f"{name}:{zoo_tiny / 'draft'}"
+    eng = LocalEngine(EngineConfig(target=target, draft=draft, spec=SpeculationConfig(mode=mode, k=3), threads_per_worker=1))
     try:
         assert [w.logic.runner.quantize for w in eng.workers.values()] == [None, name]
         got = eng.generate(prompts, params)

@@ -64,7 +64,9 @@ class PeerRunner:
         if mode == "hf-assisted" and not draft:
             raise ConfigError("hf-assisted needs a draft (--draft) that transformers can load")
         models = resolve_models({"target": target} | ({"draft": draft} if mode == "hf-assisted" else {}))
-        if mode == "hf-assisted" and models["draft"].quantize is not None:
+        # a quantised separate draft (int4:<spec>): transformers assists with the model as stored,
+        # as a user of transformers would run it; only a quantised copy of the target has no checkpoint
+        if mode == "hf-assisted" and models["draft"].quantize is not None and models["draft"].path == models["target"].path:
             raise ConfigError(
                 f"hf-assisted needs a draft checkpoint transformers can load; {draft} is this engine's own "
                 "quantised copy of the target (use a draft directory, e.g. one from saguaro-ray draft distill)"

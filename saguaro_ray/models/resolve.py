@@ -14,7 +14,7 @@ from typing import Mapping
 
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.models.real import real_model_path
-from saguaro_ray.models.spec import HF_PREFIX, REAL_PREFIX, ZOO_PREFIX, ModelRef, Spec, check_spec, self_scheme
+from saguaro_ray.models.spec import HF_PREFIX, REAL_PREFIX, ZOO_PREFIX, ModelRef, Spec, check_spec, quantized_spec, self_scheme
 
 
 def _zoo_path(spec: str) -> Path:
@@ -83,6 +83,8 @@ def resolve_models(specs: Mapping[str, Spec | ModelRef]) -> dict[str, ModelRef]:
             refs[role] = spec
         elif (scheme := self_scheme(spec)) is not None:
             refs[role] = ModelRef(target_ref.path, scheme)
+        elif (quantized := quantized_spec(spec)) is not None:
+            refs[role] = ModelRef(str(resolve_model_path(quantized[1])), quantized[0])
         else:
             refs[role] = ModelRef(str(resolve_model_path(spec)))
     return refs

