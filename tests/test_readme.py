@@ -20,6 +20,7 @@ import pytest
 
 from saguaro_ray import cli
 from saguaro_ray.jobs import generate as generate_job
+from saguaro_ray.jobs import gpu_check
 from saguaro_ray.jobs import load_test
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,8 @@ def _parser_for(program: str) -> argparse.ArgumentParser:
         return generate_job.build_parser()
     if program == "saguaro_ray.jobs.load_test":
         return load_test.build_parser()
+    if program == "saguaro_ray.jobs.gpu_check":
+        return gpu_check.build_parser()
     raise AssertionError(f"the docs call {program!r}, which this test does not know how to parse")
 
 
@@ -88,7 +91,8 @@ def _all_options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def _our_flags() -> set[str]:
-    return _all_options(cli.build_parser()) | _all_options(generate_job.build_parser()) | _all_options(load_test.build_parser())
+    jobs = (generate_job, load_test, gpu_check)
+    return _all_options(cli.build_parser()).union(*(_all_options(job.build_parser()) for job in jobs))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

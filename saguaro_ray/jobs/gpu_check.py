@@ -89,14 +89,18 @@ def _failed(value: Any) -> bool:
     return value is False
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m saguaro_ray.jobs.gpu_check")
     parser.add_argument("--preset", default="tiny", help="zoo family for the end-to-end runs (built, or read from $SAGUARO_ZOO_DIR)")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-real-sizes", action="store_true", help="no step costs or overlap at the Qwen2.5-Coder sizes")
     parser.add_argument("--ray", action="store_true", help="also the Ray sections (shared GPU, tensor parallel): needs Ray")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
 
