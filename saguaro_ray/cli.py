@@ -150,7 +150,10 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
         return 0
     print(f"named real models (cache: {models_root()}, $SAGUARO_MODELS_DIR)")
     for row in rows:
-        state = ("converted" if row["converted"] else "installed, converted on first use") if row["installed"] else f"not installed: {row['install']}"
+        if row["installed"]:
+            state = "converted" if row["converted"] else "installed, converted on first use"
+        else:
+            state = row["problem"] or f"not installed: {row['install']}"
         print(f"  {row['spec']:<28} {state}")
         print(f"  {'':<28} {row['description']}; cache {row['cache']}")
     return 0

