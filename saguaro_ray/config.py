@@ -35,7 +35,7 @@ MAX_DEADLINE_S = 86_400.0
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 LOGPROBS_MODES = ("raw", "processed")
-VERIFICATION_RULES = ("invariant", "standard")  # SamplingParams.verification
+VERIFICATION_RULES = ("invariant", "standard")  # SamplingParams.verification (None: invariant)
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -101,10 +101,13 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy decoding (ties go to the lowest token id).
     ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` fixes the
-    sample: the same tokens on every repeat, in every strategy and batch (the
-    drafter-invariant rule, ``verification="invariant"``, the default when a
-    seed is given); ``None`` draws a fresh seed (and, with
-    ``verification=None``, keeps the standard rule). Generation stops at an
+    sample: the same tokens on every repeat, in every strategy and batch;
+    ``None`` draws a fresh seed. ``verification``: the rule that checks
+    speculation — the drafter-invariant rule (None or ``"invariant"``: each
+    token the race winner of the target's law under noise keyed by seed and
+    position, so a seed fixes the output) or ``"standard"`` (speculative
+    sampling, Leviathan et al.; its output depends on the proposals, a seed
+    fixes it only within one strategy; kept for comparison and its tests). Generation stops at an
     end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``, or
     as soon as the text contains one of the ``stop`` strings (cut before it,
     as OpenAI does) or a token of ``stop_token_ids`` is emitted (kept in the
@@ -232,9 +235,9 @@ class SamplingParams:
     @property
     def invariant(self) -> bool:
         """Is this sequence verified by the drafter-invariant rule (its tokens a
-        function of the seed and the target alone)? ``verification`` says so;
-        None means: when the request names a seed."""
-        return self.verification == "invariant" or (self.verification is None and self.seed is not None)
+        function of the seed and the target alone)? Always, unless
+        ``verification="standard"`` asks for speculative sampling's rule."""
+        return self.verification != "standard"
 
     @property
     def needs_q(self) -> bool:
@@ -244,10 +247,7 @@ class SamplingParams:
         return not self.greedy and not self.invariant
 
     def with_seed(self, seed: int | None) -> "SamplingParams":
-        """These params with ``seed``, keeping the verification rule they had:
-        an unseeded request's samples get seeds of their own, not the rule a
-        seed asks for."""
-        return replace(self, seed=seed, verification=self.verification or ("invariant" if self.invariant else "standard"))
+        return replace(self, seed=seed)
 
 
 MODES = ("ar", "sd", "ssd", "pyramid")  # the fixed strategies
@@ -307,7 +307,9 @@ class SpeculationConfig:
     sequence that names no K; ``max_k`` (default: 8, or ``k`` with an
     explicit fan-out): the largest K a request or ``auto`` may use. ``fanout``: ``"auto"`` (geometric
     allocation of ``budget`` fitted online) or an explicit tuple of K+1 counts.
-    ``saguaro_c``: Saguaro sampling's down-weighting C in (0, 1] (1 = off).
+    ``saguaro_c``: Saguaro sampling's down-weighting C in (0, 1] (1 = off);
+    it shapes the draft's law for requests under the standard rule only (the
+    drafter-invariant rule proposes the draft's own race winners).
     ``backup``: what serves an SSD cache miss. PyramidSD: the draft proposes
     ``ld`` tokens at a time until ``lq`` are qualified; stage rules and
     thresholds as in DESIGN §4 — any τ > 0 is lossy and needs ``allow_lossy``.

@@ -153,7 +153,7 @@ def test_the_fallback_gives_a_row_the_grammar_empties_the_full_heads_law(zoo_tin
     grammar masks is all -inf (a NaN law) without it."""
     runner = ModelRunner(zoo_tiny / "target", head_vocab=8)
     logic = DraftLogic(runner)
-    params = SamplingParams(temperature=1.0, response_format=JSON_OBJECT)
+    params = SamplingParams(temperature=1.0, response_format=JSON_OBJECT, verification="standard")  # proposals carry their law
     step = SeqStep(seq_id=0, start=0, new_tokens=[5, 6, 7], params=params, seed=0, output_pos=0, prompt_len=3)
     raw = logic.feed([step], [[]], [1])
     rows = [RowContext(0, params, logic.history.tokens(0), 3, (), 3)]

@@ -1,6 +1,7 @@
 """A seed fixes the output (issue 34): the drafter-invariant rule, end to end.
 
-A seeded request is verified by the drafter-invariant rule
+Every request (unless it asks for ``verification="standard"``) is verified
+by the drafter-invariant rule
 (:func:`saguaro_ray.algorithms.verification.invariant_outcomes`): every
 emitted token is the race winner of the target's processed law under the
 public noise of (seed, output position), so its tokens are those of plain
@@ -31,6 +32,7 @@ from test_exactness_sampling import _one_thread  # noqa: F401  (fixture)
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
+from saguaro_ray.errors import ConfigError
 from saguaro_ray.runtime.engine_config import EngineConfig
 
 PROMPTS = ["def main(", "import os"]
@@ -133,6 +135,14 @@ def test_batch_composition_does_not_change_seeded_tokens(zoo_tiny, reference):
     assert got == reference["plain"]
 
 
+def test_every_request_gets_the_invariant_rule_unless_it_asks_otherwise():
+    assert SamplingParams(temperature=0.8).invariant and seeded().invariant
+    assert not SamplingParams(temperature=0.8, verification="standard").invariant
+    assert SamplingParams(verification="standard").with_seed(3).verification == "standard"
+    with pytest.raises(ConfigError, match="verification must be one of invariant, standard"):
+        SamplingParams(verification="gumbel")
+
+
 def test_unseeded_requests_draw_fresh_seeds(zoo_tiny):
     params = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
     a, _ = tokens_of(zoo_tiny, "sd", params, PROMPTS[:1], 1)
@@ -167,3 +177,23 @@ def test_statistic_rejects_noise_keyed_without_position(models, target_law, monk
     monkeypatch.setattr(target, "position_keys", sampling.position_keys)
     res = run(models, "ar", n=N_MUTANT, verification="invariant")
     assert chi_square(counts_of(res), target_law)[2] < REJECT
+
+
+def test_invariant_proposals_carry_no_law_unless_a_fuzzy_stage_reads_it(zoo_tiny):
+    """Under the invariant rule a draft's proposals are point masses (the
+    verifier compares tokens; nothing crosses the data plane), except
+    PyramidSD's for a fuzzy stage 1, which checks them by speculative
+    sampling (a race winner is an exact draw from its law, independent of
+    the qualifier's uniforms)."""
+    from saguaro_ray.workers.draft import DraftLogic
+    from saguaro_ray.workers.messages import SeqStep
+    from saguaro_ray.workers.runner import ModelRunner
+
+    draft = DraftLogic(ModelRunner(str(zoo_tiny / "draft")))
+    params = seeded()
+    step = lambda i: SeqStep(seq_id=i, start=0, new_tokens=[5, 6, 7], params=params, seed=9, output_pos=0, prompt_len=3)  # noqa: E731
+    [plain] = draft.propose([step(1)], [3])
+    [exact] = draft.propose_for_qualifier([step(2)], [3])
+    [fuzzy] = draft.propose_for_qualifier([step(3)], [3], True)
+    assert plain.q is None and exact.q is None and plain.tokens == exact.tokens == fuzzy.tokens
+    assert fuzzy.q is not None and fuzzy.q.shape[0] == 3 and all(fuzzy.q[j, t] > 0 for j, t in enumerate(fuzzy.tokens))

@@ -392,6 +392,11 @@ def test_n_samples_and_seeds(client, handle):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert [streamed[i] for i in range(3)] == [c.text for c in a.choices]
+    # a seed fixes the output in every strategy (issue 34): SD, SSD and auto give AR's samples
+    for speculation in ({"mode": "sd", "k": 2}, "ssd", None):
+        other = {"ignore_eos": True} | ({} if speculation is None else {"speculation": speculation})
+        got = client.completions.create(**kw, extra_body=other)
+        assert [c.text for c in got.choices] == [c.text for c in a.choices], speculation
     # chat n > 1, streamed: choices interleave and each ends once
     finishes: dict[int, int] = {}
     for chunk in client.chat.completions.create(

@@ -29,10 +29,14 @@ The three stay one module (~430 lines): they share one runner and its KV,
 the speculation cache and the state of the build in progress, which a lookup
 reads and the next build continues.
 
-Every sampled token records the exact law it was drawn from (Saguaro-rescaled
-when C < 1). Random draws come from the draft stream of (seed, output
-position), so a hit and a neural backup propose the same tokens for the same
-outcome.
+Under the drafter-invariant rule (every request's unless it asks for the
+standard one) a draft proposes the race winner of its own law under the
+public noise of (seed, output position), the noise the verifier's token is
+drawn with, and a build ranks its candidates by the same noisy scores.
+Under the standard rule every sampled token records the exact law it was
+drawn from (Saguaro-rescaled when C < 1), drawn with the draft stream of
+(seed, output position). Either way a hit and a neural backup propose the
+same tokens for the same outcome.
 """
 
 from __future__ import annotations
@@ -170,8 +174,19 @@ class DraftLogic(RunnerLogic):
         return out
 
     # ------------------------------------------------------------ propose
-    def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], saguaro_c: float = 1.0, fanouts: Sequence[Sequence[int]] | None = None) -> list[Proposal]:
-        """Draft ``ks[b]`` tokens for each sequence by sequential decoding."""
+    def propose(
+        self,
+        steps: Sequence[SeqStep],
+        ks: Sequence[int],
+        saguaro_c: float = 1.0,
+        fanouts: Sequence[Sequence[int]] | None = None,
+        with_laws: bool = False,
+    ) -> list[Proposal]:
+        """Draft ``ks[b]`` tokens for each sequence by sequential decoding.
+        ``with_laws``: every stochastic proposal carries the law it was drawn
+        from, also under the invariant rule (a race winner is an exact draw
+        from its law, independent of any other stream: a fuzzy PyramidSD stage
+        may check it by speculative sampling)."""
         self._forget_builds({st.seq_id for st in steps})
         ones = [1] * len(steps)
         logits = self.adjusted(self.feed(steps, [[]] * len(steps), ones), steps, ones)
@@ -193,7 +208,7 @@ class DraftLogic(RunnerLogic):
             )
             for r, i in enumerate(active):
                 tokens[i].append(int(toks[r]))
-                if q is not None and steps[i].params.needs_q:  # greedy and invariant proposals are point masses
+                if q is not None and (steps[i].params.needs_q or (with_laws and not steps[i].params.greedy)):
                     qrows[i].append(q[r])
             j += 1
             active = [i for i in active if len(tokens[i]) < ks[i]]
@@ -217,11 +232,12 @@ class DraftLogic(RunnerLogic):
         for s in seqs:
             self._own.pop(s, None)
 
-    def propose_for_qualifier(self, steps: Sequence[SeqStep], ks: Sequence[int]) -> list[Proposal]:
-        """:meth:`propose` for a PyramidSD sequence: the same proposals; the
-        name lets a transport with a data plane send their q rows to the
-        qualifier that checks them rather than to the target."""
-        return self.propose(steps, ks)
+    def propose_for_qualifier(self, steps: Sequence[SeqStep], ks: Sequence[int], with_laws: bool = False) -> list[Proposal]:
+        """:meth:`propose` for a PyramidSD sequence (``with_laws`` for a fuzzy
+        stage 1, which reads them); the name lets a transport with a data
+        plane send their q rows to the qualifier that checks them rather than
+        to the target."""
+        return self.propose(steps, ks, with_laws=with_laws)
 
     # -------------------------------------------------------------- build
     def _glue_plan(self, it: BuildItem) -> tuple[SeqStep | None, list[RowSource]]:

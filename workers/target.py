@@ -119,8 +119,6 @@ def invariant_check(logits: torch.Tensor, steps: Sequence[SeqStep], proposals: S
     """The drafter-invariant rule on flat logit rows (target and qualifier alike):
     (accepted, emitted token) per sequence."""
     lens = [len(p.tokens) for p in proposals]
-    if all(st.params.greedy for st in steps):  # one-hot laws: the race winner is the argmax
-        return greedy_outcomes(logits, [p.tokens for p in proposals])
     return invariant_outcomes(processed_rows(logits, steps, lens), row_keys(steps, lens), [p.tokens for p in proposals])
 
 
@@ -191,10 +189,13 @@ def flat_rows(like: torch.Tensor, n_rows: Sequence[int], idx: Sequence[int]) -> 
 
 def rule_of(item: VerifyItem) -> str:
     """The rule that checks ``item``: ``invariant`` for an exact check of a
-    sequence under the drafter-invariant rule (SD, SSD, AR, PyramidSD's exact
-    stages: it compares tokens, so a qualified block is checked like any
-    proposal), else the item's own."""
-    return "invariant" if item.rule in ("exact", "assisted") and item.step.params.invariant else item.rule
+    sampled sequence under the drafter-invariant rule (SD, SSD, AR,
+    PyramidSD's exact stages: it compares tokens, so a qualified block is
+    checked like any proposal), else the item's own. A greedy sequence keeps
+    its own: at T = 0 both rules accept the argmax prefix, and the exact
+    rule's closed form (:func:`greedy_outcomes`) needs no noise."""
+    params = item.step.params
+    return "invariant" if item.rule in ("exact", "assisted") and params.invariant and not params.greedy else item.rule
 
 
 class RunnerLogic:

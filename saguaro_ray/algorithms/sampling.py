@@ -9,7 +9,8 @@ Draws use inverse-CDF sampling with uniforms from a per-sequence
 ``torch.Generator`` kept on the CPU, so a seed gives the same tokens on any
 device and the random stream is explicit (verification draws from it too).
 
-Seeded requests draw differently: the drafter-invariant rule needs noise that
+Under the drafter-invariant rule (every request's unless it asks for the
+standard one) draws differently: the rule needs noise that
 the target, the qualifier and every draft compute alike for the same token,
 so :func:`race_noise` hashes (seed, output position, token id) with a
 counter-based generator on the logits' device, and a token is the winner of

@@ -1,5 +1,8 @@
-"""The verification rules: speculative sampling (Leviathan et al.; Chen et al.)
-and the drafter-invariant rule (:func:`invariant_outcomes`, for seeded requests).
+"""The verification rules: the drafter-invariant rule (:func:`invariant_outcomes`,
+every request's unless it asks otherwise) and speculative sampling (Leviathan
+et al.; Chen et al.: :func:`verify`, for ``verification="standard"`` requests
+and the lossy fuzzy PyramidSD stages). The rest of this docstring is about
+the latter.
 
 Every mode (SD, SSD hits and misses, every PyramidSD stage) checks proposed
 tokens with this file and nothing else. A proposed token ``x`` drawn from a law

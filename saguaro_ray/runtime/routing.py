@@ -131,7 +131,7 @@ class ActorLogic:
         """A PyramidSD proposal: its q rows go to the qualifier, which checks it
         (one engine runs PyramidSD and SD sequences side by side: each
         proposal's rows go to the worker that reads them)."""
-        return self._out_q(self.logic.propose(*args), self.qualifier_dst)
+        return self._out_q(self.logic.propose_for_qualifier(*args), self.qualifier_dst)
 
     def build(self, items: Any, round_id: int | None = None, ahead: bool = False) -> Any:
         return self.logic.build(self._in(items), round_id, ahead)

@@ -52,7 +52,7 @@ class PyramidStrategy:
                 return out
 
             ks = [min(spec.ld, limits[i] - len(blocks[i])) for i in todo]
-            got = loop.draft_value(loop.draft_call("propose_for_qualifier", lambda full: (sub(full, "draft"), ks)))
+            got = loop.draft_value(loop.draft_call("propose_for_qualifier", lambda full: (sub(full, "draft"), ks, spec.stage1 == "fuzzy")))
             drafts = loop.fast(seqs, ks, [blocks[i] for i in todo]) if got is None else got[0]
             quals = RetryingCall(
                 loop.qualifier,  # type: ignore[arg-type]
