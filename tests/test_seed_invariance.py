@@ -46,6 +46,7 @@ MODES = {
     # a fan-out of one candidate per k on a budget of 2 misses often: fast (n-gram) backups
     "ssd-misses": SpeculationConfig(mode="ssd", k=3, fanout=(1, 1, 0, 0), budget=2, backup="fast"),
     "ssd-neural": SpeculationConfig(mode="ssd", k=2, fanout="auto", budget=3, backup="neural"),
+    "ssd-two-drafts": SpeculationConfig(mode="ssd", k=3, budget=6),  # the outcomes split, KV deltas shared
     "pyramid": SPECS["pyramid"],
     "auto": SpeculationConfig(mode="auto"),
 }
@@ -71,6 +72,7 @@ def _engine(zoo, name: str):
             qualifier=str(zoo / "qualifier") if spec.mode in ("pyramid", "auto") else None,
             spec=spec,
             threads_per_worker=1,
+            num_drafts=2 if name == "ssd-two-drafts" else 1,
         )
     )
 

@@ -117,7 +117,8 @@ def _race_rows(rows: list[RowSource], step: SeqStep) -> list[RowSource]:
     best guess at the target's token after a rejection (the target emits its
     own race winner, a deterministic function of p and the same noise, so the
     draft ranks outcomes as it does at T = 0). Token-list rows (a peer's KV
-    delta) keep their order: a weaker guess, never a wrong one."""
+    delta) are used as they come: the peer ranked them so
+    (:meth:`DraftLogic._commit_hit`)."""
     if not step.params.invariant or step.params.greedy:
         return rows
     live = [k for k, r in enumerate(rows) if isinstance(r, torch.Tensor)]
@@ -142,6 +143,7 @@ class DraftLogic(RunnerLogic):
         # rankings are read from them (ranking every branch up front costs more)
         self._tree: TreeState | None = None
         self._tree_logits: list[torch.Tensor] = []
+        self._tree_pos: list[int] = []  # per branch: the output position its first tree step predicts
         # per sequence: the KV delta of the hit this draft served (already in its cache)
         self._own: dict[int, KVDelta] = {}
         self.glue_tokens = 0  # tokens forwarded to build glue rows (recomputation avoided by KV deltas is not counted)
@@ -424,7 +426,7 @@ class DraftLogic(RunnerLogic):
                 for pos, r in enumerate(live):
                     if b_params[r].needs_q:  # greedy and invariant rows are point masses
                         q_rows[r].append(q[pos])
-        self._tree, self._tree_logits = tree, step_logits
+        self._tree, self._tree_logits, self._tree_pos = tree, step_logits, b_pos
         per_seq: dict[int, dict[tuple[int, int], Speculation]] = {}
         for r, (i, k, t) in enumerate(branches):
             spec = Speculation(tokens=tokens[r][: b_len[r]], q=torch.stack(q_rows[r]) if q_rows[r] else None, branch=r)
@@ -528,7 +530,8 @@ class DraftLogic(RunnerLogic):
     def _commit_hit(self, seq_id: int, t: int, spec: Speculation, share_kv: bool) -> KVDelta | None:
         """Move a hit branch's K/V ([t*, x_1..x_{K-1}]) into the sequence's
         cache; with ``share_kv``, return the KV delta for peer drafts (its
-        rankings as token lists — this draft keeps the logit rows)."""
+        rankings as token lists, in race order under the invariant rule as
+        this draft's own build ranks them — this draft keeps the logit rows)."""
         tree, n = self._tree, len(spec.tokens)
         if tree is None or n == 0 or not self.runner.has_sequence(seq_id):
             return None
@@ -539,7 +542,11 @@ class DraftLogic(RunnerLogic):
         rows = [lg[spec.branch] for lg in self._tree_logits[:n]]
         ext = KVDelta(seq_id, start, [t] + list(spec.tokens[: n - 1]), rows)
         self._own[seq_id] = ext
-        return replace(ext, rankings=top_order(torch.stack(rows)).tolist(), kv=kv) if share_kv else None
+        if not share_kv:
+            return None
+        item = self._items.get(seq_id)
+        order = rows if item is None else _race_rows(rows, replace(item.step, output_pos=self._tree_pos[spec.branch]))
+        return replace(ext, rankings=top_order(torch.stack(order)).tolist(), kv=kv)
 
     def prefill(self, steps: Sequence[SeqStep]) -> None:
         self._next_build = self._built_ahead = None  # the next build has new sequences: it is built when called
