@@ -36,6 +36,8 @@ from saguaro_ray.runtime.data_plane import (
     resolve,
     send_kv,
 )
+from saguaro_ray.runtime.data_plane.devices import DeviceIdentity, choose_backend, indexed_device
+from saguaro_ray.runtime.data_plane.status import PlaneStatus, fallback_cause
 from saguaro_ray.runtime.wire import FrameCodec, new_key
 from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, Proposal, SeqStep, Timed, VerifyItem
 
@@ -70,10 +72,16 @@ def payload(seed: int, rows: int, width: int = V, dtype: torch.dtype = torch.flo
     return torch.rand((rows, width), generator=g).to(dtype)
 
 
-def job_join(address: str, rank: int, world: int, gen: int, timeout_s: float = 20.0) -> float:
+def job_join(address: str, rank: int, world: int, gen: int, timeout_s: float = 20.0, identity: DeviceIdentity | None = None) -> float:
     t0 = time.monotonic()
-    _PLANES[gen] = DataPlane.join(address, KEY, rank, world, gen, timeout_s=timeout_s)
+    _PLANES[gen] = DataPlane.join(address, KEY, rank, world, gen, timeout_s=timeout_s, identity=identity)
     return time.monotonic() - t0
+
+
+def job_formed(gen: int) -> tuple[str, str | None, tuple[int, ...], dict[str, int]]:
+    """What the formation settled: backend, its note, the peers warmed up, the stats."""
+    plane = _PLANES[gen]
+    return plane.backend, plane.backend_note, plane.warmed, plane.stats()
 
 
 def job_close(gen: int, flush_s: float = 5.0) -> bool:
@@ -480,6 +488,86 @@ def test_survivors_rebuild_after_a_member_is_killed(agents: Agents, store: DataP
     got = agents.all({0: (job_recv, g2, [(2, tags[0], 2)]), 1: (job_recv, g2, [(2, tags[1], 2)])})
     assert torch.equal(got[0][0], payload(31, 2)) and torch.equal(got[1][0], payload(32, 2))
     assert agents.all({r: (job_close, g2) for r in range(3)}) == {0: True, 1: True, 2: True}
+
+
+def test_every_pair_exchanges_when_the_group_forms(agents: Agents, gen: int) -> None:
+    """Formation warms every pair up both ways (on NCCL that creates each
+    pair's communicator with both sides posting, instead of a first real send
+    creating it lazily under the plane's lock, blocked until its receiver
+    posts); then the last rank's first transfer to the first completes
+    although rank 0 never sent it anything."""
+    formed = agents.all({r: (job_formed, gen) for r in range(3)})
+    for r, (backend, note, warmed, stats) in formed.items():
+        assert (backend, note) == ("gloo", None)  # a CPU group: gloo is no fallback
+        assert sorted(warmed) == [p for p in range(3) if p != r] and stats["warmed_pairs"] == 2
+        assert stats["sent"] == stats["received"] == 0  # the warm-up is not a transfer
+    [tag] = agents.call(2, job_send, gen, [(0, 41, 2)])
+    assert tag == 1  # transfers' tags start after the warm-up's
+    [got] = agents.call(0, job_recv, gen, [(2, tag, 2)], 10.0)
+    assert torch.equal(got, payload(41, 2))
+
+
+def test_ranks_sharing_a_gpu_form_a_gloo_group_and_say_why(agents: Agents, store: DataPlaneStore) -> None:
+    """Identities published at rendezvous: ranks 0 and 1 claim one GPU, so
+    the group cannot be NCCL — every member picks gloo, with the cause."""
+    g = next(_GEN)
+    gpus = ["GPU-shared", "GPU-shared", "GPU-own"]
+    agents.all({r: (job_join, store.address, r, 3, g, 20.0, DeviceIdentity("cuda", gpus[r], True)) for r in range(3)})
+    try:
+        formed = agents.all({r: (job_formed, g) for r in range(3)})
+        assert {f[0] for f in formed.values()} == {"gloo"}
+        notes = {f[1] for f in formed.values()}
+        assert len(notes) == 1 and "ranks [0, 1] share GPU GPU-shared" in notes.pop()
+        [tag] = agents.call(1, job_send, g, [(0, 42, 3)])
+        [got] = agents.call(0, job_recv, g, [(1, tag, 3)], 10.0)
+        assert torch.equal(got, payload(42, 3))
+    finally:
+        agents.all({r: (job_abandon, g) for r in range(3)})
+
+
+def test_device_strings_get_an_index() -> None:
+    """torch.cuda.set_device refuses an index-less "cuda" (torch 2.13): the
+    worker's device becomes cuda:N, N the current (Ray-assigned) GPU."""
+    assert indexed_device("cuda", current=0) == torch.device("cuda", 0)
+    assert indexed_device("cuda", current=3) == torch.device("cuda:3")
+    assert indexed_device("cuda:1", current=3) == torch.device("cuda:1")  # an index given stays
+    assert indexed_device(torch.device("cpu")) == torch.device("cpu")
+    assert indexed_device("cpu", current=2) == torch.device("cpu")
+
+
+def test_the_backend_follows_the_members_devices() -> None:
+    cuda = lambda gpu, nccl=True: DeviceIdentity("cuda", gpu, nccl)  # noqa: E731
+    assert choose_backend([cuda("a"), cuda("b"), cuda("c")]) == ("nccl", None)
+    assert choose_backend([DeviceIdentity("cpu")] * 3) == ("gloo", None)
+    assert choose_backend([cuda("a"), cuda("b")], "gloo") == ("gloo", None)
+    backend, why = choose_backend([cuda("a"), cuda("b"), cuda("a")])
+    assert backend == "gloo" and "ranks [0, 2] share GPU a" in why
+    backend, why = choose_backend([cuda("a"), DeviceIdentity("cpu")])
+    assert backend == "gloo" and "ranks [1] are not on a CUDA device" in why
+    backend, why = choose_backend([cuda("a"), cuda("b", nccl=False)])
+    assert backend == "gloo" and "ranks [1] have no NCCL build" in why
+    with pytest.raises(DataPlaneError, match=r"cannot form: ranks \[0, 1\] share GPU a"):
+        choose_backend([cuda("a"), cuda("a")], "nccl")
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        choose_backend([cuda("a")], "mpi")
+    assert DeviceIdentity.decode(cuda("GPU-1").encode()) == cuda("GPU-1")
+
+
+def test_the_engine_reports_its_plane_and_why_it_fell_back() -> None:
+    """What the coordinator makes of its members' answers: metrics() fields,
+    the /health details, and the cause a device check fails on."""
+    cpu = PlaneStatus.formed(3, [{"rank": r, "backend": "gloo", "note": None} for r in range(3)])
+    assert cpu.metrics() == {"data_plane_backend": "gloo", "data_plane_error": None, "data_plane_generation": 3}
+    assert fallback_cause(cpu.metrics()) is None and PlaneStatus.from_metrics(cpu.metrics()) == cpu
+    gpu = PlaneStatus.formed(1, [{"backend": "nccl", "note": None}] * 2)
+    assert (gpu.backend, fallback_cause(gpu.metrics())) == ("nccl", None)
+    _, why = choose_backend([DeviceIdentity("cuda", "GPU-0", True)] * 2)
+    shared = PlaneStatus.formed(2, [{"backend": "gloo", "note": why}] * 2)
+    assert shared.describe() == {"backend": "gloo", "error": why} and fallback_cause(shared.metrics()) == why
+    lost = PlaneStatus.failed(4, JoinTimeout("rank 1 did not join"))
+    assert lost.metrics()["data_plane_backend"] == "control" and lost.generation == 0
+    assert "generation 4 did not form (JoinTimeout: rank 1 did not join)" in fallback_cause(lost.metrics())
+    assert PlaneStatus().metrics() == {"data_plane_backend": "control", "data_plane_error": None, "data_plane_generation": 0}  # off on purpose
 
 
 def test_join_timeout_names_the_missing_ranks(store: DataPlaneStore) -> None:

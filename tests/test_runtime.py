@@ -195,8 +195,11 @@ def test_two_drafts_match_ar_and_share_the_outcome_set(ray_instance, ckpts, ar_t
         want = local.generate(PROMPTS[:3], sampled)
         assert tokens(got) == tokens(want)
         # q rows reached the target, and KV deltas the peer draft, over the data plane
-        assert h.metrics()["data_plane_generation"] >= 1
+        m = h.metrics()
+        assert m["data_plane_generation"] >= 1
+        assert (m["data_plane_backend"], m["data_plane_error"]) == ("gloo", None)  # a CPU engine: gloo is no fallback
         info = h.worker_info()
+        assert all(info[r]["data_plane"]["warmed_pairs"] == 2 for r in info)  # every pair exchanged at formation
         # every round's outcomes reached both drafts straight from the target (the
         # coordinator's one-message broadcast stays the path when a verification was re-sent)
         assert h.metrics()["broadcast_subscribers"] == ["draft0", "draft1"]

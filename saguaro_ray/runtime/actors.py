@@ -39,6 +39,8 @@ from saguaro_ray.model_set import ModelSet, role_kind
 from saguaro_ray.models.spec import ModelRef
 from saguaro_ray.runtime.control import Broadcaster, CallForwarder, CommandServer, ControlError
 from saguaro_ray.runtime.data_plane import DataPlaneStore
+from saguaro_ray.runtime.data_plane.devices import indexed_device
+from saguaro_ray.runtime.data_plane.status import PlaneStatus
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
 from saguaro_ray.runtime.restart_budget import RestartBudget
@@ -118,8 +120,8 @@ class WorkerActor:
         self.role = role
         self.logic = _LOGIC[kind](self._make_runner(model, config))
         node = ray.util.get_node_ip_address()
-        # tensors to and from peers live on the device the model runs on
-        self.routed = ActorLogic(self.logic, key, str(self.logic.runner.device), node, CallForwarder(key) if kind == "target" else None)
+        # tensors to and from peers live on the device the model runs on (indexed: NCCL's set_device needs it)
+        self.routed = ActorLogic(self.logic, key, str(indexed_device(self.logic.runner.device)), node, CallForwarder(key) if kind == "target" else None)
         host = node if tcp_host == "node" else tcp_host
         # the work a draft starts after answering (build_ahead None: on through Ray)
         after_reply = self.routed.after_reply if config.build_ahead is not False else None
@@ -186,7 +188,7 @@ class CoordinatorActor:
         self._store: DataPlaneStore | None = None
         self._generations = itertools.count(1)
         self._plane_lock = threading.Lock()
-        self.data_plane_generation = 0  # 0: tensors ride the control frames
+        self.plane = PlaneStatus()  # until a generation forms (or without a data plane): the control frames
         if config.data_plane:
             self._store = DataPlaneStore(key, host)
             self._join_data_plane()
@@ -276,11 +278,20 @@ class CoordinatorActor:
             self._subscribe(client)
 
     # ----------------------------------------------------------- data plane
+    @property
+    def data_plane_generation(self) -> int:
+        """The data plane's generation; 0: tensors ride the control frames."""
+        return self.plane.generation
+
     def _join_data_plane(self) -> None:
         """(Re)build the data-plane group over every worker: after start-up and
         after any worker restarts (a dead member breaks a group for good). If
         a member cannot join, every worker leaves and tensors ride the control
-        frames until the next rebuild — slower, never wrong."""
+        frames until the next rebuild — slower, never wrong. A plane that is
+        not what the devices call for (control frames, or gloo on CUDA) is
+        logged as a warning when its cause changes — a gloo fallback once, at
+        start-up, not at every rebuild — and kept in :attr:`plane`
+        (``metrics()``, Serve's ``/health``)."""
         with self._plane_lock:
             roles = list(self.clients)
             rank = {role: i for i, role in enumerate(roles)}
@@ -295,13 +306,14 @@ class CoordinatorActor:
                 futs.append(
                     (role, self.clients[role].submit("join_data_plane", self._store.address, rank[role], len(roles), gen, dst, peers, qdst))
                 )
+            before = self.plane
             try:
-                for role, f in futs:
-                    f.result(timeout=JOIN_TIMEOUT_S + 10)
-                self.data_plane_generation = gen
+                self.plane = PlaneStatus.formed(gen, [f.result(timeout=JOIN_TIMEOUT_S + 10).value for _, f in futs])
             except Exception as exc:  # noqa: BLE001 — any failure: fall back to frames
-                log.warning("data plane generation %d failed (%s); tensors ride the control frames", gen, exc)
-                self.data_plane_generation = 0
+                self.plane = PlaneStatus.failed(gen, exc)
+            if self.plane.error is not None and self.plane.error != before.error:
+                log.warning("data plane: %s (see metrics()['data_plane_error'])", self.plane.error)
+            if self.plane.backend == "control":
                 for c in self.clients.values():
                     try:
                         c.submit("leave_data_plane").result(timeout=30)
@@ -370,7 +382,7 @@ class CoordinatorActor:
             "strategies": self.loop.assigner.metrics(),
             "queued": self.scheduler.queued,
             "active": self.scheduler.active,
-            "data_plane_generation": self.data_plane_generation,
+            **self.plane.metrics(),  # data_plane_backend / _error / _generation
             "broadcast_subscribers": sorted(self._subscribed),
         }
 

@@ -53,15 +53,17 @@ class ActorLogic:
     # ------------------------------------------------------------ membership
     def join_data_plane(
         self, address: str, rank: int, world_size: int, generation: int, q_dst: int | None, peers: list[int], qualifier_dst: int | None = None
-    ) -> int:
+    ) -> dict[str, Any]:
         """Leave the current group (if any) and join ``generation``; blocks
-        until all members joined. ``q_dst``: the rank that verifies this
-        worker's proposals; ``qualifier_dst``: the one that qualifies a
-        draft's PyramidSD proposals (:meth:`propose_for_qualifier`)."""
+        until all members joined and every pair has exchanged. ``q_dst``: the
+        rank that verifies this worker's proposals; ``qualifier_dst``: the one
+        that qualifies a draft's PyramidSD proposals (:meth:`propose_for_qualifier`).
+        Returns ``{"rank", "backend", "note"}`` (``note``: why a CUDA group is
+        not on NCCL; see :class:`~saguaro_ray.runtime.data_plane.status.PlaneStatus`)."""
         self.leave_data_plane()
         self.plane = DataPlane.join(address, self._key, rank, world_size, generation, self.device, gloo_host=self.host)
         self.q_dst, self.peers, self.qualifier_dst = q_dst, list(peers), qualifier_dst
-        return rank
+        return {"rank": rank, "backend": self.plane.backend, "note": self.plane.backend_note}
 
     def leave_data_plane(self) -> None:
         if self.plane is not None:

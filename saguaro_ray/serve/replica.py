@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from saguaro_ray.runtime.data_plane.status import PlaneStatus
 from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.serve.auth import APIKeys
 from saguaro_ray.serve.config import ServeAppConfig, parse_config
@@ -56,6 +57,7 @@ class ReplicaCore:
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.admission = Admission(self.cfg.max_ongoing_requests, self.metrics.ongoing_requests)
         self._health_probe: asyncio.Future | None = None
+        self._data_plane: dict[str, Any] | None = None  # the engine's data plane, from its latest metrics
         loop = asyncio.get_running_loop()
         self.tokenizer, self.engine = await loop.run_in_executor(None, self._start_engine)
         self._poller = asyncio.ensure_future(self._poll_engine_metrics())
@@ -123,11 +125,19 @@ class ReplicaCore:
 
     async def health(self) -> Any:
         """``GET /health``: 200 only when the engine can serve and the replica
-        is not draining (load balancers and Serve read it; see :meth:`check_health`)."""
+        is not draining (load balancers and Serve read it; see :meth:`check_health`).
+        ``data_plane``: what the engine's tensors travel over and, when that
+        is a fallback (gloo on GPUs, or the control frames), why — a slower
+        engine, not a down one, so it does not change the status."""
         ok, why = await self._engine_health()
         serving = ok and not self.admission.draining
         overall = "ok" if serving else "draining" if self.admission.draining else "unhealthy"
-        return JSONResponse({"status": overall, "engine": "ok" if ok else f"down: {why}"}, status_code=200 if serving else 503)
+        body: dict[str, Any] = {"status": overall, "engine": "ok" if ok else f"down: {why}"}
+        if ok and self._data_plane is None:  # not polled yet: ask once
+            await self._refresh_engine_metrics()
+        if self._data_plane is not None:
+            body["data_plane"] = self._data_plane
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     # ------------------------------------------------------------ metrics
     async def _poll_engine_metrics(self) -> None:
@@ -143,6 +153,7 @@ class ReplicaCore:
             log.debug("engine metrics unavailable", exc_info=True)
             return None
         self.metrics.engine_metrics(m)
+        self._data_plane = PlaneStatus.from_metrics(m).describe()
         return m
 
     async def metrics_snapshot(self, request: Request) -> Any:

@@ -43,7 +43,22 @@ p2p operations in issue order per pair. So on NCCL tags are consecutive per
 (sender, receiver) and a receiver must consume a sender's transfers in
 exactly that order; asking for any other tag raises :class:`TransferLost`
 instead of silently receiving the wrong tensor. Completion there is polled
-with ``is_completed()`` (CUDA events), no threads.
+with ``is_completed()`` (CUDA events), no threads. Every pair's
+communicator already exists when :meth:`DataPlane.join` returns (the
+warm-up in :mod:`.rendezvous`), so no send here ever creates one — which
+would block, under the lock, until the receiver posted.
+
+Why one transfer nobody receives does not block the later ones on NCCL: the
+protocol receives every send, in issue order. Each send is referenced by
+exactly one control frame to exactly one receiver; a worker handles its
+calls from one sender in the order they were sent, resolving their
+references in argument order, which is the order they were offloaded; and a
+reference the round loop drops is taken anyway (:meth:`DataPlane.discard`,
+``discard_refs``), in that same order. If that ever breaks — a receiver
+asked for a later tag than the next one due — the receive is refused with
+:class:`TransferLost` (the call is re-sent self-contained, nothing is
+wrong), the pair is counted in ``stats()["out_of_order"]`` and logged once
+as an error: its later transfers cannot arrive until the group is rebuilt.
 
 One concept, one module, though it is over 400 lines: every method shares
 the lock, the posted-operation tables and the memo, and the rules above
@@ -65,7 +80,8 @@ import torch
 
 from saguaro_ray.runtime.data_plane.dtypes import as_dtype
 from saguaro_ray.errors import DataPlaneError, TransferLost
-from saguaro_ray.runtime.data_plane.rendezvous import join_group
+from saguaro_ray.runtime.data_plane.devices import DeviceIdentity, indexed_device
+from saguaro_ray.runtime.data_plane.rendezvous import first_line, join_group
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +165,9 @@ class DataPlane:
         self._memo: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (src, tag) → received
         self._outbox: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (dst, tag) → sent
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
+        self.backend_note: str | None = None  # why a CUDA group is not on NCCL (None: nothing fell back)
+        self.warmed: tuple[int, ...] = ()  # the peers the formation's warm-up exchanged with
+        self._out_of_order: dict[int, int] = {}  # nccl: sender → receives refused for skipping its next tag
 
     # ------------------------------------------------------------ lifecycle
 
@@ -168,15 +187,21 @@ class DataPlane:
         memo_size: int = DEFAULT_MEMO_SIZE,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
         linger_s: float = DEFAULT_LINGER_S,
+        identity: DeviceIdentity | None = None,
     ) -> DataPlane:
         """Join generation ``generation`` as ``rank`` of ``world_size`` at the
         :class:`DataPlaneStore` at ``address`` (the engine's ``key``); blocks
         until every member has joined, or raises :class:`JoinTimeout` after
         ``timeout_s`` naming the missing ranks.
 
-        ``backend`` defaults to ``"gloo"`` on the CPU and ``"nccl"`` on CUDA
-        (``"gloo"`` on CUDA also works: tensors are staged through host
-        memory, and tags may then be received in any order). ``gloo_host``:
+        ``device``: ``"cuda"`` means the current CUDA device (made ``cuda:N``).
+        ``backend`` defaults to ``"nccl"`` when every member is on a GPU of
+        its own, else ``"gloo"`` (:func:`.devices.choose_backend`; the cause
+        of a CUDA group's gloo is :attr:`backend_note`). ``"gloo"`` on CUDA
+        also works: tensors are staged through host memory, and tags may
+        then be received in any order. Every pair has exchanged a warm-up
+        message when this returns (:attr:`warmed`). ``identity``: what this
+        member publishes about its device (default: the real one). ``gloo_host``:
         the address this member's gloo sockets bind to (the node IP Ray
         reports); by default gloo resolves the machine's hostname, which on
         some hosts maps to a loopback address unusable across nodes.
@@ -185,9 +210,13 @@ class DataPlane:
         the received transfers kept for retries and the sent ones kept for
         references that come back to their sender (the newest always stays).
         """
-        dev = torch.device(device)
-        pg, client, backend = join_group(address, key, rank, world_size, generation, dev, timeout_s, backend, gloo_host, linger_s)
-        return cls(pg, client, rank, world_size, generation, dev, backend, memo_size, linger_s, memo_bytes)
+        dev = indexed_device(device)
+        pg, client, backend, note, warmed = join_group(
+            address, key, rank, world_size, generation, dev, timeout_s, backend, gloo_host, linger_s, identity
+        )
+        plane = cls(pg, client, rank, world_size, generation, dev, backend, memo_size, linger_s, memo_bytes)
+        plane.backend_note, plane.warmed = note, tuple(warmed)
+        return plane
 
     def close(self) -> None:
         """Leave the group; never blocks. Peers' operations with this member
@@ -244,6 +273,8 @@ class DataPlane:
                 "received": self._received,
                 "bytes_sent": self._bytes_sent,
                 "bytes_received": self._bytes_received,
+                "warmed_pairs": len(self.warmed),
+                "out_of_order": sum(self._out_of_order.values()),
             }
 
     # ------------------------------------------------------------ send
@@ -272,7 +303,7 @@ class DataPlane:
             try:
                 work = self._pg.send([t], dst, tag)
             except Exception as e:  # noqa: BLE001 — the pair is closed: peer dead, group broken
-                raise TransferLost.for_transfer(self.rank, tag, f"cannot send to rank {dst}: {_first_line(e)}") from None
+                raise TransferLost.for_transfer(self.rank, tag, f"cannot send to rank {dst}: {first_line(e)}") from None
             op = _Op(work, t, dst, tag, self._nccl)
             self._sent += 1
             self._bytes_sent += t.numel() * t.element_size()
@@ -354,6 +385,13 @@ class DataPlane:
             if self._nccl:
                 expected = self._next_from.get(src, 1)
                 if tag != expected:
+                    self._out_of_order[src] = self._out_of_order.get(src, 0) + 1
+                    if self._out_of_order[src] == 1:
+                        log.error(
+                            "data plane generation %d: rank %d asked rank %d for transfer %d before %d; NCCL matches in issue "
+                            "order, so that pair's later transfers cannot arrive until the group is rebuilt",
+                            self.generation, self.rank, src, tag, expected,
+                        )
                     raise TransferLost.for_transfer(
                         src, tag, f"NCCL matches transfers in order and tag {expected} from rank {src} comes first; rebuild the group"
                     )
@@ -362,7 +400,7 @@ class DataPlane:
             try:
                 work = self._pg.recv([buf], src, tag)
             except Exception as e:  # noqa: BLE001 — the pair is closed: peer dead, group broken
-                raise TransferLost.for_transfer(src, tag, f"the peer is gone or the group is broken ({_first_line(e)})") from None
+                raise TransferLost.for_transfer(src, tag, f"the peer is gone or the group is broken ({first_line(e)})") from None
             op = _Op(work, buf, src, tag, self._nccl)
             self._recvs[key] = op
             if len(self._recvs) == PENDING_WARN:
@@ -399,7 +437,7 @@ class DataPlane:
             if time.monotonic() >= deadline:
                 raise TransferLost.for_transfer(src, tag, "timed out (the receive stays posted; a retry can still get it)")
         if op.error is not None:
-            raise TransferLost.for_transfer(src, tag, f"the peer is gone or the group is broken ({_first_line(op.error)})")
+            raise TransferLost.for_transfer(src, tag, f"the peer is gone or the group is broken ({first_line(op.error)})")
         out = op.tensor if self._nccl or self.device.type == "cpu" else op.tensor.to(self.device)
         with self._lock:
             if self._recvs.get(key) is op:
@@ -440,9 +478,3 @@ class DataPlane:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"DataPlane(rank={self.rank}/{self.world_size}, generation={self.generation}, {self.backend}, {state})"
-
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
