@@ -525,6 +525,23 @@ def test_ranks_sharing_a_gpu_form_a_gloo_group_and_say_why(agents: Agents, store
         agents.all({r: (job_abandon, g) for r in range(3)})
 
 
+def test_an_nccl_receive_out_of_issue_order_is_refused_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """NCCL matches a pair's transfers in issue order: asking for transfer 2
+    before 1 would take 1's bytes. The refusal happens before the backend is
+    touched (so no group is needed here), and it is counted and logged once
+    per pair — the pair's later transfers cannot arrive until a rebuild."""
+    plane = DataPlane(None, None, rank=0, world_size=3, generation=7, device=torch.device("cpu"), backend="nccl")
+    with caplog.at_level("ERROR", logger="saguaro_ray.runtime.data_plane.group"):
+        for tag in (2, 3):
+            with pytest.raises(TransferLost, match="tag 1 from rank 1 comes first"):
+                plane.prefetch(1, tag, (1, V), torch.float32)
+    assert plane.stats()["out_of_order"] == 2 and plane.stats()["pending_recvs"] == 0
+    assert [r.getMessage() for r in caplog.records if "issue order" in r.getMessage()] == [
+        "data plane generation 7: rank 0 asked rank 1 for transfer 2 before 1; NCCL matches in issue order, "
+        "so that pair's later transfers cannot arrive until the group is rebuilt"
+    ]
+
+
 def test_device_strings_get_an_index() -> None:
     """torch.cuda.set_device refuses an index-less "cuda" (torch 2.13): the
     worker's device becomes cuda:N, N the current (Ray-assigned) GPU."""

@@ -48,17 +48,20 @@ communicator already exists when :meth:`DataPlane.join` returns (the
 warm-up in :mod:`.rendezvous`), so no send here ever creates one — which
 would block, under the lock, until the receiver posted.
 
-Why one transfer nobody receives does not block the later ones on NCCL: the
-protocol receives every send, in issue order. Each send is referenced by
-exactly one control frame to exactly one receiver; a worker handles its
-calls from one sender in the order they were sent, resolving their
-references in argument order, which is the order they were offloaded; and a
-reference the round loop drops is taken anyway (:meth:`DataPlane.discard`,
-``discard_refs``), in that same order. If that ever breaks — a receiver
-asked for a later tag than the next one due — the receive is refused with
-:class:`TransferLost` (the call is re-sent self-contained, nothing is
-wrong), the pair is counted in ``stats()["out_of_order"]`` and logged once
-as an error: its later transfers cannot arrive until the group is rebuilt.
+Why one transfer nobody receives should not block the later ones on NCCL:
+the protocol receives every send, in issue order. Each send is referenced
+by exactly one control frame to exactly one receiver; a worker runs its
+calls on one thread in arrival order, resolving references in argument
+order, which is the order they were offloaded; and a reference the round
+loop drops is taken anyway (:meth:`DataPlane.discard`, ``discard_refs``).
+What that does not guarantee: calls reaching a worker over two connections
+(a discard, a forwarded call) keep their senders' order between them. If
+the order ever breaks — a receiver asks for a later tag than the next one
+due — the receive is refused with :class:`TransferLost` (the call is re-sent
+self-contained: slower, never wrong), counted in ``stats()["out_of_order"]``
+and logged once as an error: that pair's later transfers cannot arrive
+until the group is rebuilt (tearing the pair down and re-forming it by
+itself is not done yet).
 
 One concept, one module, though it is over 400 lines: every method shares
 the lock, the posted-operation tables and the memo, and the rules above
