@@ -86,8 +86,8 @@ def join_group(
     except BaseException:
         client.close()  # its I/O thread; a plane that joined closes it in close()
         raise
-    if note is not None and rank == 0:  # one line per group, not one per member
-        log.warning("%s: %s", where, note)
+    if note is not None and rank == 0:  # the engine warns once (PlaneStatus.announcement); a member notes it
+        log.info("%s: %s", where, note)
     log.info("joined %s as rank %d/%d (%s)", where, rank, world_size, backend)
     return pg, client, backend, note, warmed
 
