@@ -74,6 +74,8 @@ FAMILIES = {
         # a KV cache of 4096 tokens a worker (the default 32k costs a 1.5B
         # ~0.9 GB it never uses here: on a 23 GB VM shared with other work,
         # Ray's memory monitor killed the demo's workers at the default)
+        # Caveat: bf16 on CPU is not row-invariant (docs/models.md, 'bf16 and exactness'):
+        # at a near-tie a speculative mode can leave AR's tokens, which the demo reports.
         engine={"dtype": "bfloat16", "draft_vocab": 32768, "max_kv_tokens": 4096},
     ),
     "smollm2": Family(
