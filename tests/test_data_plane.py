@@ -585,6 +585,11 @@ def test_the_engine_reports_its_plane_and_why_it_fell_back() -> None:
     assert lost.metrics()["data_plane_backend"] == "control" and lost.generation == 0
     assert "generation 4 did not form (JoinTimeout: rank 1 did not join)" in fallback_cause(lost.metrics())
     assert PlaneStatus().metrics() == {"data_plane_backend": "control", "data_plane_error": None, "data_plane_generation": 0}  # off on purpose
+    # said once: at start-up, not again when a rebuild falls back for the same cause
+    assert shared.announcement(PlaneStatus()) == f"data plane: {why} (see metrics()['data_plane_error'])"
+    again = PlaneStatus.formed(3, [{"backend": "gloo", "note": why}] * 2)
+    assert again.announcement(shared) is None and cpu.announcement(PlaneStatus()) is None
+    assert lost.announcement(shared) is not None  # a new cause is news
 
 
 def test_join_timeout_names_the_missing_ranks(store: DataPlaneStore) -> None:

@@ -24,13 +24,14 @@ def test_demo_refuses_a_batch_below_one_in_one_line():
 
 
 def test_demo_families():
-    """The default is the Qwen2.5-Coder pair (the 0.5B quantised at load as the
-    draft, the 1.5B's own int4 copy as PyramidSD's qualifier); smollm2 and zoo
-    families keep their models; an unknown family is one line, before anything loads."""
+    """The default is SmolLM2 with its own int4/int8 copies; the Qwen2.5-Coder
+    pair (the 0.5B quantised at load as the draft, the 1.5B's own int4 copy as
+    PyramidSD's qualifier) and the zoo families are named; an unknown family is
+    one line, before anything loads."""
     from saguaro_ray import cli
     from saguaro_ray.demo import DEFAULT_FAMILY, family_models
 
-    assert cli.build_parser().parse_args(["demo"]).family == DEFAULT_FAMILY == "coder"
+    assert cli.build_parser().parse_args(["demo"]).family == DEFAULT_FAMILY == "smollm2"
     assert family_models("coder") == {
         "target": "real:qwen2.5-coder-1.5b-instruct",
         "draft": "int4:real:qwen2.5-coder-0.5b-instruct",

@@ -311,8 +311,9 @@ class CoordinatorActor:
                 self.plane = PlaneStatus.formed(gen, [f.result(timeout=JOIN_TIMEOUT_S + 10).value for _, f in futs])
             except Exception as exc:  # noqa: BLE001 — any failure: fall back to frames
                 self.plane = PlaneStatus.failed(gen, exc)
-            if self.plane.error is not None and self.plane.error != before.error:
-                log.warning("data plane: %s (see metrics()['data_plane_error'])", self.plane.error)
+            news = self.plane.announcement(before)
+            if news is not None:
+                log.warning("%s", news)
             if self.plane.backend == "control":
                 for c in self.clients.values():
                     try:

@@ -74,6 +74,7 @@ def join_group(
     where = f"data plane generation {generation} at {address}"
     deadline = time.monotonic() + timeout_s
     client = StoreClient.connect(address, key, timeout_s, where)
+    pg = None
     try:
         store = dist.PrefixStore(f"gen{generation}/", client)
         _claim(store, where, deadline, timeout_s, rank, world_size, identity)
@@ -84,10 +85,15 @@ def join_group(
         pg = _backend(store, where, deadline, rank, world_size, dev, backend, gloo_host, linger_s)
         warmed = _warm_pairs(pg, where, deadline, rank, world_size, dev if backend == "nccl" else torch.device("cpu"))
     except BaseException:
+        if pg is not None:  # formed but a pair did not warm up: its peers see this member leave
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 — a broken group may refuse even that
+                log.debug("data-plane shutdown after a failed warm-up raised", exc_info=True)
         client.close()  # its I/O thread; a plane that joined closes it in close()
         raise
-    if note is not None and rank == 0:  # one line per group, not one per member
-        log.warning("%s: %s", where, note)
+    if note is not None and rank == 0:  # the engine warns once (PlaneStatus.announcement); a member notes it
+        log.info("%s: %s", where, note)
     log.info("joined %s as rank %d/%d (%s)", where, rank, world_size, backend)
     return pg, client, backend, note, warmed
 

@@ -51,6 +51,14 @@ class PlaneStatus:
             int(metrics.get("data_plane_generation") or 0),
         )
 
+    def announcement(self, before: PlaneStatus) -> str | None:
+        """The warning to log on going from ``before`` to this status: the
+        cause when it is new — so a fallback is said once at start-up, not
+        again at every rebuild that falls back the same way."""
+        if self.error is None or self.error == before.error:
+            return None
+        return f"data plane: {self.error} (see metrics()['data_plane_error'])"
+
     def metrics(self) -> dict[str, Any]:
         return {"data_plane_backend": self.backend, "data_plane_error": self.error, "data_plane_generation": self.generation}
 
