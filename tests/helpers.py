@@ -15,8 +15,11 @@ the same weights, and the global torch RNG is left untouched.
 
 from __future__ import annotations
 
-import string
 import os
+import signal
+import string
+import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -198,3 +201,52 @@ def coordinator_pid(handle: Any, timeout_s: float = 60.0) -> int:
 def engine_pids(handle: Any) -> set[int]:
     """A Ray engine's processes: its coordinator and its workers."""
     return {coordinator_pid(handle), *(info["pid"] for info in handle.worker_info().values())}
+
+
+def kill_coordinator(handle: Any) -> int:
+    """SIGKILL a Ray engine's coordinator (Ray restarts it within its max_restarts); returns its pid."""
+    pid = coordinator_pid(handle)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn(*args)`` on a thread; its result or error lands in the dict ("value" / "error")."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 — handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def rounds_run(handle: Any) -> int:
+    """Rounds the coordinator has run (-1 while it is restarting: admin calls do not wait)."""
+    from saguaro_ray.errors import WorkerGone
+
+    try:
+        return len(handle.timeline())
+    except WorkerGone:
+        return -1
+
+
+def wait_until_progress(handle: Any, rounds: int = 8, timeout_s: float = 60) -> None:
+    """Until the coordinator has run ``rounds`` rounds since now (a request is mid-flight)."""
+    start = max(0, rounds_run(handle))
+    deadline = time.monotonic() + timeout_s
+    while rounds_run(handle) < start + rounds:
+        assert time.monotonic() < deadline, "the request made no progress"
+        time.sleep(0.05)
+
+
+def wait_until_back(handle: Any, timeout_s: float = 180) -> None:
+    """Until a restarted coordinator has run a round (its timeline starts empty)."""
+    deadline = time.monotonic() + timeout_s
+    while rounds_run(handle) < 1:
+        assert time.monotonic() < deadline, "the coordinator never came back"
+        time.sleep(0.05)

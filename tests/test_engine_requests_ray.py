@@ -214,7 +214,7 @@ def test_a_call_ray_cancelled_with_its_caller_ends_cancelled_not_failed():
     method = lambda result: type("M", (), {"remote": staticmethod(lambda *a: result(a))})()  # noqa: E731
     coordinator = type("C", (), {})()
     coordinator.stream = method(lambda a: Stream())
-    coordinator.generate = method(lambda a: fails())
+    coordinator.generate_progress = method(lambda a: Stream())  # agenerate reads generate's progress stream
     coordinator.abort = method(lambda a: aborted.append(a[0]))
     handle = EngineHandle(coordinator)
 

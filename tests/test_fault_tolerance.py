@@ -7,7 +7,8 @@ target is restarted and running sequences are re-prefilled; when restarts
 are exhausted the affected requests fail with a clear error instead of
 hanging. Restart budgets are windows (N restarts in any W seconds), a
 worker that dies while the engine launches is waited for, and a lost
-coordinator is reported, restarted, and re-attaches fresh workers.
+coordinator is restarted, re-attaches fresh workers, and the handle resumes
+its requests.
 """
 
 import math
@@ -222,33 +223,40 @@ def _wait_for_coordinator(handle, timeout_s: float = 180) -> None:
             time.sleep(0.5)
 
 
-def test_a_lost_coordinator_is_reported_restarted_and_serves_with_fresh_workers(ray_instance, target):
+def test_a_lost_coordinator_is_restarted_with_fresh_workers_and_its_stream_resumes(ray_instance, target):
     """The coordinator holds the token histories, so its in-flight requests
-    are lost: they fail with WorkerGone naming it. Ray restarts it; the new
-    one restarts the workers (their KV belonged to the lost requests) and new
-    requests are served exactly. Past its restarts, calls fail the same way."""
+    are lost with it — but not their callers' part: the handle resumes the
+    stream from what it emitted once Ray has restarted the coordinator (see
+    tests/test_coordinator_loss.py), with the same tokens. The new one
+    restarts the workers (their KV belonged to the lost requests). Past its
+    restarts, requests fail with WorkerGone naming the coordinator."""
     handle = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=SpeculationConfig(mode="sd", k=3), max_restarts=1))
     try:
         reference = handle.generate([PROMPT], PARAMS)[0].token_ids
         pids = {role: info["pid"] for role, info in handle.worker_info().items()}
         coordinator = coordinator_pid(handle)
-        with pytest.raises(WorkerGone, match="coordinator"):
-            for i, _ in enumerate(handle.stream(PROMPT, PARAMS)):
-                if i == 2:
-                    os.kill(coordinator, signal.SIGKILL)
+        tokens = []
+        for i, chunk in enumerate(handle.stream(PROMPT, PARAMS)):
+            tokens += chunk.token_ids
+            if i == 2:
+                os.kill(coordinator, signal.SIGKILL)
+        assert tokens == reference
         _wait_for_coordinator(handle)
         again = handle.generate([PROMPT], PARAMS)[0]
         assert again.token_ids == reference
         assert coordinator_pid(handle) != coordinator
         info = handle.worker_info()
         assert all(info[role]["pid"] != pid for role, pid in pids.items())  # fresh workers, re-attached
-        assert info["target"]["free_kv_blocks"] == info["target"]["kv_tokens"] // info["target"]["block_size"]
-        os.kill(coordinator_pid(handle), signal.SIGKILL)  # its one restart is spent
+        deadline = time.monotonic() + 30  # the lost stream's resumed copy has released its blocks
+        while (t := handle.worker_info()["target"])["free_kv_blocks"] != t["kv_tokens"] // t["block_size"]:
+            assert time.monotonic() < deadline, "the target still holds blocks"
+            time.sleep(0.2)
         with pytest.raises(WorkerGone, match="coordinator"):
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # until Ray has noticed the death
-                handle.metrics()
-                time.sleep(0.2)
+            for i, _ in enumerate(handle.stream(PROMPT, PARAMS)):
+                if i == 2:
+                    os.kill(coordinator_pid(handle), signal.SIGKILL)  # its one restart is spent
+        with pytest.raises(WorkerGone, match="coordinator"):
+            handle.metrics()
     finally:
         handle.shutdown()
 

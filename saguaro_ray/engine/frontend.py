@@ -12,6 +12,12 @@ in front of their :class:`Scheduler`, so they answer identically.
 Every request gets a request id; a caller that goes away (a cancelled
 ``agenerate``/``astream`` task, a stream generator closed early) aborts it,
 so the scheduler drops it at the next round boundary and frees its KV.
+
+``resume`` (one :class:`~saguaro_ray.engine.resume.Emitted` per sample, in
+(prompt, sample) order): the samples continue from what their caller already
+has — how a caller carries a request across a lost coordinator
+(:mod:`saguaro_ray.engine.resume`); :meth:`Frontend.agenerate_progress` tells
+it, as it goes, what the samples of a non-streamed request have emitted.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 from saguaro_ray.algorithms.grammar import GrammarCompiler
 from saguaro_ray.algorithms.logprobs import TokenLogprobs
 from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig
+from saguaro_ray.engine.resume import Emitted, primed_decoder, replay
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult, SequenceState
 from saguaro_ray.engine.stops import StopChecker
@@ -44,6 +51,11 @@ PromptParams = SamplingParams | Sequence[SamplingParams]  # one for every prompt
 # what the scheduler thread hands a stream's consumer after a round: new tokens, the text a
 # stop checker released (None: the consumer decodes), and the tokens' logprobs (None: not asked)
 StreamItem = tuple[list[int], str | None, list[TokenLogprobs] | None]
+Resume = Sequence["Emitted | None"] | None  # per sample, in (prompt, sample) order
+# a non-streamed request's progress: (sample index, new tokens, their logprobs) per sample that
+# emitted since the last report
+Progress = list[tuple[int, list[int], list[TokenLogprobs] | None]]
+PROGRESS_INTERVAL_S = 0.25  # how often a non-streamed request reports what it has emitted
 
 
 @dataclass
@@ -126,9 +138,10 @@ class Frontend:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def make_sequences(self, prompts: Prompts, params: PromptParams, n: int = 1) -> list[SequenceState]:
+    def make_sequences(self, prompts: Prompts, params: PromptParams, n: int = 1, resume: Resume = None) -> list[SequenceState]:
         """Validate every prompt and expand ``n`` samples each; sample i of a
-        prompt uses seed ``seed + i``. Raises before any model work."""
+        prompt uses seed ``seed + i``; ``resume``: what each sample emitted
+        already. Raises before any model work."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} sampling parameter sets")
@@ -157,6 +170,14 @@ class Frontend:
                 seqs.append(
                     SequenceState(self._new_id(), ids, p, base + j, prompt_index=i, sample_index=j, stopper=stopper, strategy=strategy)
                 )
+        if resume is not None:
+            if len(resume) != len(seqs):
+                raise ConfigError(f"resume: got {len(resume)} samples' emitted tokens for {len(seqs)} samples")
+            for seq, emitted in zip(seqs, resume):
+                if emitted is not None:
+                    if any(not 0 <= t < self.vocab_size for t in emitted.token_ids):
+                        raise ConfigError(f"resume: emitted token ids must be in [0, {self.vocab_size})")
+                    replay(seq, emitted, self.eos_ids)
         return seqs
 
     def check_response_format(self, fmt: ResponseFormat) -> None:
@@ -180,17 +201,73 @@ class Frontend:
             f.result()  # re-raises a failed request's error
         return self._results(seqs, t0)
 
-    async def agenerate(self, prompts: Prompts, params: PromptParams = SamplingParams(), n: int = 1, request_id: str | None = None) -> list[GenerationResult]:
+    async def agenerate(
+        self, prompts: Prompts, params: PromptParams = SamplingParams(), n: int = 1, request_id: str | None = None, resume: Resume = None
+    ) -> list[GenerationResult]:
         """:meth:`generate` for an event loop; cancelling the awaiting task
         aborts the request (``request_id``, default a fresh one)."""
         request_id = request_id or uuid.uuid4().hex
-        seqs, futures, t0 = self._submit(prompts, params, n, request_id)
+        seqs, futures, t0 = self._submit(prompts, params, n, request_id, resume)
         try:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except asyncio.CancelledError:
             self.scheduler.abort(request_id)
             raise
         return self._results(seqs, t0)
+
+    async def agenerate_progress(
+        self, prompts: Prompts, params: PromptParams = SamplingParams(), n: int = 1, request_id: str | None = None, resume: Resume = None
+    ) -> AsyncIterator[Progress | list[GenerationResult]]:
+        """:meth:`agenerate` that reports, at most every
+        :data:`PROGRESS_INTERVAL_S`, what its samples have emitted
+        (:data:`Progress`), then yields the results — what a caller keeps to
+        resume the request if the engine's coordinator is lost. A sample's
+        tokens not yet reported when it is lost are drawn again: exact all the same."""
+        loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        news: asyncio.Queue[tuple[int, list[int], list[TokenLogprobs] | None] | None] = asyncio.Queue()
+        index: dict[int, int] = {}
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(news.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+        def listener(s: SequenceState, tokens: list[int]) -> None:
+            logprobs = None if s.logprobs is None else s.logprobs[len(s.logprobs) - len(tokens) :]
+            put((index[s.seq_id], list(tokens), logprobs))
+
+        seqs = self.make_sequences(prompts, params, n, resume)
+        index.update((s.seq_id, i) for i, s in enumerate(seqs))
+        t0 = time.perf_counter()
+        futures = self.scheduler.submit_many([[s for s in seqs if s.prompt_index == i] for i in range(len(prompts))], listener, request_id)
+        done = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        done.add_done_callback(lambda _: put(None))
+        try:
+            last = loop.time()  # when the caller was last told
+            ended = False
+            while not ended:
+                if (item := await news.get()) is None:
+                    break
+                batch: Progress = [item]
+                wait = PROGRESS_INTERVAL_S - (loop.time() - last)
+                if wait > 0:  # more news until the interval is up, or the request has ended
+                    await asyncio.wait([done], timeout=wait)
+                while not news.empty():
+                    if (item := news.get_nowait()) is None:
+                        ended = True  # the results follow at once: they carry everything
+                        break
+                    batch.append(item)
+                if not ended:
+                    yield batch
+                    last = loop.time()
+            await done  # re-raises a failed request's error
+        except (asyncio.CancelledError, GeneratorExit):
+            self.scheduler.abort(request_id)
+            done.cancel()
+            raise
+        yield self._results(seqs, t0)
 
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
         """Yield one sample's new tokens and text as rounds complete; the last
@@ -206,7 +283,7 @@ class Frontend:
                 self.scheduler.abort(stream.request_id)
 
     async def astream(
-        self, prompt: Prompt, params: SamplingParams = SamplingParams(), request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams = SamplingParams(), request_id: str | None = None, resume: Emitted | None = None
     ) -> AsyncIterator[StreamChunk]:
         """:meth:`stream` for an event loop: no thread waits for the tokens, and
         a cancelled or closed consumer aborts the request."""
@@ -219,7 +296,7 @@ class Frontend:
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
                 pass
 
-        stream = self._submit_stream(prompt, params, request_id, put)
+        stream = self._submit_stream(prompt, params, request_id, put, resume)
         try:
             while (item := await chunks.get()) is not None:
                 yield stream.chunk(item)
@@ -232,8 +309,10 @@ class Frontend:
         """Abort the request(s) named ``request_id`` (see :meth:`Scheduler.abort`)."""
         self.scheduler.abort(request_id)
 
-    def _submit(self, prompts: Prompts, params: PromptParams, n: int, request_id: str | None) -> tuple[list[SequenceState], "list[Future[list[SequenceState]]]", float]:
-        seqs = self.make_sequences(prompts, params, n)
+    def _submit(
+        self, prompts: Prompts, params: PromptParams, n: int, request_id: str | None, resume: Resume = None
+    ) -> tuple[list[SequenceState], "list[Future[list[SequenceState]]]", float]:
+        seqs = self.make_sequences(prompts, params, n, resume)
         t0 = time.perf_counter()
         futures = self.scheduler.submit_many([[s for s in seqs if s.prompt_index == i] for i in range(len(prompts))], request_id=request_id)
         return seqs, futures, t0
@@ -244,10 +323,13 @@ class Frontend:
             s.stats["seconds"] = round(elapsed, 6)
         return [self._result(s) for s in seqs]
 
-    def _submit_stream(self, prompt: Prompt, params: SamplingParams, request_id: str | None, put: Callable[[Any], None]) -> "_Stream":
-        """Submit one streamed sample whose chunks ``put`` delivers (None ends them)."""
-        [seq] = self.make_sequences([prompt], params, 1)
-        stream = _Stream(seq, request_id or uuid.uuid4().hex, None if seq.stopper is not None else IncrementalDecoder(self.tokenizer))
+    def _submit_stream(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, put: Callable[[Any], None], resume: Emitted | None = None
+    ) -> "_Stream":
+        """Submit one streamed sample whose chunks ``put`` delivers (None ends them);
+        ``resume``: what its caller was given already (the chunks continue after it)."""
+        [seq] = self.make_sequences([prompt], params, 1, None if resume is None else [resume])
+        stream = _Stream(seq, request_id or uuid.uuid4().hex, None if seq.stopper is not None else primed_decoder(self.tokenizer, resume))
         stream.future = self.scheduler.submit([seq], lambda s, toks: put(stream.item(toks)), stream.request_id)
         stream.future.add_done_callback(lambda _: put(None))
         return stream

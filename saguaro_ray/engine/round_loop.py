@@ -133,8 +133,10 @@ class RoundLoop:
         ``full`` re-sends the whole history (a worker that lost its state).
         ``kind``: the workers the step goes to — a draft or qualifier that sat
         out rounds (the sequence ran AR, say) gets every token since the last
-        step it was sent, so it catches up without a re-prefill."""
-        committed = len(s.all_ids) - 1 if s.output_ids and not full else 0
+        step it was sent, so it catches up without a re-prefill. A sequence
+        that has not run a round yet is new to every worker, even with output
+        (a resumed one, :mod:`saguaro_ray.engine.resume`): all of it is sent."""
+        committed = len(s.all_ids) - 1 if s.output_ids and not full and s.rounds else 0
         ids = s.all_ids
         since = committed if kind == "target" else min(committed, s.fed.get(kind, committed))
         s.fed[kind] = len(ids)  # once it has run the step, a worker holds at least every token up to here

@@ -109,7 +109,8 @@ class Scheduler:
                 )
             limits = [s.params.deadline_s for s in seqs if s.params.deadline_s is not None]
             deadline = now + min(limits) if limits else None
-            reqs.append(_Request(seqs, fut, listener, request_id, deadline, {s.seq_id: 0 for s in seqs}))
+            # a resumed sample's output so far is its caller's already: only what follows is published
+            reqs.append(_Request(seqs, fut, listener, request_id, deadline, {s.seq_id: len(s.output_ids) for s in seqs}))
         todo = [r for r in reqs if not r.future.done()]
         with self._cv:
             if self._stop:

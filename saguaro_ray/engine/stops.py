@@ -75,6 +75,11 @@ class StopChecker:
         out, self._released = text[self._released : end], end
         return out
 
+    def mark_shown(self, chars: int) -> None:
+        """A resumed stream's caller was already given ``chars`` characters
+        (see :mod:`saguaro_ray.engine.resume`): release continues after them."""
+        self._released = chars
+
     def _held(self, text: str) -> int:
         """Length of the longest tail of ``text`` that starts some stop string."""
         longest = 0

@@ -156,6 +156,8 @@ class Outcome:
     gaps_s: list[float] = field(default_factory=list)  # between content chunks
     spec: Spec | None = None
     detail: str = ""
+    started: float = 0.0  # time.monotonic() when it was sent and when it ended (set by the load test)
+    ended: float = 0.0
 
 
 def openai_error(resp_body: bytes) -> dict[str, Any] | None:

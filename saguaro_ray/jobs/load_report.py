@@ -165,5 +165,8 @@ def summary_text(report: dict[str, Any]) -> str:
         f"per token p50 {ms(lat['tpot']['p50'])} p99 {ms(lat['tpot']['p99'])} ({report['completion_tokens']} tokens)",
         f"resources back in {report['resources']['settle_s']:.1f} s" if not report["resources"]["problems"] else f"resources: {report['resources']['problems']}",
     ]
+    kill = report.get("coordinator_kill")
+    if kill:
+        lines.append(f"coordinator killed at {kill['at_s']:.1f} s (pid {kill['pid']}) with {kill['good_requests_in_flight']} well-behaved requests in flight")
     lines += [f"FAIL: {f}" for f in report["failures"]] or ["OK"]
     return "\n".join(lines)

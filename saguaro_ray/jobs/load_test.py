@@ -10,7 +10,11 @@ status 0) when
   reference (the same request, non-streamed and alone, made before the load),
   and the references agree across strategies (every mode gives the target's output);
 * every poison request got a 4xx (not 429) OpenAI-shaped error;
-* no disconnecting client saw an error before it hung up;
+* no disconnecting client saw an error before it hung up — with
+  ``--kill-coordinator S`` too, the engine's coordinator SIGKILLed S seconds
+  into the load (``--config`` only: the engine runs in this test's own Ray
+  instance): every request in flight then resumes from what it emitted, so
+  the same checks (no error, every T = 0 output exact) say none was lost;
 * afterwards (within a bounded wait for releases that run asynchronously)
   the engine is idle — no sample queued or running, so the hung-up
   requests were aborted — every worker's KV pool is full again, no worker
@@ -38,6 +42,7 @@ import logging
 import os
 import random
 import secrets
+import signal
 import socket
 import sys
 import tempfile
@@ -82,6 +87,7 @@ class LoadOptions:
     seed: int = 0  # of every client's random choices
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # the server's limit, which the "huge body" poison exceeds
+    kill_coordinator_s: float | None = None  # SIGKILL the engine's coordinator this far into the load
 
     def split(self) -> tuple[int, int, int]:
         """(good, disconnecting, poison) clients; a fraction above 0 gets at least one."""
@@ -169,7 +175,9 @@ async def run_load(base: str, opts: LoadOptions) -> dict[str, Any]:
 
             async def send(i: int) -> Outcome:
                 spec = crng.choice(specs)
+                started = time.monotonic()
                 out = await stream_request(client, base, model, spec, headers, "good")
+                out.started, out.ended = started, time.monotonic()
                 if out.error is None and spec in refs:
                     why = mismatch(out, refs[spec])
                     if why is not None:
@@ -196,10 +204,39 @@ async def run_load(base: str, opts: LoadOptions) -> dict[str, Any]:
 
         t_load = time.monotonic()
         loops = [good(c) for c in range(good_n)] + [hang_up(c) for c in range(disconnect_n)] + [poison(c) for c in range(poison_n)]
+        killer = None if opts.kill_coordinator_s is None else asyncio.ensure_future(_kill_coordinator_after(opts.kill_coordinator_s))
         await asyncio.gather(*loops)
         load_s = time.monotonic() - t_load
-        end_snap, problems, settle_s = await _settle(client, base, headers, baseline)
-    return build_report(opts, (good_n, disconnect_n, poison_n), outcomes, refs, disagree, start_snap, end_snap, problems, load_s, settle_s)
+        kill = None if killer is None else await killer
+        # a killed coordinator restarted its workers: the resources are compared with a new baseline's processes
+        end_snap, problems, settle_s = await _settle(client, base, headers, None if kill else baseline)
+    report = build_report(opts, (good_n, disconnect_n, poison_n), outcomes, refs, disagree, start_snap, end_snap, problems, load_s, settle_s)
+    if kill is not None:
+        at = kill.pop("at")
+        report["coordinator_kill"] = kill
+        # the well-behaved requests the kill caught mid-flight (each checked like every other)
+        report["coordinator_kill"]["good_requests_in_flight"] = sum(1 for o in outcomes if o.kind == "good" and o.started <= at <= o.ended)
+    return report
+
+
+def coordinator_pids() -> list[int]:
+    """The pids of the live engine coordinators in this process's Ray instance."""
+    import ray
+
+    actors = ray._private.state.state.actor_table(None)  # the GCS's table: no dashboard needed
+    return [a["Pid"] for a in actors.values() if a["ActorClassName"] == "CoordinatorActor" and a["State"] == "ALIVE"]
+
+
+async def _kill_coordinator_after(seconds: float) -> dict[str, Any]:
+    """SIGKILL the engine's coordinator ``seconds`` from now (Ray restarts it)."""
+    t0 = time.monotonic()
+    await asyncio.sleep(seconds)
+    pids = coordinator_pids()
+    if len(pids) != 1:
+        raise ValueError(f"--kill-coordinator: expected one engine coordinator, found {len(pids)}")
+    os.kill(pids[0], signal.SIGKILL)
+    at = time.monotonic()
+    return {"pid": pids[0], "at_s": round(at - t0, 3), "at": at}
 
 
 # ------------------------------------------------------------------ the server
@@ -265,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disconnect", type=float, default=0.1, help="fraction of clients that hang up mid-stream")
     p.add_argument("--poison", type=float, default=0.05, help="fraction of clients that send poison bodies")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-coordinator", type=float, metavar="SECONDS", help="SIGKILL the engine's coordinator this far into the load (--config only)")
     p.add_argument("--json", help="write the report here")
     return p
 
@@ -272,8 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    opts = LoadOptions(args.clients, args.seconds, args.disconnect, args.poison, args.seed, args.api_key)
+    opts = LoadOptions(args.clients, args.seconds, args.disconnect, args.poison, args.seed, args.api_key, kill_coordinator_s=args.kill_coordinator)
     try:
+        if args.kill_coordinator is not None and not args.config:
+            raise ValueError("--kill-coordinator needs --config (the engine in this test's own Ray instance)")
         opts.split()  # refuse impossible fractions before starting anything
         if args.config:
             key = args.api_key or "sk-load-" + secrets.token_hex(8)

@@ -30,8 +30,9 @@ import ray
 import torch
 
 from saguaro_ray.config import SamplingParams
-from saguaro_ray.engine.frontend import Frontend, StreamChunk
+from saguaro_ray.engine.frontend import Frontend, Progress, Resume, StreamChunk
 from saguaro_ray.engine.calls import submit_each
+from saguaro_ray.engine.resume import Emitted
 from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
@@ -174,7 +175,7 @@ class CoordinatorActor:
         models = ModelSet.from_specs(config.models)  # resolved by the launcher: only opened here
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:  # the workers hold the lost coordinator's sequences: start them afresh
-            log.warning("coordinator restarted: the requests it ran are lost; restarting its workers")
+            log.warning("coordinator restarted: restarting its workers (callers resume the requests it ran)")
             for role, actor in workers.items():
                 restart_worker(role, actor, timeout_s=RECOVER_TIMEOUT_S)
         budget = lambda: RestartBudget(config.max_restarts, config.restart_window_s)  # noqa: E731
@@ -322,13 +323,24 @@ class CoordinatorActor:
                         pass
 
     async def generate(
-        self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1, request_id: str | None = None
+        self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1, request_id: str | None = None, resume: Resume = None
     ) -> list[GenerationResult]:
-        return await self.frontend.agenerate(prompts, params, n, request_id)
+        return await self.frontend.agenerate(prompts, params, n, request_id, resume)
 
-    async def stream(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+    async def generate_progress(
+        self, prompts: list[Any], params: SamplingParams | list[SamplingParams], n: int = 1, request_id: str | None = None, resume: Resume = None
+    ) -> AsyncIterator[Progress | list[GenerationResult]]:
+        """:meth:`generate` as a stream: what the samples emitted as they go,
+        then the results (what ``EngineHandle`` keeps to resume the request
+        if this coordinator is lost)."""
+        async for item in self.frontend.agenerate_progress(prompts, params, n, request_id, resume):
+            yield item
+
+    async def stream(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None, resume: Emitted | None = None
+    ) -> AsyncIterator[StreamChunk]:
         # an async generator function: what Ray streams to the caller chunk by chunk
-        async for chunk in self.frontend.astream(prompt, params, request_id):
+        async for chunk in self.frontend.astream(prompt, params, request_id, resume):
             yield chunk
 
     async def abort(self, request_id: str) -> None:

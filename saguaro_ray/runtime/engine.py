@@ -25,6 +25,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import Prompt, PromptParams, Prompts, StreamChunk
+from saguaro_ray.engine.resume import Emitted
 from saguaro_ray.engine.sequence import GenerationResult
 from saguaro_ray.engine.transport import WorkerGone
 from saguaro_ray.errors import ConfigError, SaguaroError
@@ -34,6 +35,7 @@ from saguaro_ray.runtime.control import EngineKey
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.placement import actor_options, reserve
 from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
+from saguaro_ray.runtime.resumable import Resumption, SampleLog, coordinator_lost
 from saguaro_ray.runtime.target_group import TargetGroup, kill_worker, stop, worker_info
 from saguaro_ray.runtime.tp_actors import launch_target_group, reserve_target_group
 from saguaro_ray.workers.tensor_parallel import check_tensor_parallel
@@ -57,21 +59,47 @@ class EngineHandle:
         self._owned = owned
 
     # ------------------------------------------------------------- sync
+    # Every request outlives a lost coordinator: the handle keeps what each
+    # sample emitted and resubmits it once Ray has restarted the coordinator
+    # (saguaro_ray.runtime.resumable).
     def generate(self, prompts: Prompts | str, params: PromptParams = SamplingParams(), n: int = 1) -> list[GenerationResult]:
         """Generate ``n`` samples per prompt (a lone string: one prompt); results in (prompt, sample) order."""
-        return _unwrap(lambda: ray.get(self.coordinator.generate.remote(_prompt_list(prompts), params, n)))
+        prompts = _prompt_list(prompts)
+        resumption, done = Resumption(self.coordinator, params), SampleLog()
+        while True:
+            request_id = uuid.uuid4().hex
+            resume = done.resume(len(prompts) * n)
+            gen = self.coordinator.generate_progress.remote(prompts, resumption.current_params(), n, request_id, resume)
+            try:
+                for ref in gen:
+                    item = ray.get(ref)
+                    if _is_results(item):
+                        return item
+                    done.add(item)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                self._resume_or_raise(exc, resumption.back, request_id)
+            except BaseException:
+                self.abort(request_id)
+                raise
 
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
         """Yield one sample's chunks (:class:`StreamChunk`) as rounds complete
         (the last carries the finish reason); closing the generator early aborts the request."""
-        request_id = uuid.uuid4().hex
-        gen = self.coordinator.stream.remote(prompt, params, request_id)
-        finished = False
+        resumption, emitted = Resumption(self.coordinator, params), Emitted()
+        request_id, finished = uuid.uuid4().hex, False
         try:
-            for ref in gen:
-                chunk = _unwrap(lambda: ray.get(ref))
-                finished = chunk.finish_reason is not None
-                yield chunk
+            while not finished:
+                gen = self.coordinator.stream.remote(prompt, resumption.current_params(), request_id, emitted if emitted.token_ids else None)
+                try:
+                    for ref in gen:
+                        chunk = ray.get(ref)
+                        emitted.add(chunk.token_ids, chunk.text, chunk.logprobs)
+                        finished = chunk.finish_reason is not None
+                        yield chunk
+                    return
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                    self._resume_or_raise(exc, resumption.back, request_id)
+                    request_id = uuid.uuid4().hex
         finally:
             if not finished:
                 self.abort(request_id)
@@ -81,36 +109,67 @@ class EngineHandle:
         engine drops them at its next round boundary and frees their KV)."""
         self.coordinator.abort.remote(request_id)
 
+    def _resume_or_raise(self, exc: BaseException, back: Any, request_id: str) -> None:
+        """After ``exc`` ended a request's call: return once the request may be
+        resubmitted (its coordinator was lost and is back), else raise the
+        caller's error (its own, or the coordinator's loss it cannot outlive)."""
+        if not coordinator_lost(exc):
+            raise _user_error(exc) from None
+        if not back():
+            raise _not_resumed(exc) from None
+        self.abort(request_id)  # in case the call lives on (an unreachable, not a dead, coordinator)
+
+    async def _aresume_or_raise(self, exc: BaseException, resumption: Resumption, request_id: str) -> None:
+        """:meth:`_resume_or_raise` without holding a thread."""
+        if not coordinator_lost(exc):
+            raise _user_error(exc) from None
+        if not await resumption.aback():
+            raise _not_resumed(exc) from None
+        self.abort(request_id)
+
     # ------------------------------------------------------------ async
     async def agenerate(self, prompts: Prompts | str, params: PromptParams = SamplingParams(), n: int = 1) -> list[GenerationResult]:
         """:meth:`generate` for an event loop; cancelling the task aborts the request."""
-        request_id = uuid.uuid4().hex
-        try:
-            return await self.coordinator.generate.remote(_prompt_list(prompts), params, n, request_id)
-        except ray.exceptions.TaskCancelledError:  # before RayTaskError: Ray's report of it is both
-            self.abort(request_id)
-            raise _cancelled() from None
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-            raise _user_error(exc) from None
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
+        prompts = _prompt_list(prompts)
+        resumption, done = Resumption(self.coordinator, params), SampleLog()
+        while True:
+            request_id = uuid.uuid4().hex
+            resume = done.resume(len(prompts) * n)
+            gen = self.coordinator.generate_progress.remote(prompts, resumption.current_params(), n, request_id, resume)
+            try:
+                async for ref in gen:
+                    item = await ref
+                    if _is_results(item):
+                        return item
+                    done.add(item)
+            except ray.exceptions.TaskCancelledError:  # before RayTaskError: Ray's report of it is both
+                self.abort(request_id)
+                raise _cancelled() from None
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                await self._aresume_or_raise(exc, resumption, request_id)
+            except BaseException:  # cancelled (the caller went away), or closed
+                self.abort(request_id)
+                raise
 
     async def astream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> AsyncIterator[StreamChunk]:
         """:meth:`stream` for an event loop; a cancelled or closed consumer aborts the request."""
-        request_id = uuid.uuid4().hex
-        gen = self.coordinator.stream.remote(prompt, params, request_id)
-        finished = False
+        resumption, emitted = Resumption(self.coordinator, params), Emitted()
+        request_id, finished = uuid.uuid4().hex, False
         try:
-            async for ref in gen:
+            while not finished:
+                gen = self.coordinator.stream.remote(prompt, resumption.current_params(), request_id, emitted if emitted.token_ids else None)
                 try:
-                    chunk = await ref
+                    async for ref in gen:
+                        chunk = await ref
+                        emitted.add(chunk.token_ids, chunk.text, chunk.logprobs)
+                        finished = chunk.finish_reason is not None
+                        yield chunk
+                    return
                 except ray.exceptions.TaskCancelledError:
                     raise _cancelled() from None
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-                    raise _user_error(exc) from None
-                finished = chunk.finish_reason is not None
-                yield chunk
+                    await self._aresume_or_raise(exc, resumption, request_id)
+                    request_id = uuid.uuid4().hex
         finally:
             if not finished:
                 self.abort(request_id)
@@ -125,11 +184,12 @@ class EngineHandle:
     def health(self, timeout_s: float = 30.0) -> tuple[bool, str]:
         """``(ok, why)``: False when the engine cannot serve — a target or
         qualifier whose restarts are exhausted, or a coordinator that is dead
-        or does not answer within ``timeout_s`` (see ``CoordinatorActor.health``)."""
+        or does not answer within ``timeout_s`` (see ``CoordinatorActor.health``);
+        one Ray is restarting counts as serving (its requests resume)."""
         try:
             ok, why = ray.get(self.coordinator.health.remote(), timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 — any failure to answer is the answer
-            return False, f"coordinator unreachable ({type(exc).__name__})"
+            return _unanswered(exc)
         return bool(ok), str(why)
 
     async def ahealth(self, timeout_s: float = 30.0) -> tuple[bool, str]:
@@ -137,7 +197,7 @@ class EngineHandle:
         try:
             ok, why = await asyncio.wait_for(self.coordinator.health.remote(), timeout_s)
         except Exception as exc:  # noqa: BLE001 — any failure to answer is the answer
-            return False, f"coordinator unreachable ({type(exc).__name__})"
+            return _unanswered(exc)
         return bool(ok), str(why)
 
     def worker_info(self) -> dict[str, dict[str, Any]]:
@@ -155,6 +215,21 @@ class EngineHandle:
 
 
 _CLOSE_TIMEOUT_S = 10.0
+
+
+def _unanswered(exc: BaseException) -> tuple[bool, str]:
+    """Health when the coordinator did not answer: a coordinator Ray is
+    restarting is given the benefit of the doubt (its requests wait and
+    resume, see saguaro_ray.runtime.resumable — replacing a Serve replica
+    then would lose them); dead or silent, it cannot serve."""
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return True, "coordinator restarting (its requests resume once it is back)"
+    return False, f"coordinator unreachable ({type(exc).__name__})"
+
+
+def _is_results(item: Any) -> bool:
+    """A generate_progress item that is the results (the others are progress reports, never empty)."""
+    return not item or isinstance(item[0], GenerationResult)
 
 
 def _prompt_list(prompts: Prompts | str) -> list[Prompt]:
@@ -182,10 +257,18 @@ def _user_error(exc: ray.exceptions.RayError) -> BaseException:
     coordinator's loss as :class:`WorkerGone` (one line, not Ray's report)."""
     if isinstance(exc, ray.exceptions.RayActorError):
         if isinstance(exc, ray.exceptions.ActorUnavailableError):  # Ray is restarting it
-            return WorkerGone("the engine's coordinator is unavailable (lost, and restarting); the requests it was running are lost, resubmit them")
+            return WorkerGone("the engine's coordinator is unavailable (lost, and restarting); requests in flight resume once it is back")
         return WorkerGone("the engine's coordinator died; the requests it was running are lost (Ray restarts it while its max_restarts last)")
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, SaguaroError) else exc
+
+
+def _not_resumed(exc: BaseException) -> WorkerGone:
+    """A request its lost coordinator did not come back for in time (or at all)."""
+    return WorkerGone(
+        f"the engine's coordinator was lost ({type(exc).__name__}) and did not come back within the request's deadline "
+        "(or its restarts are spent); the request is lost, resubmit it"
+    )
 
 
 def _start_error(exc: ray.exceptions.RayActorError) -> BaseException:
