@@ -117,6 +117,12 @@ def test_cli_refuses_impossible_fractions_without_starting_anything():
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert res.returncode == 2 and "none well-behaved" in res.stderr and "Traceback" not in res.stderr
+    # a coordinator to kill is this test's own (--config), never a server's at --url
+    res = subprocess.run(
+        [sys.executable, "-m", "saguaro_ray.jobs.load_test", "--url", "http://127.0.0.1:9", "--kill-coordinator", "5"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2 and "--kill-coordinator needs --config" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_good_requests_name_every_strategy_and_references_agree_across_them():
