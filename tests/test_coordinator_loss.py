@@ -40,7 +40,7 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module", params=["ar", "ssd"])
 def handle(request, ray_instance, target):
     spec = SpeculationConfig(mode=request.param, k=3, budget=4)
-    h = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=spec, max_restarts=10, worker_cpus=0.5))
+    h = Engine.launch(EngineConfig(target=str(target), draft=str(target), spec=spec, max_restarts=12, worker_cpus=0.5))
     try:
         yield h
     finally:
@@ -117,3 +117,17 @@ def test_sampled_requests_all_complete_through_two_kills(handle):
         assert sum(len(c.token_ids) for c in chunks) == MAX_TOKENS
         assert chunks[-1].finish_reason == "length"
     assert [len(r.token_ids) for r in gen[1]["value"]] == [MAX_TOKENS] * 4
+
+
+def test_a_seeded_sampled_stream_resumes_with_the_same_tokens(handle):
+    """T > 0 with a seed: every token is the race winner under the noise of
+    (seed, output position) (the drafter-invariant rule), and a resumed
+    sample keeps its seed and its positions — so the kill changes nothing."""
+    params = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=11)
+    [ref] = handle.generate([PROMPTS[0]], params)
+    tokens = []
+    for i, chunk in enumerate(handle.stream(PROMPTS[0], params)):
+        tokens += chunk.token_ids
+        if i == 5:
+            kill_coordinator(handle)
+    assert tokens == ref.token_ids
