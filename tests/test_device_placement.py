@@ -57,7 +57,8 @@ def _round(target: TargetLogic, draft: DraftLogic, seqs: list[SequenceState], k:
         for w in (target, draft):
             w.prefill([RoundLoop.step(s) for s in seqs])
         for s in seqs:
-            s.output_ids.append(s.seq_id + 20)
+            s.output_ids.append(s.seq_id + 20)  # the admission round's token
+            s.rounds += 1
         steps = [RoundLoop.step(s) for s in seqs]
         proposals = draft.propose(steps, [k] * len(seqs))
         outcomes = target.verify([VerifyItem(st, p, rule=r) for st, p, r in zip(steps, proposals, rules)])

@@ -72,7 +72,7 @@ def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
     from saguaro_ray.algorithms.ngram import ngram_guess
 
     s = SequenceState(3, [5, 6, 7, 5, 6], SAMPLED, 1)
-    s.output_ids = [7, 5]
+    s.output_ids, s.rounds = [7, 5], 2  # two rounds emitted these
     step, tokens = RoundLoop.step(s), [6, 9]
     plan = NextRound([2, 1, 0], "fast", [[3, 1, 1], [2, 1], [1]], [[5, 0, 0], [4, 0], [2]], 0.5, list(s.all_ids))
     r = ssd_protocol.resolve(plan, step, tokens, 1, 4)
@@ -116,11 +116,14 @@ def test_a_round_record_and_its_json_split_the_same_way():
 
 # ------------------------------------------------------- the draft's side of it
 def _admit(drafts, seqs: list[SequenceState]) -> None:
-    """Prefill the prompts; the target's first token is ``seq_id + 20``."""
+    """Prefill the prompts; the target's first token is ``seq_id + 20`` (as
+    the round loop's admission emits it: a round has run, so the next step
+    sends only what the workers lack)."""
     for d in drafts:
         d.prefill([RoundLoop.step(s) for s in seqs])
     for s in seqs:
         s.output_ids.append(s.seq_id + 20)
+        s.rounds += 1
 
 
 def _item(s: SequenceState, proposal: Proposal, fanout: list[int], k_next: int) -> BuildItem:
