@@ -13,23 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import ray
 from helpers import coordinator_pid, in_thread, kill_coordinator, save_tiny_checkpoint, wait_until_back, wait_until_progress
 
 from saguaro_ray import Engine, EngineConfig, SamplingParams, SpeculationConfig
 
 PROMPTS = [[3, 5, 7, 9], [1, 2]]
 MAX_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

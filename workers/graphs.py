@@ -174,13 +174,8 @@ class StepGraphs:
             self._scratch = scratch
         n = len(prefix_lens)
         g = self._graph(("tree", bucket(n), 1, self._context_bucket(max(prefix_lens))), self._tree_body)
-        width, pad = g.context // self.block_size, g.batch - n
-        table: list[int] = []
-        for blocks in block_lists:
-            table.extend(blocks[:width])
-            table.extend([self.pad_block] * (width - min(len(blocks), width)))
-        table.extend([self.pad_block] * (width * pad))
-        upload_into(g.inputs[g.batch :], list(prefix_lens) + [1] * pad + [suffix_len] + table)
+        pad = g.batch - n
+        upload_into(g.inputs[g.batch :], list(prefix_lens) + [1] * pad + [suffix_len] + self._tables(g, block_lists))
         g.inputs[:n].copy_(tokens.reshape(-1))
         return self._launch(g, n)
 
@@ -223,18 +218,24 @@ class StepGraphs:
         tables, padded to the graph's batch and context buckets."""
         b, n, bs = len(tokens), g.query, self.block_size
         pad_rows = g.batch - b
-        width = g.context // bs
         pad_slots = [self.pad_block * bs + j for j in range(n)]
         ids = [t for seq in tokens for t in seq] + [0] * (pad_rows * n)
         pos = [p for seq in positions for p in seq] + list(range(n)) * pad_rows
         slot = list(slots) + pad_slots * pad_rows
         lens = list(context_lens) + [n] * pad_rows
-        tables: list[int] = []
+        return ids + pos + slot + lens + self._tables(g, block_lists)
+
+    def _tables(self, g: _Graph, block_lists: Sequence[list[int]]) -> list[int]:
+        """The rows' block tables, flat: each padded to the context bucket's
+        width, then whole rows for the batch bucket's padding — every padding
+        entry the pad block, which holds nothing real."""
+        width = g.context // self.block_size
+        table: list[int] = []
         for blocks in block_lists:
-            tables.extend(blocks[:width])
-            tables.extend([self.pad_block] * (width - min(len(blocks), width)))
-        tables.extend([self.pad_block] * (width * pad_rows))
-        return ids + pos + slot + lens + tables
+            table.extend(blocks[:width])
+            table.extend([self.pad_block] * (width - min(len(blocks), width)))
+        table.extend([self.pad_block] * (width * (g.batch - len(block_lists))))
+        return table
 
     def _body(self, g: _Graph) -> torch.Tensor:
         """The step, reading only ``g.inputs``: what the graph records."""
