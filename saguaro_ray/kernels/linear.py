@@ -84,33 +84,35 @@ class PackedLinear(nn.Module):
     parameter listings are unchanged, a tied head keeps its tie); the packed
     copy is derived from them when the module is built — call :meth:`repack`
     after changing them.
-    ``dense_single_row``: in fp32 oneDNN costs ~10 µs more per call than MKL,
-    which for one row of a cache-resident weight is most of the call, so such
-    products go through ``F.linear`` (in bf16 oneDNN is the faster at every
-    size measured, 128×384 included).
+
+    Row invariance: oneDNN (fp32 and bf16) sums a lone row in another order
+    than the same row among 2 or more (MKL's ``F.linear`` differs up to ~8
+    rows), so a 1-token decode would not equal that position inside a
+    verification; a single row is computed as two, which costs what one does
+    (streaming the weight is the cost). From two rows up every row count
+    gives the same bits (measured 2–48 rows on the coder pair's shapes).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_single_row: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
-        self.dense_single_row = dense_single_row
         self.repack()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, dense_single_row: bool = False) -> "PackedLinear":
-        return cls(linear.weight, linear.bias, dense_single_row)
+    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
+        return cls(linear.weight, linear.bias)
 
     def repack(self) -> None:
         self._packed = pack_weight(self.weight)
         self._bias = None if self.bias is None else self.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) or (
-            self.dense_single_row and x.numel() == self.in_features
-        ):
-            return F.linear(x, self.weight, self.bias)  # autograd where it is wanted; see dense_single_row
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)  # autograd where it is wanted
+        if x.numel() == self.in_features:  # one row: as two (see the class docstring)
+            return packed_linear(x.reshape(1, -1).expand(2, -1), self._packed, self._bias)[:1].view(*x.shape[:-1], -1)
         return packed_linear(x, self._packed, self._bias)
 
     def extra_repr(self) -> str:
@@ -118,11 +120,6 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"dtype={self.weight.dtype}, packed=oneDNN"
         )
-
-
-# Below this many bytes of fp32 linear weights a model stays cache-resident
-# between steps, and single-row products are faster through plain MKL (see PackedLinear).
-CACHE_RESIDENT_BYTES = 16 << 20
 
 
 def plain_linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -138,11 +135,9 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, ke
     if kernel not in ("auto", "packed") or not packing_available(device, dtype):
         return 0
     swaps = plain_linears(module)
-    total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in swaps)
-    dense_single_row = kernel == "auto" and dtype == torch.float32 and total <= CACHE_RESIDENT_BYTES
     try:
         for parent, name, child in swaps:
-            setattr(parent, name, PackedLinear.from_linear(child, dense_single_row=dense_single_row))
+            setattr(parent, name, PackedLinear.from_linear(child))
     except RuntimeError as exc:  # a oneDNN build that refuses the shape: keep plain linears
         log.info("oneDNN linear packing unavailable (%s); using torch.nn.functional.linear", exc)
         for parent, name, child in swaps:
