@@ -327,6 +327,27 @@ def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
     assert md[4] == "| 2, 1, 0 | – | – | 1000.0 | – | 999.0 | – | – | – |"
 
 
+def test_auto_rows_report_their_prediction_error_from_the_timeline():
+    """Each auto round records what auto predicted (its choice and the runner-up); the
+    report compares the choice's predicted seconds and tokens with what the round took."""
+    from saguaro_ray.bench.report import auto_note, summarise
+    from saguaro_ray.engine.timeline import prediction_error
+
+    rounds = _rounds(10, 0.004, 0.003)
+    for i, rd in enumerate(rounds):
+        rd["accepted"] = [2]  # 3 tokens emitted a round
+        if i >= 2:  # the first two: no prediction (a cold start), not compared
+            rd["auto"] = {"chosen": {"option": "sd:3", "tokens": 3.3, "seconds": 0.005}, "runner_up": None}
+    rounds.append({**rounds[-1], "prefill": True})  # an admission round is no decode round
+    pred = prediction_error(rounds)
+    assert pred["rounds"] == 8 and pred["seconds_ratio"] == pytest.approx(1.25) and pred["seconds_error"] == pytest.approx(0.25)
+    assert pred["tokens_error"] == pytest.approx(0.1)
+    assert prediction_error(_rounds(3, 0.004, 0.003)) is None
+    auto, sd = summarise([_run("auto", "ray", rounds, 16, 8, 500.0), _run("sd:3", "ray", rounds, 16, 8, 480.0)])
+    assert auto["auto_prediction"] == pred and sd["auto_prediction"] is None
+    assert "predicted/measured round time 1.25 (median error 25%)" in auto_note(auto)
+
+
 def test_sampling_settings_are_cells_of_their_own(monkeypatch, capsys):
     """``--sampling`` (repeatable): each setting's requests carry its fields, and
     its rows are compared with the modes of the same setting only."""

@@ -25,6 +25,7 @@ from saguaro_ray.algorithms.strategy_model import (
     RoundCosts,
     SeqResult,
     SeqView,
+    StepCosts,
     temperature_bucket,
 )
 from saguaro_ray.algorithms import strategy_guard
@@ -640,3 +641,140 @@ def test_bad_views_and_choices_are_config_errors(make, field_name):
 
 def test_temperature_buckets():
     assert [temperature_bucket(t) for t in (0.0, 0.3, 0.5, 0.7, 1.0, 1.3)] == [0, 1, 1, 2, 2, 3]
+
+
+# ---------------------------------------------------------------- seeded from measured step costs (issue 33)
+
+
+def step_costs(truth: Truth, batches: tuple[int, ...] = (1, 2, 4, 8), scale: dict[str, float] | None = None) -> StepCosts:
+    """What the engine's start-up probe would measure on ``truth``'s workers: target calls
+    of K + 1 tokens per sequence, one draft step and one tree-build step per batch size
+    (``scale``: one kind of measurement multiplied, to mutate the table)."""
+    scale = scale or {}
+    ver = tuple((b * (k + 1), b, truth.verify(b * (k + 1), b) * scale.get("verify", 1.0)) for b in batches for k in (0, 1, 3, 7))
+    draft = tuple((n, truth.step(n) * scale.get("draft", 1.0)) for n in batches)
+    build = tuple((n, (truth.build_k + truth.build_nk * n) * scale.get("build", 1.0)) for n in batches)
+    return StepCosts(ver, draft, build)
+
+
+def seeded(truth: Truth, explore: float = 0.05, **scale: float) -> AutoPolicy:
+    policy = AutoPolicy(max_k=MAX_K, seed=0, explore=explore)
+    policy.seed(step_costs(truth, scale=scale))
+    return policy
+
+
+AR_WINS = Truth(step_c=0.02, step_d=0.001, build_k=0.02, build_nk=0.001)  # a draft step costs twice a verification
+SD_WINS = Truth(build_k=0.004, build_nk=0.0005)  # a tree build far outlasts verification
+SSD_WINS = Truth()  # drafting hides behind verification, and misses are rare
+
+
+@pytest.mark.parametrize(
+    "truth,temps,winner",
+    [
+        (AR_WINS, [0.0], "ar"), (AR_WINS, [0.0] * 4, "ar"), (AR_WINS, [0.7] * 4, "ar"),
+        (SD_WINS, [0.0], "sd"), (SD_WINS, [0.0] * 4, "sd"), (SD_WINS, [0.7] * 4, "sd"),
+        (SSD_WINS, [0.0], "ssd"), (SSD_WINS, [0.0] * 4, "ssd"),
+    ],
+    ids=["ar-b1", "ar-b4", "ar-b4-t07", "sd-b1", "sd-b4", "sd-b4-t07", "ssd-b1", "ssd-b4"],
+)
+def test_a_seeded_policy_picks_the_clear_winner_within_the_first_rounds(truth, temps, winner):
+    """With the engine's measured step costs there is no cold-start schedule: the first
+    round is already a search, the winner's mode runs by the third round at the latest
+    (the acceptance priors' first correction), and then holds (the AR guard measuring
+    AR's rate and trials are the rest)."""
+    assert truth.best_fixed(temps)[1][0] == winner  # the case is what its name says
+    policy, history, tokens, times = simulate(truth, temps, rounds=60, policy=seeded(truth))
+    modes = [h[0][0] for h in history]
+    first = modes.index(winner)
+    assert first <= 2, modes[:8]
+    assert sum(m == winner for m in modes[first:]) >= 0.9 * len(modes[first:]), modes
+    assert achieved(tokens, times, last=60) >= 0.9 * truth.best_fixed(temps)[0]  # the first request's rounds included
+
+
+def test_an_unseeded_policy_spends_its_first_rounds_on_a_schedule():
+    """The reference the seeding is measured against: without step costs the first six
+    rounds are the cold-start schedule whatever the truth (AR wins here, SD and SSD run)."""
+    _, history, tokens, times = simulate(AR_WINS, [0.0] * 4, rounds=60, policy=AutoPolicy(max_k=MAX_K, seed=0))
+    assert {h[0][0] for h in history[:6]} == {"ar", "sd", "ssd"}
+    _, _, s_tokens, s_times = simulate(AR_WINS, [0.0] * 4, rounds=60, policy=seeded(AR_WINS))
+    assert achieved(s_tokens, s_times, last=60) > 1.2 * achieved(tokens, times, last=60)
+
+
+@pytest.mark.parametrize(
+    "scale,first",
+    [({}, "sd"), ({"build": 0.0}, "ssd"), ({"draft": 30.0, "build": 30.0}, "ar")],
+    ids=["as-measured", "free-build", "dear-draft"],
+)
+def test_one_mutated_cost_in_the_table_flips_the_first_choice(scale, first):
+    """The first choice follows the measured table, not a schedule: the same truth (batch 1)
+    with its tree-build steps measured free picks SSD, with its draft steps measured dear
+    picks AR."""
+    policy = seeded(SD_WINS, **scale)
+    choices = policy.choose([SeqView(0, 0.0, MAX_K, ("ar", "sd", "ssd"), None)])
+    assert {c.mode for c in choices} == {first}
+    assert policy.prediction is not None and policy.prediction["chosen"]["option"].startswith(first)
+
+
+@pytest.mark.parametrize("ssd_base", [0.004, 0.0045, 0.005])
+def test_no_flip_flop_between_options_within_the_switching_cost(ssd_base):
+    """SD and SSD within a few per cent of each other (a point-mass backup: an SSD entry
+    costs a round of one token): once the first rounds have corrected the priors, the
+    choice stays put — no switch between SD and SSD (trials off: they are counted
+    apart)."""
+    truth, temps = Truth(backup="fast", ssd_base=ssd_base), [0.0] * 4
+    sd = max(truth.rate(temps, [("sd", k)] * 4) for k in range(1, MAX_K + 1))
+    ssd = max(truth.rate(temps, [("ssd", k)] * 4) for k in range(1, MAX_K + 1))
+    assert abs(ssd / sd - 1.0) < 0.035
+    _, history, *_ = simulate(truth, temps, rounds=150, policy=seeded(truth, explore=0.0))
+    modes = [h[0][0] for h in history[5:] if h[0][0] != "ar"]  # AR: the guard measuring AR's rate
+    assert sum(a != b for a, b in zip(modes, modes[1:])) == 0, modes
+
+
+def test_a_new_request_starts_from_what_earlier_ones_measured():
+    """Acceptance and hit rates are the engine's, shared by its sequences: four new
+    sequences after a first batch run what the first batch converged to, from their
+    first round (no trial, no schedule)."""
+    policy, history, *_ = simulate(SSD_WINS, [0.0] * 4, rounds=60, policy=seeded(SSD_WINS))
+    policy.explore = 0.0
+    settled = history[-1][0]
+    choices = policy.choose([SeqView(100 + i, 0.0, MAX_K, ("ar", "sd", "ssd"), None) for i in range(4)])
+    assert [(c.mode, c.k) for c in choices] == [(settled[0], settled[1])] * 4 or {c.mode for c in choices} == {"ssd"}
+
+
+def test_the_prediction_names_the_choice_and_the_runner_up_and_comes_true():
+    """Each searched round carries what auto predicted for its choice and for the best
+    option of another mode; once fitted, the chosen option's predicted round time and
+    tokens are close to the truth's expected ones (the bench reports this error)."""
+    truth, temps = SD_WINS, [0.0] * 4
+    policy = seeded(truth, explore=0.0)
+    errors = []
+    current: list[str | None] = [None] * 4
+    rng = random.Random(3)
+    for r in range(80):
+        views = [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), c) for i, c in enumerate(current)]
+        picked = [(c.mode, c.k) for c in policy.choose(views)]
+        p = policy.prediction
+        assert p is not None  # seeded: no cold-start round without a prediction
+        label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in picked}))
+        assert p["chosen"]["option"] == label
+        runner = p["runner_up"]
+        assert runner is not None and runner["option"].split(":")[0] != label.split(":")[0]
+        entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
+        if r >= 40 and not p.get("guard"):
+            expected = truth.expected_time(temps, picked, entering)
+            errors.append(abs(p["chosen"]["seconds"] / expected - 1.0))
+        policy.observe(_round(truth, rng, temps, picked, entering, list(range(4))))
+        current = [m for m, _ in picked]
+    assert sum(errors) / len(errors) < 0.1
+    json.dumps(policy.prediction)
+
+
+def test_step_costs_are_checked_and_survive_json():
+    costs = step_costs(SD_WINS)
+    assert StepCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    with pytest.raises(ConfigError, match="StepCosts.verify"):
+        StepCosts(())
+    with pytest.raises(ConfigError, match="StepCosts.draft"):
+        StepCosts(((1, 1, 0.01),), ((0, 0.01),))
+    with pytest.raises(ConfigError, match="malformed"):
+        StepCosts.from_json({"draft": []})

@@ -40,6 +40,7 @@ from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy
     RoundCosts,
     SeqResult,
     SeqView,
+    StepCosts,
     temperature_bucket,
 )
 from saguaro_ray.errors import ConfigError
@@ -242,8 +243,37 @@ class AutoPolicy:
         self._explore_ref = 0.0  # the rate the exploration in progress displaced
         self._wall_s = 0.0  # wall time observed
         self._wall_mean: float | None = None  # decayed mean round time (the budget's cap)
-        # the last search's batch shape, how many more rounds its choice may stand, and that choice
-        self._reuse: tuple[Any, int, list[tuple[str, int]]] = (None, 0, [])
+        # the last search's batch shape, how many more rounds its choice may stand, that choice and its prediction
+        self._reuse: tuple[Any, int, list[tuple[str, int]], dict[str, Any] | None] = (None, 0, [], None)
+        self._seeded = False  # step costs measured on the engine's workers started the fits: no cold start
+        self._ar_option: dict[str, Any] | None = None  # the last search's prediction for every auto sequence in AR
+        # what the round just chosen is predicted to do (None: a cold-start round, whose costs the model
+        # does not know yet): {"chosen": option, "runner_up": option or None}, an option being
+        # {"option": label, "tokens": expected emitted tokens, "seconds": predicted round time}
+        self.prediction: dict[str, Any] | None = None
+
+    def seed(self, costs: StepCosts) -> None:
+        """Start the cost fits from step times measured on this engine's own workers
+        (docs/auto.md, "Cold start"), so the first round is already a search.
+
+        Each measurement is one observation of its fit, as a round is: the rounds
+        run afterwards outweigh them within ~1 / (1 − COST_DECAY) rounds, so the
+        fits are refreshed by what the engine then measures. A draft step over n
+        sequences is observed at 1 and at ``max_k`` steps (the per-step cost told
+        from the round's own part, which a probe does not have); a build step over
+        n SSD sequences is fitted as what it costs beyond a draft step over as many
+        sequences (the build's model, :meth:`_observe_ssd`)."""
+        for tokens, batch, seconds in costs.verify:
+            self._verify.add((1.0, float(tokens), float(batch)), seconds)
+        for n, seconds in costs.draft:
+            for steps in dict.fromkeys((1, self.max_k)):
+                self._drafting.add((1.0, float(steps), float(steps * n)), steps * seconds)
+        draft = self._drafting.theta
+        for n, seconds in costs.build:
+            beyond = max(0.0, seconds - (draft[1] + draft[2] * n if draft is not None else 0.0))
+            for k in dict.fromkeys((1, self.max_k)):
+                self._build.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
+        self._seeded = True
 
     # ------------------------------------------------------------------ learning
 
@@ -375,9 +405,10 @@ class AutoPolicy:
     def choose(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]] = ()) -> list[Choice]:
         """One Choice per ``auto`` sequence (same order). ``fixed``: the batch's other
         sequences with the strategy their request fixed — they share the round's time."""
+        self.prediction = None
         if not auto:  # nothing to choose: not a round of the exploration budget either
             choices: list[Choice] = []
-        elif self._observed < len(_COLD_START) or self._verify.theta is None:
+        elif not self._seeded and (self._observed < len(_COLD_START) or self._verify.theta is None):
             self._chosen += 1
             choices = [self._cold_start(v) for v in auto]
         else:
@@ -389,6 +420,8 @@ class AutoPolicy:
                 if self._guard.hold(ARGuard.context(len(temps), temps), arm, self._budget_s):
                     choices = [Choice("ar", 0) for _ in auto]
                     self._trial_rate = None  # an exploration displaced by AR is no trial
+                    if self.prediction is not None and self._ar_option is not None:
+                        self.prediction = {"chosen": self._ar_option, "runner_up": self.prediction["chosen"], "guard": True}
                 elif self._guard.retest_rate is not None:
                     self._trial_rate = self._guard.retest_rate
         counts = {m: 0 for m in AUTO_MODES}
@@ -470,9 +503,10 @@ class AutoPolicy:
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
-            self._reuse = (shape, self._reuse[1] - 1, self._reuse[2])
+            self._reuse = (shape, self._reuse[1] - 1, self._reuse[2], self._reuse[3])
             for g, opt in zip(glist, self._reuse[2]):
                 g.opt = opt
+            self.prediction = self._reuse[3]
         else:
             for g in glist:
                 alphas, miss, _, hits = curve(g.bucket)
@@ -480,17 +514,50 @@ class AutoPolicy:
             costs = self._costs()
             base = self._fixed_load(fixed_all, curve)
             best = self._optimise(glist, base, costs)
-            self._reuse = (shape, _REUSE_ROUNDS, [g.opt for g in glist])
+            searched = [g.opt for g in glist]
+            self.prediction = self._predict(glist, base, costs)
+            self._reuse = (shape, _REUSE_ROUNDS, searched, self.prediction)
             if held:
                 self._explored += 1
                 self._trial_rate = self._explore_ref
             elif self.explore:
                 self._try_explore(glist, base, costs, best)
+                if [g.opt for g in glist] != searched:  # a trial runs: predicted as any choice, the search's the runner-up
+                    trial = self._option(glist, [g.opt for g in glist], base, costs)
+                    self.prediction = {"chosen": trial, "runner_up": self.prediction["chosen"], "trial": True}
         for g in glist:
             c = Choice(*g.opt)
             for i in g.members:
                 out[i] = c
         return out  # type: ignore[return-value]
+
+    @classmethod
+    def _option(cls, groups: list[_Group], opts: list[tuple[str, int]], base: _Load, costs: _Costs) -> dict[str, Any]:
+        """One option's prediction: its label (``sd:4``; ``ar+ssd:4`` when groups differ),
+        expected emitted tokens of the batch and predicted round seconds."""
+        e, t, _ = cls._round_of(groups, opts, base, costs)
+        label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
+        return {"option": label, "tokens": e, "seconds": t}
+
+    def _predict(self, groups: list[_Group], base: _Load, costs: _Costs) -> dict[str, Any]:
+        """What the search's choice (every group's ``opt``) is predicted to do, and the
+        runner-up: the best option of another mode for every auto sequence (AR; SD or
+        SSD at one K, capped per group) — the option a misprediction would have
+        preferred. Sets :attr:`_ar_option` (what the AR guard switches to)."""
+        chosen = self._option(groups, [g.opt for g in groups], base, costs)
+        best: dict[str, dict[str, Any]] = {}
+        self._ar_option = best["ar"] = self._option(groups, [("ar", 0)] * len(groups), base, costs)
+        for mode in ("sd", "ssd"):
+            cap = max((g.cap for g in groups if mode in g.modes), default=0)
+            for k in range(1, cap + 1):
+                opts = [(mode, min(k, g.cap)) if mode in g.modes and g.cap >= 1 else ("ar", 0) for g in groups]
+                o = self._option(groups, opts, base, costs)
+                if mode not in best or _rate(o) > _rate(best[mode]):
+                    best[mode] = o
+        modes = {m for m, _ in (g.opt for g in groups)}
+        others = [o for m, o in best.items() if modes != {m}]
+        runner_up = max(others, key=_rate) if others else None
+        return {"chosen": chosen, "runner_up": runner_up}
 
     def _age_holds(self) -> None:
         self._held = {s: (c, left - 1) for s, (c, left) in self._held.items() if left > 1}
@@ -768,6 +835,11 @@ def _clamp_time(seconds: float) -> float:
     """A measured residual time, at least 0 (clocks overlap by a little); NaN stays NaN so
     the fit skips it."""
     return max(0.0, seconds) if seconds == seconds else seconds
+
+
+def _rate(option: dict[str, Any]) -> float:
+    """An option's predicted tokens per second."""
+    return option["tokens"] / option["seconds"] if option["seconds"] > 0 else math.inf
 
 
 def _prefix_best(values: list[float]) -> list[tuple[float, int]]:

@@ -89,3 +89,45 @@ class RoundCosts:
     wall_s: float  # the whole round as the coordinator saw it
     seqs: tuple[SeqResult, ...]
     ssd_build_s: float = math.nan  # when the SSD build ended, from verification's start (NaN: none this round)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Step times measured on an engine's own workers before its first request (seconds).
+
+    What ``auto`` knows of the machine before a round has run (see
+    :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed`):
+    ``verify``: (tokens, sequences, seconds) of one target call, decode
+    (tokens = sequences) and verification of K + 1 tokens per sequence;
+    ``draft``: (sequences, seconds) of one sequential draft step;
+    ``build``: (SSD sequences, seconds) of one step of SSD's tree build over
+    their branches (empty: not measured; the build is then priced as draft
+    steps)."""
+
+    verify: tuple[tuple[int, int, float], ...]
+    draft: tuple[tuple[int, float], ...] = ()
+    build: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.verify:
+            raise ConfigError("StepCosts.verify needs at least one measured target call")
+        for name, rows in (("verify", self.verify), ("draft", self.draft), ("build", self.build)):
+            for row in rows:
+                *counts, seconds = row
+                if any(not isinstance(c, int) or c < 1 for c in counts) or not (math.isfinite(seconds) and seconds >= 0.0):
+                    raise ConfigError(f"StepCosts.{name} rows need positive integer counts and seconds >= 0; got {row!r}")
+
+    def to_json(self) -> dict[str, list[list[float]]]:
+        return {"verify": [list(r) for r in self.verify], "draft": [list(r) for r in self.draft], "build": [list(r) for r in self.build]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, list[list[float]]]) -> "StepCosts":
+        """The inverse of :meth:`to_json`; a malformed table is a :class:`ConfigError`."""
+        try:
+            return cls(
+                tuple((int(a), int(b), float(s)) for a, b, s in d["verify"]),
+                tuple((int(a), float(s)) for a, s in d.get("draft", ())),
+                tuple((int(a), float(s)) for a, s in d.get("build", ())),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"a step-cost table is malformed: {e!r}") from e

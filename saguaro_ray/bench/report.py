@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from saguaro_ray.bench.plan import PEER_MODES, base_mode
-from saguaro_ray.engine.timeline import round_components
+from saguaro_ray.engine.timeline import prediction_error, round_components
 
 
 def round_breakdown(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -117,6 +117,8 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "hops_ms": _hops(rs),
                 "strategy": strategy or None,
                 "mean_k": sum(r.k_total for r in rs) / k_rounds if k_rounds else None,
+                # auto's predicted round time and tokens against what its rounds took (timeline.prediction_error)
+                "auto_prediction": prediction_error([rd for r in rs for rd in r.rounds]) if base_mode(mode) == "auto" else None,
                 "repeats": len(rs),
             }
         )
@@ -264,6 +266,8 @@ def auto_note(e: dict[str, Any]) -> str:
         parts.append("chose " + ", ".join(f"{m} {f:.0%}" for m, f in shares))
     if e["mean_k"] is not None:
         parts.append(f"mean K {e['mean_k']:.1f}")
+    if pred := e.get("auto_prediction"):
+        parts.append(f"predicted/measured round time {pred['seconds_ratio']:.2f} (median error {pred['seconds_error']:.0%})")
     return "; ".join(parts)
 
 

@@ -9,7 +9,9 @@ and the round loop (which keeps the record) apply the same rule.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,10 @@ class RoundRecord:
     forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
     budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
     ahead: bool = False  # SSD: the draft started this round's build itself, after the previous lookup
+    # auto's prediction for the round (None: no auto sequence, or a cold-start round): the option
+    # it chose and the runner-up, each {"option", "tokens", "seconds"}, beside what the round then
+    # took (end - start, Σ accepted + batch); see :func:`prediction_error`
+    auto: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -85,4 +91,32 @@ def round_components(r: RoundRecord | Mapping[str, Any]) -> dict[str, float]:
         "draft_exposed": exposed,
         "lookup": lk,
         "control": max(0.0, wall - v - exposed - lk),
+    }
+
+
+def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[str, float] | None:
+    """How far ``auto``'s predictions were from what its rounds then took, over the decode
+    rounds that carry one: the median of |predicted / measured − 1| for the round's
+    seconds and for its emitted tokens, the mean predicted / measured seconds (below 1:
+    auto expected its rounds faster than they ran), and how many rounds were compared.
+    None when no round carries a prediction."""
+    secs, toks = [], []
+    for r in rounds:
+        get = r.get if isinstance(r, Mapping) else lambda name, r=r: getattr(r, name)
+        pred = get("auto")
+        if not pred or get("prefill"):
+            continue
+        wall = get("end") - get("start")
+        emitted = sum(get("accepted")) + len(get("accepted"))
+        if wall > 0:
+            secs.append(pred["chosen"]["seconds"] / wall)
+        if emitted > 0:
+            toks.append(pred["chosen"]["tokens"] / emitted)
+    if not secs:
+        return None
+    return {
+        "rounds": float(len(secs)),
+        "seconds_error": statistics.median(abs(x - 1.0) for x in secs),
+        "seconds_ratio": statistics.fmean(secs),
+        "tokens_error": statistics.median(abs(x - 1.0) for x in toks) if toks else math.nan,
     }

@@ -65,6 +65,12 @@ class Assigner:
             for s, v, c in zip(auto, views, choices):
                 mode = c.mode if s.seq_id in ready else "ar"  # ready: a drafting mode the sequence may run, drafts caught up
                 picks[s.seq_id] = (mode, 0 if mode == "ar" else max(1, min(c.k, loop.strategy_of(s).k or 1)))
+            prediction = getattr(self.policy, "prediction", None)
+            if prediction is not None:
+                # what auto predicted for its choice and the runner-up; ``not_ready``: sequences it
+                # chose to speculate that ran AR while their drafts caught up (its misprediction, too)
+                not_ready = sum(1 for s, c in zip(auto, choices) if c.mode != "ar" and picks[s.seq_id][0] == "ar")
+                rec.auto = {**prediction, "not_ready": not_ready}
         leaving = [s for s in running if s.mode == "ssd" and picks[s.seq_id][0] != "ssd"]
         if leaving:
             loop.strategies["ssd"].left(leaving)
