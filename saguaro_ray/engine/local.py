@@ -18,6 +18,7 @@ import torch
 
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.frontend import Frontend, Prompt, PromptParams, Prompts, StreamChunk
+from saguaro_ray.engine.cost_probe import cost_identity, seed_auto
 from saguaro_ray.engine.round_loop import RoundLoop
 from saguaro_ray.engine.scheduler import Scheduler
 from saguaro_ray.engine.sequence import GenerationResult
@@ -75,6 +76,7 @@ class LocalEngine:
             draft=[w for role, w in self.workers.items() if role_kind(role) == "draft"],
             qualifier=self.workers.get("qualifier"),
         )
+        seed_auto(self.loop, cost_identity(config, "inprocess"), config.max_batch_size)  # before any request
         self.scheduler = Scheduler(
             self.loop,
             config.max_batch_size,

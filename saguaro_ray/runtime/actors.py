@@ -30,6 +30,7 @@ import ray
 import torch
 
 from saguaro_ray.config import SamplingParams
+from saguaro_ray.engine.cost_probe import cost_identity, seed_auto
 from saguaro_ray.engine.frontend import Frontend, Progress, Resume, StreamChunk
 from saguaro_ray.engine.calls import submit_each
 from saguaro_ray.engine.resume import Emitted
@@ -211,6 +212,7 @@ class CoordinatorActor:
             broadcast=self._broadcast,
             forward=lambda workers, method: [w.forwarded(method) for w in workers],
         )
+        seed_auto(self.loop, cost_identity(config, "ray"), config.max_batch_size)  # auto's step costs, before any request
         infos = [worker_info(a) for a in workers.values()]
         self.scheduler = Scheduler(
             self.loop,
