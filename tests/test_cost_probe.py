@@ -44,6 +44,8 @@ def test_the_probe_seeds_auto_and_its_first_round_is_a_search(zoo_tiny, costs_di
         costs = saved["costs"]
         assert {(b, t) for t, b, _ in costs["verify"]} == {(b, b * (k + 1)) for b in (1, 2, 4) for k in (0, 1, 4, 8)}  # max_k 8, batch <= 4
         assert [n for n, _ in costs["draft"]] == [1, 2, 4] and all(s >= 0.0 for _, s in costs["draft"])
+        # a tree step over a sequence's branches costs at least a draft step over the sequence
+        assert [n for n, _ in costs["build"]] == [1, 2, 4] and all(b >= d for (_, b), (_, d) in zip(costs["build"], costs["draft"]))
         policy = eng.loop.assigner.policy
         assert isinstance(policy, AutoPolicy) and policy.snapshot()["verify_s"] is not None  # fitted before any round
         before = len(eng.timeline)

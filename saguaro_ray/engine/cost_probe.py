@@ -2,7 +2,8 @@
 
 At engine start (issue 33) the round loop's own workers run a few real steps on throwaway
 sequences — target calls of K + 1 tokens per sequence at batch 1, 2, 4, 8 (decode is K = 0), and
-draft calls of 1 and ``max_k`` sequential steps at the same batches — timed by the worker's own
+draft calls of 1 and ``max_k`` sequential steps at the same batches, and SSD tree builds of 1 and
+``max_k`` steps over the engine's ``budget`` branches per sequence — timed by the worker's own
 span, as a round's are. :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed` starts the
 cost fits from them, so the first round of the first request is already a search instead of a
 schedule of trial rounds. The table is cached per machine, models, dtype and runner options (under
@@ -32,7 +33,7 @@ from saguaro_ray.algorithms.strategy_views import StepCosts
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.engine.calls import RetryingCall
 from saguaro_ray.errors import ConfigError
-from saguaro_ray.workers.messages import RECENT_TOKENS, Proposal, ProposalSource, SeqStep, VerifyItem
+from saguaro_ray.workers.messages import RECENT_TOKENS, BuildItem, Proposal, ProposalSource, SeqStep, VerifyItem
 
 if TYPE_CHECKING:
     from saguaro_ray.engine.round_loop import RoundLoop
@@ -164,6 +165,32 @@ class _Probe:
                 log.debug("auto: releasing the probe's sequences on %s failed: %r", getattr(w, "name", w), e)
 
 
+def _build_steps(loop: "RoundLoop", probe: _Probe, batches: Sequence[int], max_k: int, draft_step: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    """One step of SSD's tree build over n sequences' branches (the engine's ``budget`` each),
+    for n in ``batches``: builds of 1 and ``max_k`` steps from the same state (every call rolls
+    the draft back to the step's start, so the same items can be built again), their
+    difference per step — at least a draft step over as many sequences, as the policy's
+    build model has it."""
+    budget = max(1, loop.spec.budget)
+    fanout = [budget // 2, budget - budget // 2]  # after a rejection of the one proposed token, after its acceptance
+
+    def build(seqs: Sequence[int], k_next: int) -> float:
+        def args(full: bool) -> tuple:
+            items = [BuildItem(probe.step(s, full), Proposal([1 + probe.tokens[s][-1] % 61], None, ProposalSource.DRAFT), fanout, k_next) for s in seqs]
+            return (items,)
+
+        return probe.timed(loop.drafts.primary, "build", args)[1]
+
+    out = []
+    build(probe.ids[:1], 1)  # warm-up
+    for b in batches:
+        one = min(build(probe.ids[:b], 1) for _ in range(PROBE_REPEATS))
+        many = min(build(probe.ids[:b], max_k) for _ in range(PROBE_REPEATS))
+        step = (many - one) / (max_k - 1) if max_k > 1 else one
+        out.append((b, max(step, draft_step.get(b, 0.0))))
+    return tuple(out)
+
+
 def measure(loop: "RoundLoop", max_batch: int, max_k: int) -> StepCosts:
     """Time the target's and the primary draft's steps (module docstring) on throwaway sequences."""
     batches = [b for b in PROBE_BATCHES if b <= max(1, max_batch)]
@@ -189,7 +216,7 @@ def measure(loop: "RoundLoop", max_batch: int, max_k: int) -> StepCosts:
             many = min(draft.propose(draft.ids[:b], max_k) for _ in range(PROBE_REPEATS))
             # the call's own part (feeding the pending token, the first draw) is in both; a step is the rest
             steps.append((b, max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one))
-        return StepCosts(verify, tuple(steps))
+        return StepCosts(verify, tuple(steps), _build_steps(loop, draft, batches, max_k, dict(steps)))
     finally:
         target.release()
         draft.release()
