@@ -716,7 +716,7 @@ def test_one_mutated_cost_in_the_table_flips_the_first_choice(scale, first):
 
 
 @pytest.mark.parametrize("ssd_base", [0.004, 0.0045, 0.005])
-def test_no_flip_flop_between_options_within_the_switching_cost(ssd_base):
+def test_no_flip_flop_between_sd_and_ssd_within_the_switching_cost(ssd_base):
     """SD and SSD within a few per cent of each other (a point-mass backup: an SSD entry
     costs a round of one token): once the first rounds have corrected the priors, the
     choice stays put — no switch between SD and SSD (trials off: they are counted
@@ -728,6 +728,18 @@ def test_no_flip_flop_between_options_within_the_switching_cost(ssd_base):
     _, history, *_ = simulate(truth, temps, rounds=150, policy=seeded(truth, explore=0.0))
     modes = [h[0][0] for h in history[5:] if h[0][0] != "ar"]  # AR: the guard measuring AR's rate
     assert sum(a != b for a, b in zip(modes, modes[1:])) == 0, modes
+
+
+@pytest.mark.parametrize("step_c", [0.0095, 0.0105, 0.011])
+def test_no_flip_flop_between_ar_and_sd_near_a_tie(step_c):
+    """AR and SD within 5 % (a dear draft step, a build that never hides): whichever is
+    chosen holds — the only other rounds are the AR guard's (trials off)."""
+    truth, temps = Truth(step_c=step_c, build_k=0.02, build_nk=0.001), [0.0]
+    sd = max(truth.rate(temps, [("sd", k)]) for k in range(1, MAX_K + 1))
+    assert abs(sd / truth.rate(temps, [("ar", 0)]) - 1.0) < 0.05
+    _, history, *_ = simulate(truth, temps, rounds=150, policy=seeded(truth, explore=0.0))
+    modes = [h[0][0] for h in history[3:]]
+    assert len(set(modes)) == 1 or sum(m != modes[-1] for m in modes) <= 5, modes
 
 
 def test_a_new_request_starts_from_what_earlier_ones_measured():

@@ -99,12 +99,17 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
     rounds that carry one: the median of |predicted / measured − 1| for the round's
     seconds and for its emitted tokens, the mean predicted / measured seconds (below 1:
     auto expected its rounds faster than they ran), and how many rounds were compared.
-    None when no round carries a prediction."""
-    secs, toks = [], []
+    A round where some sequence auto chose to speculate ran AR while its drafts caught up
+    did not run what was predicted: it is counted apart (``not_ready_rounds``), not
+    compared. None when no round carries a prediction."""
+    secs, toks, not_ready = [], [], 0
     for r in rounds:
         get = r.get if isinstance(r, Mapping) else lambda name, r=r: getattr(r, name)
         pred = get("auto")
         if not pred or get("prefill"):
+            continue
+        if pred.get("not_ready"):
+            not_ready += 1
             continue
         wall = get("end") - get("start")
         emitted = sum(get("accepted")) + len(get("accepted"))
@@ -116,6 +121,7 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
         return None
     return {
         "rounds": float(len(secs)),
+        "not_ready_rounds": float(not_ready),
         "seconds_error": statistics.median(abs(x - 1.0) for x in secs),
         "seconds_ratio": statistics.fmean(secs),
         "tokens_error": statistics.median(abs(x - 1.0) for x in toks) if toks else math.nan,
