@@ -52,6 +52,8 @@ def test_the_probe_seeds_auto_and_its_first_round_is_a_search(zoo_tiny, costs_di
         auto = eng.generate(PROMPTS, greedy(12))
         decode = [r for r in eng.timeline[before:] if not r.prefill]
         assert decode[0].auto is not None and decode[0].auto["chosen"]["seconds"] > 0  # no cold-start round
+        measured = decode[0].auto["measured"]  # beside it, what the round took
+        assert measured == {"tokens": sum(decode[0].accepted) + decode[0].batch, "seconds": decode[0].end - decode[0].start}
         ar = eng.generate(PROMPTS, greedy(12, speculation=Strategy("ar")))
         assert [r.token_ids for r in auto] == [r.token_ids for r in ar]  # the probe's sequences touched no request's
         for w in eng.workers.values():  # every worker let the probe's sequences go

@@ -50,8 +50,8 @@ class RoundRecord:
     budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
     ahead: bool = False  # SSD: the draft started this round's build itself, after the previous lookup
     # auto's prediction for the round (None: no auto sequence, or a cold-start round): the option
-    # it chose and the runner-up, each {"option", "tokens", "seconds"}, beside what the round then
-    # took (end - start, Σ accepted + batch); see :func:`prediction_error`
+    # it chose and the runner-up, each {"option", "tokens", "seconds"}, and "measured": what the
+    # round then took (tokens emitted, wall seconds); see :func:`prediction_error`
     auto: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -97,6 +97,8 @@ class Assigner:
             hit = bool(s.hits - hits) if s.mode == "ssd" and s.lookups > lookups else None
             seqs.append(SeqResult(s.seq_id, s.params.temperature, s.mode or "ar", proposed, accepted, hit))
         parts = round_components(rec)
+        if rec.auto is not None:  # beside auto's prediction, what the round then took
+            rec.auto["measured"] = {"tokens": sum(rec.accepted) + len(rec.accepted), "seconds": parts["wall"]}
         sequential = [s for s in running if s.mode in ("sd", "pyramid")]
         drafted = rec.draft[1] - rec.draft[0] if rec.draft is not None and sequential else 0.0
         n_ssd = sum(1 for s in running if s.mode == "ssd")
