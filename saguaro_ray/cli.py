@@ -256,7 +256,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=int, default=8, help="ceiling of the speculations cached per sequence (ssd, auto fan-out)")
     p.add_argument("--fan-out", default="auto", help="'auto', or K+1 comma-separated counts: a fixed fan-out (ssd)")
     p.add_argument("--backup", default="auto")
-    p.add_argument("--saguaro-c", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism) (ray runtime)")
     p.add_argument(
@@ -314,7 +313,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             budget=args.budget,
             fanout=args.fan_out,
             backup=args.backup,
-            saguaro_c=args.saguaro_c,
             threads=args.threads,
             address=args.address,
             num_prompts=args.num_prompts,

@@ -103,7 +103,6 @@ def add_speculation_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--max-k", type=int, default=None, help="the largest K auto or a request may use (default 8, or --k with an explicit --fan-out)")
     group.add_argument("--fan-out", default="auto", help="'auto' or K+1 comma-separated counts (ssd)")
     group.add_argument("--budget", type=int, default=8, help="speculations cached per sequence (ssd, auto fan-out)")
-    group.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling down-weighting C in (0, 1] (requests under the standard verification rule only)")
     group.add_argument("--backup", default="neural", help="auto | neural | fast (ssd cache misses)")
     group.add_argument("--stage1", default="exact", help="pyramid qualifier rule: exact | assisted | fuzzy")
     group.add_argument("--stage2", default="exact", help="pyramid target rule: exact | fuzzy")
@@ -168,7 +167,6 @@ def speculation_from_args(args: argparse.Namespace) -> "SpeculationConfig":
         max_k=args.max_k,
         fanout=fanout if fanout == "auto" else tuple(fanout),
         budget=args.budget,
-        saguaro_c=args.saguaro_c,
         backup=args.backup,
         stage1=args.stage1,
         stage2=args.stage2,

@@ -35,7 +35,6 @@ MAX_DEADLINE_S = 86_400.0
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 LOGPROBS_MODES = ("raw", "processed")
-VERIFICATION_RULES = ("invariant", "standard")  # SamplingParams.verification (None: invariant)
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -101,14 +100,11 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy decoding (ties go to the lowest token id).
     ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` fixes the
-    sample: the same tokens on every repeat, in every strategy and batch;
-    ``None`` draws a fresh seed. ``verification``: the rule that checks
-    speculation — the drafter-invariant rule (None or ``"invariant"``: each
-    token the race winner of the target's law under noise keyed by seed and
-    position, so a seed fixes the output) or ``"standard"`` (speculative
-    sampling, Leviathan et al.; its output depends on the proposals, a seed
-    fixes it only within one strategy; kept for comparison and its tests). Generation stops at an
-    end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``, or
+    sample: the same tokens on every repeat, in every strategy and batch
+    (speculation is checked by the drafter-invariant rule: each token is the
+    race winner of the target's law under noise keyed by the seed and its
+    output position, whatever was proposed); ``None`` draws a fresh seed.
+    Generation stops at an end-of-sequence token unless ``ignore_eos``, or after ``max_tokens``, or
     as soon as the text contains one of the ``stop`` strings (cut before it,
     as OpenAI does) or a token of ``stop_token_ids`` is emitted (kept in the
     token ids, its text left out). The engine checks stops after every token,
@@ -149,7 +145,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     response_format: ResponseFormat | None = None
-    verification: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculation", Strategy.of(self.speculation))
@@ -194,8 +189,6 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
             raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")
-        if self.verification is not None and self.verification not in VERIFICATION_RULES:
-            raise ConfigError(f"verification must be one of {', '.join(VERIFICATION_RULES)} or None, got {self.verification!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {self.logprobs_mode!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -231,20 +224,6 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Is the law changed before temperature (penalties, bias or a grammar)?"""
         return self.penalized or bool(self.logit_bias) or self.response_format is not None
-
-    @property
-    def invariant(self) -> bool:
-        """Is this sequence verified by the drafter-invariant rule (its tokens a
-        function of the seed and the target alone)? Always, unless
-        ``verification="standard"`` asks for speculative sampling's rule."""
-        return self.verification != "standard"
-
-    @property
-    def needs_q(self) -> bool:
-        """Does verification read the law a proposal was drawn from? Not for
-        greedy rows (point masses) nor under the invariant rule (it compares
-        tokens)."""
-        return not self.greedy and not self.invariant
 
     def with_seed(self, seed: int | None) -> "SamplingParams":
         return replace(self, seed=seed)
@@ -307,9 +286,6 @@ class SpeculationConfig:
     sequence that names no K; ``max_k`` (default: 8, or ``k`` with an
     explicit fan-out): the largest K a request or ``auto`` may use. ``fanout``: ``"auto"`` (geometric
     allocation of ``budget`` fitted online) or an explicit tuple of K+1 counts.
-    ``saguaro_c``: Saguaro sampling's down-weighting C in (0, 1] (1 = off);
-    it shapes the draft's law for requests under the standard rule only (the
-    drafter-invariant rule proposes the draft's own race winners).
     ``backup``: what serves an SSD cache miss. PyramidSD: the draft proposes
     ``ld`` tokens at a time until ``lq`` are qualified; stage rules and
     thresholds as in DESIGN §4 — any τ > 0 is lossy and needs ``allow_lossy``.
@@ -321,7 +297,6 @@ class SpeculationConfig:
     max_k: int | None = None
     fanout: str | tuple[int, ...] = "auto"
     budget: int = 8
-    saguaro_c: float = 1.0
     backup: str = "neural"
     stage1: str = "exact"
     stage2: str = "exact"
@@ -348,8 +323,6 @@ class SpeculationConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.max_k is not None and (not _is_int(self.max_k) or self.max_k < self.k):
             raise ConfigError(f"max_k must be an integer >= k ({self.k}), got {self.max_k!r}")
-        if not 0 < self.saguaro_c <= 1:
-            raise ConfigError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
         if self.fanout != "auto":
             n = self.k_max + 1
             if not isinstance(self.fanout, tuple) or len(self.fanout) != n or any(not isinstance(f, int) or f < 0 for f in self.fanout):

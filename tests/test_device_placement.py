@@ -50,8 +50,9 @@ def _logic(ckpts):
     return TargetLogic(ModelRunner(str(ckpts["target"]))), DraftLogic(ModelRunner(str(ckpts["draft"])))
 
 
-def _round(target: TargetLogic, draft: DraftLogic, seqs: list[SequenceState], k: int, rules: list[str]) -> None:
-    """Prefill, draft ``k`` tokens, verify them (each sequence with its rule),
+def _round(target: TargetLogic, draft: DraftLogic, seqs: list[SequenceState], k: int, rules: list[tuple[str, float]]) -> None:
+    """Prefill, draft ``k`` tokens, verify them (each sequence with its rule
+    and τ; proposals carry their laws when a lossy fuzzy rule reads them),
     build the next round's tree and look the outcome up — all under ``HOT``."""
     with HOT:
         for w in (target, draft):
@@ -60,10 +61,10 @@ def _round(target: TargetLogic, draft: DraftLogic, seqs: list[SequenceState], k:
             s.output_ids.append(s.seq_id + 20)  # the admission round's token
             s.rounds += 1
         steps = [RoundLoop.step(s) for s in seqs]
-        proposals = draft.propose(steps, [k] * len(seqs))
-        outcomes = target.verify([VerifyItem(st, p, rule=r) for st, p, r in zip(steps, proposals, rules)])
+        proposals = draft.propose(steps, [k] * len(seqs), with_laws=any(tau > 0 for _, tau in rules))
+        outcomes = target.verify([VerifyItem(st, p, rule=r, tau=tau) for st, p, (r, tau) in zip(steps, proposals, rules)])
         assert [len(p.tokens) for p in proposals] == [k] * len(seqs)
-        items = ssd_protocol.build_items(steps, proposals, [[2] + [1] * k] * len(seqs), [k] * len(seqs), 1.0, 0, 1, [None] * len(seqs))
+        items = ssd_protocol.build_items(steps, proposals, [[2] + [1] * k] * len(seqs), [k] * len(seqs), 0, 1, [None] * len(seqs))
         built = draft.build(items, 1)
         assert built["branches"] > 0
         for s, p, o in zip(seqs, proposals, outcomes):
@@ -71,23 +72,23 @@ def _round(target: TargetLogic, draft: DraftLogic, seqs: list[SequenceState], k:
         draft.lookup([(o.seq_id, o.accepted, o.next_token) for o in outcomes], round_id=1)
 
 
-@pytest.mark.parametrize(
-    "temperature,rule", [(0.0, None), (0.9, "invariant"), (0.9, "standard")], ids=["greedy", "sampled-invariant", "sampled-standard"]
-)
-def test_a_round_makes_no_tensor_on_the_default_device(ckpts, temperature, rule):
-    params = SamplingParams(temperature=temperature, max_tokens=40, seed=5, verification=rule)
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_a_round_makes_no_tensor_on_the_default_device(ckpts, temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=40, seed=5)
     target, draft = _logic(ckpts)
     seqs = [SequenceState(i, [3, 5, 7, 9 + i], params, 0) for i in range(2)]
-    _round(target, draft, seqs, 3, ["exact", "exact"])
+    _round(target, draft, seqs, 3, [("exact", 0.0), ("exact", 0.0)])
 
 
 def test_mixed_laws_and_rules_in_one_verification_make_no_tensor_on_the_default_device(ckpts):
-    """Per-row temperatures (one law per sequence) and two rules in one batch:
-    the per-row and per-group index tensors of verification."""
+    """Per-row temperatures (one law per sequence) and two rules in one batch
+    (the drafter-invariant rule and a lossy fuzzy stage's test, with the q
+    rows and uniforms it reads): the per-row and per-group index tensors of
+    verification."""
     target, draft = _logic(ckpts)
     laws = [SamplingParams(temperature=0.7, top_k=20, max_tokens=40, seed=1), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=2)]
     seqs = [SequenceState(i, [3, 5, 7, 9 + i], laws[i], 0) for i in range(2)]
-    _round(target, draft, seqs, 2, ["exact", "fuzzy"])
+    _round(target, draft, seqs, 2, [("exact", 0.0), ("fuzzy", 0.3)])
 
 
 def test_a_runner_step_returns_logits_on_its_own_device(ckpts):

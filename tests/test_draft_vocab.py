@@ -153,7 +153,7 @@ def test_the_fallback_gives_a_row_the_grammar_empties_the_full_heads_law(zoo_tin
     grammar masks is all -inf (a NaN law) without it."""
     runner = ModelRunner(zoo_tiny / "target", head_vocab=8)
     logic = DraftLogic(runner)
-    params = SamplingParams(temperature=1.0, response_format=JSON_OBJECT, verification="standard")  # proposals carry their law
+    params = SamplingParams(temperature=1.0, response_format=JSON_OBJECT)
     step = SeqStep(seq_id=0, start=0, new_tokens=[5, 6, 7], params=params, seed=0, output_pos=0, prompt_len=3)
     raw = logic.feed([step], [[]], [1])
     rows = [RowContext(0, params, logic.history.tokens(0), 3, (), 3)]
@@ -162,8 +162,8 @@ def test_the_fallback_gives_a_row_the_grammar_empties_the_full_heads_law(zoo_tin
     want = logic.adjuster.adjust(runner.full_head_logits(torch.tensor([0])), rows)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.isfinite(got).any() and not torch.isfinite(got[:, runner.head_ids]).any()
-    # a proposal drawn from such rows carries the proper law it was drawn from (without the fix: NaN rows)
-    [prop] = logic.propose([SeqStep(seq_id=1, start=0, new_tokens=[5, 6, 7], params=params, seed=0, output_pos=0, prompt_len=3)], [3])
+    # a proposal drawn from such rows carries (asked for a fuzzy stage) the proper law it was drawn from (without the fix: NaN rows)
+    [prop] = logic.propose([SeqStep(seq_id=1, start=0, new_tokens=[5, 6, 7], params=params, seed=0, output_pos=0, prompt_len=3)], [3], with_laws=True)
     assert prop.q is not None and torch.isfinite(prop.q).all()
     torch.testing.assert_close(prop.q.sum(-1), torch.ones(3))
     assert all(prop.q[j, t] > 0 for j, t in enumerate(prop.tokens))

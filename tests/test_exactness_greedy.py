@@ -183,16 +183,16 @@ def fanouts(k: int) -> dict[str, dict]:
 
 
 SSD_GRID = [
-    (k, fo, backup, draft, c)
+    (k, fo, backup, draft)
     for k in (1, 3, 5)
     for fo in ("budget1", "mixed", "last_only", "auto1", "auto4", "auto16")
-    for backup, draft, c in (("neural", "good", 1.0), ("fast", "fair", 0.5), ("auto", "good", 0.5))
+    for backup, draft in (("neural", "good"), ("fast", "fair"), ("auto", "good"))
 ]
 
 
-@pytest.mark.parametrize("k, fo, backup, draft, c", SSD_GRID)
-def test_ssd_matches_ar(models, ref, k, fo, backup, draft, c):
-    eng = make_engine(models, "ssd", draft, k=k, backup=backup, saguaro_c=c, **fanouts(k)[fo])
+@pytest.mark.parametrize("k, fo, backup, draft", SSD_GRID)
+def test_ssd_matches_ar(models, ref, k, fo, backup, draft):
+    eng = make_engine(models, "ssd", draft, k=k, backup=backup, **fanouts(k)[fo])
     try:
         res = check_exact(eng, ref["target"], greedy(), singles=(fo in ("mixed", "auto4")))
         assert all(0.0 <= r.stats["cache_hit_rate"] <= 1.0 for r in res)
@@ -334,7 +334,7 @@ def test_pyramid_matches_ar(models, ref, stage1, lq, ld, draft, qualifier):
     [
         ("sd", dict(k=3)),
         ("ssd", dict(k=3, fanout="auto", budget=4, backup="neural")),
-        ("ssd", dict(k=2, fanout=(2, 1, 1), backup="fast", saguaro_c=0.5)),
+        ("ssd", dict(k=2, fanout=(2, 1, 1), backup="fast")),
         ("ssd", dict(k=4, fanout="auto", budget=16, backup="auto")),
         ("pyramid", dict(stage1="exact", lq=4, ld=2)),
         ("pyramid", dict(stage1="assisted", lq=3, ld=2)),
@@ -434,8 +434,8 @@ def test_engine_reuse_across_calls_stays_exact(models, ref):
 
 
 def test_mixed_greedy_and_sampled_batch_in_ssd(tmp_path):
-    """One batch holding T = 0 and T > 0 samples: greedy ones still equal AR
-    (their proposals are point masses, sampled ones carry q rows)."""
+    """One batch holding T = 0 and T > 0 samples: every one equals AR's, the
+    sampled one too (its seed fixes its tokens in every strategy and batch)."""
     from saguaro_ray.config import SamplingParams, SpeculationConfig
     from saguaro_ray.engine import LocalEngine
     from saguaro_ray.runtime.engine_config import EngineConfig
@@ -453,15 +453,18 @@ def test_mixed_greedy_and_sampled_batch_in_ssd(tmp_path):
         ref = ar.generate(prompts, greedy)
         assert mixed[0].token_ids == ref[0].token_ids and mixed[2].token_ids == ref[2].token_ids
         assert len(mixed[1].token_ids) == 7
+        assert mixed[1].token_ids == ar.generate([prompts[1]], sampled)[0].token_ids
     finally:
         ar.close()
         ssd.close()
 
 
-def test_draft_records_q_rows_only_for_sampled_sequences(tmp_path):
-    """A proposal's q is the law each token was drawn from: greedy proposals are
-    point masses (q None) even when the batch also drafts sampled sequences with
-    a different speculation depth; sampled ones carry one row per token."""
+def test_draft_ships_laws_only_where_a_fuzzy_stage_reads_them(tmp_path):
+    """The drafter-invariant rule compares tokens, so proposals and cached
+    speculations carry no law; asked ``with_laws`` (a fuzzy PyramidSD stage 1),
+    a sampled proposal carries one row per token, the law its race winner was
+    drawn from, and a greedy one stays a point mass (q None) even when the
+    batch drafts the two to different depths."""
     from saguaro_ray.config import SamplingParams
     from saguaro_ray.workers.draft import DraftLogic
     from saguaro_ray.workers.messages import BuildItem, Proposal, SeqStep
@@ -470,21 +473,22 @@ def test_draft_records_q_rows_only_for_sampled_sequences(tmp_path):
     ckpt = save_tiny_checkpoint(tmp_path, "llama", seed=0, max_position_embeddings=256)
     draft = DraftLogic(ModelRunner(str(ckpt)))
     greedy = SamplingParams(temperature=0.0, max_tokens=50)
-    sampled = SamplingParams(temperature=1.0, max_tokens=50, seed=1, verification="standard")  # its proposals carry their law
+    sampled = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
     steps = [SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0), SeqStep(2, 0, [4, 6, 8], sampled, 1, 0)]
     proposals = draft.propose(steps, [3, 1])  # different depths: step 2 drafts only the greedy one
-    assert proposals[0].q is None and len(proposals[0].tokens) == 3
-    assert proposals[1].q is not None and proposals[1].q.shape[0] == 1
+    assert [p.q for p in proposals] == [None, None] and [len(p.tokens) for p in proposals] == [3, 1]
+    again = DraftLogic(ModelRunner(str(ckpt)))
+    with_laws = again.propose(steps, [3, 1], with_laws=True)
+    assert [p.tokens for p in with_laws] == [p.tokens for p in proposals]  # the same race winners
+    assert with_laws[0].q is None and with_laws[1].q is not None and with_laws[1].q.shape[0] == 1
     draft.build([
         BuildItem(SeqStep(1, 4, [proposals[0].tokens[0]], greedy, 0, 1), Proposal(proposals[0].tokens[1:]), [2, 1, 1], 3),
         BuildItem(SeqStep(2, 3, [proposals[1].tokens[0]], sampled, 1, 1), Proposal([]), [2], 1),
     ])
-    for (seq, k, t) in [(1, k, t) for (k, t) in draft.cache.keys(1)] + [(2, k, t) for (k, t) in draft.cache.keys(2)]:
-        spec = draft.cache.lookup(seq, k, t)
-        if seq == 1:
-            assert spec.q is None and len(spec.tokens) == 3
-        else:
-            assert spec.q is not None and spec.q.shape[0] == len(spec.tokens) == 1
+    keys = [(1, k, t) for (k, t) in draft.cache.keys(1)] + [(2, k, t) for (k, t) in draft.cache.keys(2)]
+    assert {s for s, _, _ in keys} == {1, 2}
+    for seq, k, t in keys:  # a cached speculation is its tokens (Speculation has no law)
+        assert len(draft.cache.lookup(seq, k, t).tokens) == (3 if seq == 1 else 1)
 
 
 def test_lookup_for_another_round_than_the_built_one_misses(tmp_path):
@@ -531,7 +535,7 @@ def test_draft_shards_build_disjoint_outcomes_that_cover_the_fan_out(tmp_path):
     for shard, shards in [(0, 1), (0, 3), (1, 3), (2, 3)]:
         draft = DraftLogic(ModelRunner(str(ckpt)))
         draft.prefill([SeqStep(1, 0, [3, 5, 7, 9], greedy, 0, 0)])
-        draft.build([BuildItem(SeqStep(1, 3, [9], greedy, 0, 1), Proposal([11, 12, 13]), fanout, 2, 1.0, shard, shards)])
+        draft.build([BuildItem(SeqStep(1, 3, [9], greedy, 0, 1), Proposal([11, 12, 13]), fanout, 2, shard, shards)])
         built.append(set(draft.cache.keys(1)))
         if shards == 1:  # the glue rows the whole fan-out was ranked from
             rows = [row.source.clone() for row in draft._rankings[1]]

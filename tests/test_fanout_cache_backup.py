@@ -192,8 +192,8 @@ def test_estimator_hit_rate_and_unknown_ranks():
 
 def test_cache_put_lookup_replace_stats_drop():
     cache = SpeculationCache()
-    s1 = Speculation(tokens=[5, 6, 7], q=None, branch=0)
-    s2 = Speculation(tokens=torch.tensor([1, 2, 3]), q=torch.full((3, 4), 0.25), branch=1)
+    s1 = Speculation(tokens=[5, 6, 7], branch=0)
+    s2 = Speculation(tokens=torch.tensor([1, 2, 3]), branch=1)
     cache.put_round("a", {(0, 5): s1, (2, 9): s2})
     cache.put_round("b", {(1, 1): s1})
     assert cache.lookup("a", 0, 5) is s1

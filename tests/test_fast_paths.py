@@ -152,18 +152,3 @@ def test_greedy_outcomes_equal_the_general_rule(with_q: bool) -> None:
     assert any(a == int(n) for (a, _), n in zip(got, lens)) and any(a < int(n) for (a, _), n in zip(got, lens))
     with pytest.raises(ValueError):
         greedy_outcomes(flat[:-1], [tokens[i, : int(n)].tolist() for i, n in enumerate(lens)])
-
-
-def test_top_set_equals_sorted_ranks() -> None:
-    """Saguaro's top-(F+1) set without a vocabulary sort, ties to the lower id."""
-    from saguaro_ray.algorithms.saguaro_sampling import top_ranks, top_set
-
-    g = torch.Generator().manual_seed(3)
-    for trial in range(200):
-        shape = [(5, 13), (3, 4, 9), (7,), (16, 50)][trial % 4]
-        q = torch.randint(0, 4, shape, generator=g).float() if trial % 2 else torch.rand(shape, generator=g)
-        if trial % 3 == 0:
-            q[..., :3] = 0  # a block of tied zeros
-        f = torch.randint(0, shape[-1] + 3, shape[:-1], generator=g) if trial % 5 else torch.tensor(trial % 4)
-        ref = top_ranks(q) < (f + 1).unsqueeze(-1) if f.dim() else top_ranks(q) < f + 1
-        assert torch.equal(top_set(q, f + 1), ref), trial

@@ -130,10 +130,10 @@ def _one_step(p, q):
     return q * a + (q * (1 - a)).sum() * r
 
 
-@pytest.mark.parametrize("kind,f,c", [("full", 0, 1.0), ("saguaro", 1, 0.3), ("point", 0, 1.0)])
-def test_pyramid_exact_first_token_law_is_target_law(kind, f, c):
+@pytest.mark.parametrize("kind,salt", [("full", 0), ("sparse", 1), ("point", 0)])
+def test_pyramid_exact_first_token_law_is_target_law(kind, salt):
     for root in [(), (2,), (4, 1)]:
-        q, pQ, p = proposal_maker(kind, f, c)(root), qualifier_law(root), target_law(root)
+        q, pQ, p = proposal_maker(kind, salt)(root), qualifier_law(root), target_law(root)
         stage1 = _one_step(pQ, q)  # law of the first qualified token
         assert torch.allclose(stage1, pQ, atol=1e-9, rtol=0)
         # stage 2: the target verifies y ~ stage1 using q = p_Q as the proposal law
@@ -145,7 +145,7 @@ def test_pyramid_exact_first_token_law_is_target_law(kind, f, c):
 def test_pyramid_exact_joint_laws():
     # Stage 1 emits the qualifier's autoregressive law; stage 2, which treats the
     # qualified tokens as draws from p_Q, then emits the target's.
-    s1 = Enumerator(qualifier_law, proposal_maker("mixed", 1, 0.5), K=2)
+    s1 = Enumerator(qualifier_law, proposal_maker("mixed", 1), K=2)
     assert torch.allclose(s1.law((), 3), autoregressive_law(qualifier_law, (), 3), atol=1e-9, rtol=0)
     s2 = Enumerator(target_law, qualifier_law, K=3)
     assert torch.allclose(s2.law((), 3), autoregressive_law(target_law, (), 3), atol=1e-9, rtol=0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from saguaro_ray.algorithms.sampling import (
-    STREAM_DRAFT,
+    STREAM_QUALIFIER,
     STREAM_TARGET,
     argmax_lowest,
     position_uniforms,
@@ -75,8 +75,8 @@ def test_position_streams_are_deterministic_and_separate():
     b = position_uniforms([7, 7], [3, 4], 2)
     assert torch.equal(a, b)
     assert not torch.equal(a[0], a[1])
-    draft = position_uniforms([7], [3], 2, stream=STREAM_DRAFT)
-    assert not torch.equal(draft[0], position_uniforms([7], [3], 2, stream=STREAM_TARGET)[0])
+    qualifier = position_uniforms([7], [3], 2, stream=STREAM_QUALIFIER)
+    assert not torch.equal(qualifier[0], position_uniforms([7], [3], 2, stream=STREAM_TARGET)[0])
 
 
 @pytest.mark.parametrize(

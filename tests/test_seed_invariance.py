@@ -1,8 +1,7 @@
 """A seed fixes the output (issue 34): the drafter-invariant rule, end to end.
 
-Every request (unless it asks for ``verification="standard"``) is verified
-by the drafter-invariant rule
-(:func:`saguaro_ray.algorithms.verification.invariant_outcomes`): every
+Every request is verified by the drafter-invariant rule, the engine's one
+rule (:func:`saguaro_ray.algorithms.verification.invariant_outcomes`): every
 emitted token is the race winner of the target's processed law under the
 public noise of (seed, output position), so its tokens are those of plain
 autoregressive sampling with that noise — in every strategy, at every K,
@@ -15,9 +14,13 @@ target's exact law (chi-square, the harness of
 ``test_exactness_sampling``), and a noise keyed without the position, the
 classic keying bug, is rejected.
 
-Numerical near-ties could make two strategies' logits (batched differently)
-pick different race winners; on these models none occurs (the equality
-assertions would say how many samples differ).
+A position's logits have the same bits in AR's decode and in a verification
+of any K and batch (the runner's row invariance), so the equality is exact;
+the assertions would say how many samples differ.
+
+The rule replaced speculative sampling's (``verification="standard"``,
+Saguaro sampling's ``saguaro_c``): a request, a config or a flag that still
+names them is refused with one line.
 """
 
 from __future__ import annotations
@@ -137,12 +140,26 @@ def test_batch_composition_does_not_change_seeded_tokens(zoo_tiny, reference):
     assert got == reference["plain"]
 
 
-def test_every_request_gets_the_invariant_rule_unless_it_asks_otherwise():
-    assert SamplingParams(temperature=0.8).invariant and seeded().invariant
-    assert not SamplingParams(temperature=0.8, verification="standard").invariant
-    assert SamplingParams(verification="standard").with_seed(3).verification == "standard"
-    with pytest.raises(ConfigError, match="verification must be one of invariant, standard"):
-        SamplingParams(verification="gumbel")
+def test_the_removed_rule_is_refused_where_it_was_named():
+    """``verification`` and ``saguaro_c`` are gone: a bench ``--sampling``
+    object or a Serve YAML ``speculation`` block that names them is a
+    ConfigError naming the field, a ``--saguaro-c`` flag an argparse error
+    (exit 2, one line), and the Python API a TypeError (an unknown keyword)."""
+    from saguaro_ray.bench.plan import sampling_settings
+    from saguaro_ray.cli import main
+    from saguaro_ray.serve.config import speculation_config
+
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['verification'\]"):
+        sampling_settings([{"verification": "standard"}])
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['saguaro_c'\]"):
+        speculation_config({"mode": "ssd", "saguaro_c": 0.5})
+    with pytest.raises(TypeError, match="verification"):
+        SamplingParams(verification="standard")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="saguaro_c"):
+        SpeculationConfig(saguaro_c=0.5)  # type: ignore[call-arg]
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", "zoo:tiny", "--prompt", "x", "--saguaro-c", "0.5"])
+    assert exit_.value.code == 2
 
 
 def test_unseeded_requests_draw_fresh_seeds(zoo_tiny):
@@ -159,11 +176,11 @@ def test_invariant_rule_matches_exact_law(models, target_law):  # noqa: F811
     """AR under the rule samples the target's law (the race lemma, measured);
     SD and SSD (every hit and miss) emit the very same tokens, so their law is
     the same one."""
-    ar = run(models, "ar", verification="invariant")
+    ar = run(models, "ar")
     stat, df, pval, outside = chi_square(counts_of(ar), target_law)
     assert outside == 0 and pval >= ALPHA, f"chi-square {stat:.1f} on {df} df, p = {pval:.2e}"
     for mode, spec in (("sd", {"k": 2}), ("ssd", {"k": 2, "fanout": "auto", "budget": 4, "backup": "neural"})):
-        other = run(models, mode, n=len(ar) // 3, verification="invariant", **spec)
+        other = run(models, mode, n=len(ar) // 3, **spec)
         bad = differing([r.token_ids for r in other], [r.token_ids for r in ar])
         assert not bad, f"{mode}: {len(bad)} samples differ from AR"
 
@@ -177,16 +194,15 @@ def test_statistic_rejects_noise_keyed_without_position(models, target_law, monk
     from saguaro_ray.workers import target
 
     monkeypatch.setattr(target, "position_keys", sampling.position_keys)
-    res = run(models, "ar", n=N_MUTANT, verification="invariant")
+    res = run(models, "ar", n=N_MUTANT)
     assert chi_square(counts_of(res), target_law)[2] < REJECT
 
 
-def test_invariant_proposals_carry_no_law_unless_a_fuzzy_stage_reads_it(zoo_tiny):
-    """Under the invariant rule a draft's proposals are point masses (the
-    verifier compares tokens; nothing crosses the data plane), except
-    PyramidSD's for a fuzzy stage 1, which checks them by speculative
-    sampling (a race winner is an exact draw from its law, independent of
-    the qualifier's uniforms)."""
+def test_proposals_carry_no_law_unless_a_fuzzy_stage_reads_it(zoo_tiny):
+    """A draft's proposals are tokens alone (the rule compares tokens;
+    nothing crosses the data plane), except PyramidSD's for a lossy fuzzy
+    stage 1, which checks them by speculative sampling (a race winner is an
+    exact draw from its law, independent of the qualifier's uniforms)."""
     from saguaro_ray.workers.draft import DraftLogic
     from saguaro_ray.workers.messages import SeqStep
     from saguaro_ray.workers.runner import ModelRunner

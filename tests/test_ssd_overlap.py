@@ -78,7 +78,7 @@ def ragged_params(temperature: float, lengths=(9, 24, 17, 3, 30), seed: int = 4)
 SSD_CONFIGS = [
     dict(k=3, fanout="auto", budget=4, backup="neural"),
     dict(k=2, fanout=(2, 1, 1), backup="fast"),
-    dict(k=4, fanout="auto", budget=8, backup="auto", saguaro_c=0.5),
+    dict(k=4, fanout="auto", budget=8, backup="auto"),
     dict(k=3, fanout=(1, 0, 0, 0), backup="neural"),
 ]
 

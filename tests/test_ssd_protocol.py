@@ -31,7 +31,7 @@ from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextR
 from saguaro_ray.workers.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
-SAMPLED = SamplingParams(temperature=1.0, max_tokens=50, seed=1, verification="standard")  # proposals carry their law
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -60,8 +60,8 @@ def test_build_items_carry_tokens_only_and_the_peers_delta():
     step = SeqStep(1, 4, [9], GREEDY, 0, 3, [1, 2, 3, 4])
     delta = KVDelta(1, 4, [9, 5], [[5], [6]])
     p = Proposal([5, 6], torch.ones(2, 4), ProposalSource.CACHE)
-    [item] = ssd_protocol.build_items([step], [p], [[2, 1, 1]], [2], 0.5, 1, 2, [delta])
-    assert item == BuildItem(step, Proposal([5, 6], None, ProposalSource.CACHE), [2, 1, 1], 2, 0.5, 1, 2, delta)
+    [item] = ssd_protocol.build_items([step], [p], [[2, 1, 1]], [2], 1, 2, [delta])
+    assert item == BuildItem(step, Proposal([5, 6], None, ProposalSource.CACHE), [2, 1, 1], 2, 1, 2, delta)
 
 
 def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
@@ -74,13 +74,13 @@ def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
     s = SequenceState(3, [5, 6, 7, 5, 6], SAMPLED, 1)
     s.output_ids, s.rounds = [7, 5], 2  # two rounds emitted these
     step, tokens = RoundLoop.step(s), [6, 9]
-    plan = NextRound([2, 1, 0], "fast", [[3, 1, 1], [2, 1], [1]], [[5, 0, 0], [4, 0], [2]], 0.5, list(s.all_ids))
+    plan = NextRound([2, 1, 0], "fast", [[3, 1, 1], [2, 1], [1]], [[5, 0, 0], [4, 0], [2]], list(s.all_ids))
     r = ssd_protocol.resolve(plan, step, tokens, 1, 4)
     s.emit([6, 4], ())
     assert r.step == RoundLoop.step(s) and r.k == 1 and r.after_hit == [2, 1] and r.after_backup == [4, 0]
     assert r.guess == ngram_guess(s.all_ids, 1) and ssd_protocol.resolve(plan, step, tokens, 3, 4) is None
     hit = ssd_protocol.next_build_item(plan, step, tokens, 1, 4, Proposal([7, 6, 5], torch.ones(3, 4), ProposalSource.CACHE))
-    assert hit == BuildItem(r.step, Proposal([7], None, ProposalSource.CACHE), [2, 1], 1, 0.5)
+    assert hit == BuildItem(r.step, Proposal([7], None, ProposalSource.CACHE), [2, 1], 1)
     # a hit shorter than the plan's K (built before the policy raised it): the plan's fan-out is
     # over outcomes it does not have, so it is not the build item (the round loop builds afresh)
     at_0 = ssd_protocol.resolve(plan, step, tokens, 0, 4)
@@ -88,7 +88,7 @@ def test_a_plan_read_at_the_outcome_is_the_round_loops_next_step():
     assert ssd_protocol.next_build_item(plan, step, tokens, 0, 4, Proposal([7], torch.ones(1, 4), ProposalSource.CACHE)) is None
     guess = ssd_protocol.miss_backup(r)
     assert guess == Proposal(r.guess, None, ProposalSource.FAST)
-    assert ssd_protocol.next_build_item(plan, step, tokens, 1, 4, guess) == BuildItem(r.step, guess, [4, 0], 1, 0.5)
+    assert ssd_protocol.next_build_item(plan, step, tokens, 1, 4, guess) == BuildItem(r.step, guess, [4, 0], 1)
     assert ssd_protocol.miss_backup(ssd_protocol.resolve(plan, step, tokens, 2, 4)) == Proposal([], None, ProposalSource.FAST)  # K = 0
     every = NextRound([2], "neural", [[1, 1, 1]], [[2, 1, 0]])  # one entry: every outcome
     assert [ssd_protocol.resolve(every, step, tokens, k, 4).k for k in range(3)] == [2, 2, 2]
@@ -127,7 +127,7 @@ def _admit(drafts, seqs: list[SequenceState]) -> None:
 
 
 def _item(s: SequenceState, proposal: Proposal, fanout: list[int], k_next: int) -> BuildItem:
-    [item] = ssd_protocol.build_items([RoundLoop.step(s)], [proposal], [fanout], [k_next], 1.0, 0, 1, [None])
+    [item] = ssd_protocol.build_items([RoundLoop.step(s)], [proposal], [fanout], [k_next], 0, 1, [None])
     return item
 
 
@@ -138,18 +138,19 @@ def _miss(draft: DraftLogic, s: SequenceState, proposal: list[int], k: int) -> t
     return (s.seq_id, k, t)
 
 
-def _plan(s: SequenceState, k: int, backup: str = "neural", after_hit=None, after_backup=None, c: float = 1.0) -> NextRound:
+def _plan(s: SequenceState, k: int, backup: str = "neural", after_hit=None, after_backup=None) -> NextRound:
     """The plan the round loop sends for ``s`` before verifying this round's
     proposal: the next K is ``k`` whatever the outcome."""
     hit, back = after_hit or [1] * (k + 1), after_backup or [1] * (k + 1)
-    return NextRound([k], backup, [hit], [back], c, list(s.all_ids) if backup == "fast" else None)
+    return NextRound([k], backup, [hit], [back], list(s.all_ids) if backup == "fast" else None)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_miss_gets_the_neural_backup_propose_would_draft(ckpts, params):
     """A lookup with a plan drafts the miss's backup in the same call: the
-    same tokens and the same law as ``propose`` from the step the round loop
-    sends next (another draft, same calls, no plan)."""
+    same tokens as ``propose`` from the step the round loop sends next
+    (another draft, same calls, no plan), and no law: the drafter-invariant
+    rule reads tokens only."""
     a, b = (DraftLogic(ModelRunner(str(ckpts["draft"]))) for _ in range(2))
     s_a, s_b = (SequenceState(1, [3, 5, 7, 9], params, 0) for _ in range(2))
     _admit([a], [s_a])
@@ -157,16 +158,15 @@ def test_a_miss_gets_the_neural_backup_propose_would_draft(ckpts, params):
     p = Proposal([11, 12])
     for d, s in ((a, s_a), (b, s_b)):
         d.build([_item(s, p, [2, 1, 1], 2)], 1)
-    plan = _plan(s_a, 3, after_backup=[1, 1, 1, 1], c=0.5)
+    plan = _plan(s_a, 3, after_backup=[1, 1, 1, 1])
     key = _miss(a, s_a, p.tokens, 1)
     s_b.emit(p.tokens[:1] + [key[2]], ())
     [got] = a.lookup([key], round_id=1, plans=[plan])
     [plain] = b.lookup([key], round_id=1)
     assert got.proposal is None and plain.proposal is None and plain.backup is None
-    [want] = b.propose([RoundLoop.step(s_b)], [3], 0.5, [[1, 1, 1, 1]])
+    [want] = b.propose([RoundLoop.step(s_b)], [3])
     assert got.backup.source is ProposalSource.NEURAL and got.backup.tokens == want.tokens and len(want.tokens) == 3
-    assert (got.backup.q is None) == (want.q is None) == params.greedy
-    assert want.q is None or torch.equal(got.backup.q, want.q)
+    assert got.backup.q is None and want.q is None
 
 
 def test_a_miss_gets_the_plans_fast_guess_or_nothing_at_k_zero(ckpts):
@@ -211,14 +211,13 @@ def _round(a: DraftLogic, b: DraftLogic, items, round_id, ahead: bool = False):
 
 
 def _same_cache(a: DraftLogic, b: DraftLogic, seqs) -> None:
-    """The two drafts hold the same speculations (tokens and q rows) for ``seqs``."""
+    """The two drafts hold the same speculations for ``seqs``."""
     for s in seqs:
         keys = sorted(a.cache.keys(s))
         assert keys and keys == sorted(b.cache.keys(s))
         for k, t in keys:
             x, y = a.cache.lookup(s, k, t), b.cache.lookup(s, k, t)
             assert x.tokens == y.tokens
-            assert (x.q is None) == (y.q is None) and (x.q is None or torch.equal(x.q, y.q))
 
 
 def _hit(draft: DraftLogic, s: SequenceState, proposal: list[int], which: int = 0) -> tuple[int, int, int]:
@@ -231,7 +230,7 @@ def _hit(draft: DraftLogic, s: SequenceState, proposal: list[int], which: int = 
 def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     """Both drafts get the same calls; ``a`` runs the follow-up work (the next
     build, once a lookup has been answered), ``b`` — like a worker host that
-    ignores it — builds only when called. Same speculations and q rows; a call
+    ignores it — builds only when called. Same speculations; a call
     not made from the plans (``ahead`` false) is built afresh, the same as ``b``'s."""
     a, b = (DraftLogic(ModelRunner(str(ckpts["draft"]))) for _ in range(2))
     seqs = [SequenceState(1, [3, 5, 7], GREEDY, 0), SequenceState(2, [4, 6, 8], SAMPLED, 1)]
@@ -253,7 +252,7 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     hit, backup = res_a[0].proposal, res_a[1].backup
     assert hit is not None and hit.tokens == res_b[0].proposal.tokens
     assert res_a[1].proposal is None and backup is not None and backup.tokens == res_b[1].backup.tokens
-    assert backup.q is not None  # the sampled sequence's backup carries its law
+    assert backup.q is None and hit.q is None  # tokens alone: the drafter-invariant rule reads no law
 
     second = [ssd_protocol.next_build_item(plan, st, f.tokens, k, t, p) for plan, st, f, (_, k, t), p in zip(plans, steps, first, keys, (hit, backup))]
     assert second[0].proposal.tokens == hit.tokens[:2] and second[1].fanout == [3, 0, 0]
@@ -266,10 +265,8 @@ def test_a_build_started_ahead_is_the_build_the_call_asks_for(ckpts):
     keys2 = [_hit(a, s, it.proposal.tokens, -1) for s, it in zip(seqs, second)]
     res_a = a.lookup(keys2, round_id=2, plans=plans2)
     res_b = b.lookup(keys2, round_id=2, plans=plans2)
-    for x, y in zip(res_a, res_b):  # served from the build started ahead, q rows included
+    for x, y in zip(res_a, res_b):  # served from the build started ahead
         assert x.proposal.tokens == y.proposal.tokens and x.rank == y.rank
-        assert (x.proposal.q is None) == (y.proposal.q is None)
-        assert x.proposal.q is None or torch.equal(x.proposal.q, y.proposal.q)
     a.after_reply()()
     third = [_item(s, Proposal(r.proposal.tokens[:1], None, ProposalSource.CACHE), [2, 1], 1) for s, r in zip(seqs, res_a)]
     got_a, got_b, ahead = _round(a, b, third, 3)

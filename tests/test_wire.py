@@ -81,8 +81,8 @@ def test_every_message_roundtrips(q):
         prop,
         VerifyItem(step(), prop, rule="fuzzy", tau=0.25, div="tv"),
         VerifyItem(step(), prop, rule="assisted"),
-        NextRound([3, 2], "fast", [[2, 1, 1, 0], [1, 1, 1]], [[4, 0, 0, 0], [3, 0, 0]], 0.5, [5, 6, 7]),
-        BuildItem(step(), prop, fanout=[2, 1, 1, 0], k_next=4, saguaro_c=0.5),
+        NextRound([3, 2], "fast", [[2, 1, 1, 0], [1, 1, 1]], [[4, 0, 0, 0], [3, 0, 0]], [5, 6, 7]),
+        BuildItem(step(), prop, fanout=[2, 1, 1, 0], k_next=4, shard=1, num_shards=2),
         Outcome(3, 2, 41, 3),
         Timed([Outcome(1, 0, 5), Outcome(2, 3, 6, 3)], 1.25, 2.5),
     ]

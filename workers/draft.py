@@ -29,14 +29,11 @@ The three stay one module (~430 lines): they share one runner and its KV,
 the speculation cache and the state of the build in progress, which a lookup
 reads and the next build continues.
 
-Under the drafter-invariant rule (every request's unless it asks for the
-standard one) a draft proposes the race winner of its own law under the
-public noise of (seed, output position), the noise the verifier's token is
-drawn with, and a build ranks its candidates by the same noisy scores.
-Under the standard rule every sampled token records the exact law it was
-drawn from (Saguaro-rescaled when C < 1), drawn with the draft stream of
-(seed, output position). Either way a hit and a neural backup propose the
-same tokens for the same outcome.
+A sampled sequence is verified by the drafter-invariant rule, so a draft
+proposes the race winner of its own law under the public noise of (seed,
+output position), the noise the verifier's token is drawn with, and a build
+ranks its candidates by the same noisy scores. A hit and a neural backup
+propose the same tokens for the same outcome.
 """
 
 from __future__ import annotations
@@ -50,17 +47,7 @@ import torch
 
 from saguaro_ray.algorithms.cache import SpeculationCache, Speculation
 from saguaro_ray.algorithms.tensors import host_to, tensor_like
-from saguaro_ray.algorithms.saguaro_sampling import saguaro_rescale
-from saguaro_ray.algorithms.sampling import (
-    STREAM_DRAFT,
-    argmax_lowest,
-    position_keys,
-    position_uniforms,
-    process_logits,
-    race_scores,
-    race_token,
-    sample_from,
-)
+from saguaro_ray.algorithms.sampling import argmax_lowest, position_keys, process_logits, race_scores, race_token
 from saguaro_ray.config import SamplingParams
 from saguaro_ray.algorithms.fanout import deal_candidates
 from saguaro_ray.algorithms.ranking import RowOrder, RowSource, ranks, top_order, top_tokens
@@ -77,37 +64,20 @@ def _draw(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
-    fanouts: Sequence[int] | None,
-    saguaro_c: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample one token per row; returns (tokens, q rows or None when all greedy).
+    """One token per row; returns (tokens, the processed draft law or None when all greedy).
 
-    Greedy rows propose the argmax — a point mass, so callers keep no q row for
-    them (their returned row is one-hot in a mixed batch). Rows under the
-    drafter-invariant rule propose the race winner of the plain draft law
-    under the position's public noise, the one the verifier's token is drawn
-    with (no Saguaro rescaling: it would only lower the chance of agreeing;
-    callers keep no q row, see ``SamplingParams.needs_q``). Other stochastic
-    rows draw from the processed draft law, Saguaro-rescaled with the row's
-    fan-out, with the draft stream's uniforms."""
+    Greedy rows propose the argmax (their law row is one-hot in a mixed
+    batch). Sampled rows propose the race winner of the processed draft law
+    under the position's public noise, the noise the verifier's token is
+    drawn with: the drafter-invariant rule only compares tokens, and the two
+    agree with probability at least ``(1 - TV) / (1 + TV)``. A race winner is
+    an exact draw from its law, so the returned law is what a fuzzy PyramidSD
+    stage checks it against (the only reader of a draft's law)."""
     if all(p.greedy for p in params):
         return argmax_lowest(logits), None
     q = process_logits(logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
-    tokens = torch.empty(len(params), dtype=torch.long, device=q.device)
-    race = [r for r, p in enumerate(params) if p.invariant]
-    std = [r for r, p in enumerate(params) if not p.invariant]
-    if race:
-        idx = tensor_like(q, race)
-        tokens[idx] = race_token(q[idx], position_keys([seeds[r] for r in race], [positions[r] for r in race]))
-    if std:
-        idx = tensor_like(q, std)
-        q_std = q[idx]
-        if fanouts is not None and saguaro_c < 1.0:
-            q_std = saguaro_rescale(q_std, tensor_like(q, [fanouts[r] for r in std]), saguaro_c)
-            q[idx] = q_std
-        u = position_uniforms([seeds[r] for r in std], [positions[r] for r in std], 1, STREAM_DRAFT).squeeze(-1)
-        tokens[idx] = sample_from(q_std, u)
-    return tokens, q
+    return race_token(q, position_keys(seeds, positions)), q
 
 
 def _race_rows(rows: list[RowSource], step: SeqStep) -> list[RowSource]:
@@ -119,7 +89,7 @@ def _race_rows(rows: list[RowSource], step: SeqStep) -> list[RowSource]:
     draft ranks outcomes as it does at T = 0). Token-list rows (a peer's KV
     delta) are used as they come: the peer ranked them so
     (:meth:`DraftLogic._commit_hit`)."""
-    if not step.params.invariant or step.params.greedy:
+    if step.params.greedy:
         return rows
     live = [k for k, r in enumerate(rows) if isinstance(r, torch.Tensor)]
     if not live:
@@ -176,19 +146,13 @@ class DraftLogic(RunnerLogic):
         return out
 
     # ------------------------------------------------------------ propose
-    def propose(
-        self,
-        steps: Sequence[SeqStep],
-        ks: Sequence[int],
-        saguaro_c: float = 1.0,
-        fanouts: Sequence[Sequence[int]] | None = None,
-        with_laws: bool = False,
-    ) -> list[Proposal]:
+    def propose(self, steps: Sequence[SeqStep], ks: Sequence[int], with_laws: bool = False) -> list[Proposal]:
         """Draft ``ks[b]`` tokens for each sequence by sequential decoding.
-        ``with_laws``: every stochastic proposal carries the law it was drawn
-        from, also under the invariant rule (a race winner is an exact draw
-        from its law, independent of any other stream: a fuzzy PyramidSD stage
-        may check it by speculative sampling)."""
+        ``with_laws``: every sampled proposal carries the law it was drawn
+        from (a race winner is an exact draw from its law, independent of any
+        other stream: a fuzzy PyramidSD stage checks it by speculative
+        sampling); otherwise proposals are tokens alone, all the
+        drafter-invariant rule reads."""
         self._forget_builds({st.seq_id for st in steps})
         ones = [1] * len(steps)
         logits = self.adjusted(self.feed(steps, [[]] * len(steps), ones), steps, ones)
@@ -199,18 +163,10 @@ class DraftLogic(RunnerLogic):
             logits = logits[tensor_like(logits, active)]  # from here on, one row per active sequence
         j = 0
         while active:
-            fo = None if fanouts is None else [fanouts[i][j] if j < len(fanouts[i]) else 0 for i in active]
-            toks, q = _draw(
-                logits,
-                [steps[i].params for i in active],
-                [steps[i].seed for i in active],
-                [steps[i].output_pos + j for i in active],
-                fo,
-                saguaro_c,
-            )
+            toks, q = _draw(logits, [steps[i].params for i in active], [steps[i].seed for i in active], [steps[i].output_pos + j for i in active])
             for r, i in enumerate(active):
                 tokens[i].append(int(toks[r]))
-                if q is not None and (steps[i].params.needs_q or (with_laws and not steps[i].params.greedy)):
+                if with_laws and q is not None and not steps[i].params.greedy:
                     qrows[i].append(q[r])
             j += 1
             active = [i for i in active if len(tokens[i]) < ks[i]]
@@ -386,7 +342,6 @@ class DraftLogic(RunnerLogic):
             b_seq = [it.step.seq_id for it in b_item]
         cur = host_to(self.runner.device, [[t] for _, _, t in branches])
         steps: list[torch.Tensor] = []  # sampled tokens per step [N] (rows past a branch's length unused)
-        step_q: list[tuple[list[int], torch.Tensor] | None] = []  # (live rows, their q rows) per step
         step_logits = []
         for j in range(depth):
             logits = self.runner.tree_forward(tree, cur)[:, 0]
@@ -397,39 +352,28 @@ class DraftLogic(RunnerLogic):
                 ]
                 logits = self.adjust_rows(logits, contexts)
             step_logits.append(logits)
-            if all_greedy:  # every proposal is a point mass: no law to keep
+            if all_greedy:
                 toks = argmax_lowest(logits)
-                step_q.append(None)
             else:
                 live = [r for r in range(n) if j < b_len[r]]
-                toks_live, q = _draw(
+                toks_live, _ = _draw(
                     logits[live] if len(live) < n else logits,
                     [b_params[r] for r in live],
                     [b_seed[r] for r in live],
                     [b_pos[r] + j for r in live],
-                    [b_item[r].fanout[j] if j < len(b_item[r].fanout) else 0 for r in live],
-                    min(b_item[r].saguaro_c for r in live),
                 )
                 toks = cur[:, 0].clone()
                 toks[tensor_like(toks, live)] = toks_live
-                step_q.append(None if q is None else (live, q))
             steps.append(toks)
             if b_hist is not None:
                 for h, x in zip(b_hist, toks.tolist()):
                     h.append(x)
             cur = toks.unsqueeze(1)
         tokens = torch.stack(steps, dim=1).tolist()
-        q_rows: list[list[torch.Tensor]] = [[] for _ in branches]
-        for entry in step_q:
-            if entry is not None:
-                live, q = entry
-                for pos, r in enumerate(live):
-                    if b_params[r].needs_q:  # greedy and invariant rows are point masses
-                        q_rows[r].append(q[pos])
         self._tree, self._tree_logits, self._tree_pos = tree, step_logits, b_pos
         per_seq: dict[int, dict[tuple[int, int], Speculation]] = {}
         for r, (i, k, t) in enumerate(branches):
-            spec = Speculation(tokens=tokens[r][: b_len[r]], q=torch.stack(q_rows[r]) if q_rows[r] else None, branch=r)
+            spec = Speculation(tokens=tokens[r][: b_len[r]], branch=r)
             per_seq.setdefault(items[i].step.seq_id, {})[(k, t)] = spec
         for seq_id, entries in per_seq.items():
             self.cache.put_round(seq_id, entries)
@@ -490,7 +434,7 @@ class DraftLogic(RunnerLogic):
                 out.append(LookupResult(None, rank))
                 continue
             ext = self._commit_hit(seq_id, t, spec, share_kv)
-            out.append(LookupResult(Proposal(list(spec.tokens), spec.q, ProposalSource.CACHE), rank, ext))
+            out.append(LookupResult(Proposal(list(spec.tokens), None, ProposalSource.CACHE), rank, ext))
         if plans is not None and len(plans) == len(keys):
             built = [self._items.get(seq_id) for seq_id, _, _ in keys]
             resolved = [
@@ -523,7 +467,7 @@ class DraftLogic(RunnerLogic):
         if not neural:
             return
         todo: list[ssd_protocol.Resolved] = [plans[i] for i in neural]  # type: ignore[misc]
-        got = self.propose([p.step for p in todo], [p.k for p in todo], min(p.saguaro_c for p in todo), [p.after_backup for p in todo])
+        got = self.propose([p.step for p in todo], [p.k for p in todo])
         for i, p in zip(neural, got):
             out[i] = replace(out[i], backup=replace(p, source=ProposalSource.NEURAL))
 

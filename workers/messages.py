@@ -61,11 +61,14 @@ class ProposalSource(str, enum.Enum):
 
 @dataclass
 class Proposal:
-    """A speculation: tokens and the exact law each was drawn from.
+    """A speculation: tokens, and where a lossy fuzzy PyramidSD stage reads
+    it, the exact law each was drawn from.
 
-    ``q`` is ``[len(tokens), V]`` — the rows really sampled from (Saguaro-
-    rescaled when that is on) — or ``None`` for point-mass proposals (greedy
-    drafting, fast backups): verification then uses δ_token.
+    ``q`` is ``[len(tokens), V]`` — the rows really sampled from — for a
+    draft's proposal to a fuzzy stage 1 and a fuzzy stage 1's qualified block;
+    ``None`` everywhere else: the drafter-invariant rule compares tokens, and
+    the fuzzy test reads point masses (greedy drafting, fast backups) as
+    δ_token.
     """
 
     tokens: list[int]
@@ -150,7 +153,6 @@ class BuildItem:
     proposal: Proposal
     fanout: list[int]  # F_k for k = 0..len(proposal.tokens)
     k_next: int  # speculation length of the next round
-    saguaro_c: float = 1.0
     shard: int = 0
     num_shards: int = 1
     kv_delta: KVDelta | None = None
@@ -179,7 +181,6 @@ class NextRound:
     backup: str
     after_hit: list[list[int]]
     after_backup: list[list[int]]
-    saguaro_c: float = 1.0
     history: list[int] | None = None
 
 

@@ -2,10 +2,12 @@
 
 The qualifier checks a draft proposal with its own processed law p_Q under a
 stage-1 rule (``exact``, ``assisted`` or ``fuzzy``) and returns the qualified
-tokens — the accepted draft prefix plus its recovery/bonus token — together
-with the p_Q rows they follow, which the target then uses as q. A sequence
-under the drafter-invariant rule is qualified by that rule under the target's
-noise (its qualified tokens are the qualifier's race winners; no rows).
+tokens — the accepted draft prefix plus its recovery/bonus token. A sampled
+sequence's exact stage is the drafter-invariant rule under the target's noise
+(its qualified tokens are the qualifier's race winners; no rows); a lossy
+fuzzy stage (τ > 0) and a greedy sequence go through speculative sampling's
+test, and a fuzzy stage's qualified tokens carry the p_Q rows they follow,
+which a fuzzy target stage then uses as q.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ def build_items(
     proposals: Sequence[Proposal],
     fanouts: Sequence[list[int]],
     ks: Sequence[int],
-    saguaro_c: float,
     shard: int,
     num_shards: int,
     deltas: Sequence[KVDelta | None],
@@ -51,7 +50,7 @@ def build_items(
     KV delta of the hit that made the proposal when another draft owns it
     (``deltas``: None where this draft holds it already)."""
     return [
-        BuildItem(st, Proposal(p.tokens, None, p.source), list(f), k, saguaro_c, shard, num_shards, d)
+        BuildItem(st, Proposal(p.tokens, None, p.source), list(f), k, shard, num_shards, d)
         for st, p, f, k, d in zip(steps, proposals, fanouts, ks, deltas)
     ]
 
@@ -76,7 +75,6 @@ class Resolved:
     backup: str
     after_hit: list[int]
     after_backup: list[int]
-    saguaro_c: float
     guess: list[int] | None
 
 
@@ -90,7 +88,7 @@ def resolve(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: int, t: in
     guess = None
     if plan.backup == "fast" and plan.history is not None:
         guess = ngram_guess(list(plan.history) + list(tokens[:k]) + [t], k_next)
-    return Resolved(step_after(step, tokens, k, t), k_next, plan.backup, plan.after_hit[i], plan.after_backup[i], plan.saguaro_c, guess)
+    return Resolved(step_after(step, tokens, k, t), k_next, plan.backup, plan.after_hit[i], plan.after_backup[i], guess)
 
 
 def next_build_item(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: int, t: int, proposal: Proposal) -> BuildItem | None:
@@ -111,7 +109,7 @@ def next_build_item(plan: NextRound, step: SeqStep, tokens: Sequence[int], k: in
         tokens, fanout = proposal.tokens, r.after_backup
     if len(fanout) != len(tokens) + 1:
         return None
-    return BuildItem(r.step, Proposal(tokens, None, proposal.source), list(fanout), r.k, r.saguaro_c)
+    return BuildItem(r.step, Proposal(tokens, None, proposal.source), list(fanout), r.k)
 
 
 def miss_backup(r: Resolved) -> Proposal | None:

@@ -15,6 +15,7 @@ import torch
 
 from saguaro_ray.algorithms.logprobs import row_logprobs, token_logprobs
 from saguaro_ray.algorithms.sampling import STREAM_TARGET, position_keys, position_uniforms, process_logits
+from saguaro_ray.algorithms.fuzzy import is_lossy
 from saguaro_ray.algorithms.pyramid import target_check
 from saguaro_ray.algorithms.tensors import tensor_like
 from saguaro_ray.algorithms.verification import greedy_outcomes, invariant_outcomes, point_mass
@@ -188,14 +189,17 @@ def flat_rows(like: torch.Tensor, n_rows: Sequence[int], idx: Sequence[int]) -> 
 
 
 def rule_of(item: VerifyItem) -> str:
-    """The rule that checks ``item``: ``invariant`` for an exact check of a
-    sampled sequence under the drafter-invariant rule (SD, SSD, AR,
-    PyramidSD's exact stages: it compares tokens, so a qualified block is
-    checked like any proposal), else the item's own. A greedy sequence keeps
-    its own: at T = 0 both rules accept the argmax prefix, and the exact
-    rule's closed form (:func:`greedy_outcomes`) needs no noise."""
-    params = item.step.params
-    return "invariant" if item.rule in ("exact", "assisted") and params.invariant and not params.greedy else item.rule
+    """The rule that checks ``item``: ``invariant`` — the drafter-invariant
+    rule, the one rule of every exact check of a sampled sequence (SD, SSD,
+    AR, PyramidSD's exact stages and a fuzzy stage at τ = 0: it compares
+    tokens, so a qualified block is checked like any proposal) — else the
+    item's own: a lossy fuzzy stage (τ > 0) runs speculative sampling's test
+    with its extra accepts, and a greedy sequence keeps ``exact``, whose
+    closed form (:func:`greedy_outcomes`) accepts the same argmax prefix with
+    no noise."""
+    if item.step.params.greedy or (item.rule == "fuzzy" and is_lossy(item.tau)):
+        return item.rule
+    return "invariant"
 
 
 class RunnerLogic:

@@ -20,14 +20,13 @@ import torch
 class Speculation:
     """One pre-computed speculation for a predicted outcome (k, t*).
 
-    ``tokens``: the K proposed tokens. ``q``: ``[K, V]`` the exact law each token
-    was drawn from (Saguaro's q' when enabled), None at temperature 0 (point
-    masses). ``branch``: an opaque index the draft uses to find the branch's
-    scratch KV (for the KV delta on a hit).
+    ``tokens``: the K proposed tokens (the draft's race winners, or argmaxes at
+    temperature 0: the drafter-invariant rule reads no law). ``branch``: an
+    opaque index the draft uses to find the branch's scratch KV (for the KV
+    delta on a hit).
     """
 
     tokens: list[int] | torch.Tensor
-    q: torch.Tensor | None = None
     branch: int = -1
 
     def __len__(self) -> int:

@@ -5,16 +5,16 @@ temperature, then top-k (ties to the lowest token id), then top-p over what is
 left. Greedy rows (temperature 0) become a one-hot on the argmax (lowest id
 among ties) so greedy and stochastic verification share one code path.
 
-Draws use inverse-CDF sampling with uniforms from a per-sequence
-``torch.Generator`` kept on the CPU, so a seed gives the same tokens on any
-device and the random stream is explicit (verification draws from it too).
-
-Under the drafter-invariant rule (every request's unless it asks for the
-standard one) draws differently: the rule needs noise that
-the target, the qualifier and every draft compute alike for the same token,
-so :func:`race_noise` hashes (seed, output position, token id) with a
+Every sampled token is checked by the drafter-invariant rule, which needs
+noise that the target, the qualifier and every draft compute alike for the
+same token: :func:`race_noise` hashes (seed, output position, token id) with a
 counter-based generator on the logits' device, and a token is the winner of
 an exponential race (:func:`race_token`, the Gumbel-max trick).
+
+The lossy fuzzy PyramidSD stages keep speculative sampling's accept test and
+residual draw, with inverse-CDF draws (:func:`sample_from`) from uniforms of a
+per-position ``torch.Generator`` kept on the CPU (:func:`position_uniforms`),
+so a seed gives the same uniforms on any device.
 """
 
 from __future__ import annotations
@@ -115,11 +115,10 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
-# Independent random streams per purpose: verification must never reuse the
-# uniforms a proposal was drawn with, or the accept test would be correlated
-# with the proposal and the output law would no longer be exact.
+# Independent random streams per purpose: a fuzzy stage's accept test must never
+# reuse the noise its proposal was drawn with (the race noise, or the qualifier's
+# uniforms), or the test would be correlated with the proposal.
 STREAM_TARGET = 0
-STREAM_DRAFT = 1
 STREAM_QUALIFIER = 2
 # The drafter-invariant rule's public noise: one stream that every worker kind
 # (target, qualifier, draft) reads, because the rule *needs* the proposal and the

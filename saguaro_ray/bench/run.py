@@ -45,7 +45,6 @@ class BenchArgs:
     budget: int = 8
     fanout: str = "auto"  # or K+1 comma-separated counts: a fixed fan-out, no adaptive budget
     backup: str = "auto"
-    saguaro_c: float = 1.0
     threads: int = 1
     address: str | None = None
     num_prompts: int = 8
@@ -86,7 +85,7 @@ def engine_spec(modes: list[BenchMode], args: BenchArgs) -> SpeculationConfig:
     fanout = parse_fanout(args.fanout, args.k)
     spec = SpeculationConfig(
         mode="auto" if "auto" in allow else allow[0], allow=allow, k=args.k, budget=args.budget, fanout=fanout if fanout == "auto" else tuple(fanout),
-        backup=args.backup, saguaro_c=args.saguaro_c, lq=args.k, ld=2,
+        backup=args.backup, lq=args.k, ld=2,
     )
     sweep = max((m.strategy.k or 0 for m in modes if m.strategy), default=0)
     return replace(spec, max_k=sweep) if sweep > spec.k_max else spec

@@ -2,9 +2,10 @@
 
 :class:`ActorLogic` is what a worker actor's :class:`CommandServer` serves:
 the worker logic's own methods, unchanged, with the tensors moved around
-them. A proposal's q rows (T > 0) leave a draft over the data plane straight
-for the worker that verifies them — the target, or the qualifier in
-PyramidSD — and only a :class:`TensorRef` rides the control frame through the
+them. A proposal's q rows (only a lossy fuzzy PyramidSD stage reads them: the
+drafter-invariant rule compares tokens) leave a draft or the qualifier over
+the data plane straight for the worker that checks them — the qualifier, or
+the target — and only a :class:`TensorRef` rides the control frame through the
 coordinator; a hit's KV delta goes from the owning draft to its peers the
 same way (:class:`KVDeltaRef`). On the receiving side, references in a call's
 arguments are fetched before the logic runs.

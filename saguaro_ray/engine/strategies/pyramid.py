@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from saguaro_ray.algorithms.fuzzy import is_lossy
 from saguaro_ray.engine.calls import RetryingCall
 from saguaro_ray.engine.round_loop import local
 from saguaro_ray.engine.sequence import SequenceState
@@ -38,6 +39,7 @@ class PyramidStrategy:
         blocks: list[list[int]] = [[] for _ in running]
         block_q: list[list[Any]] = [[] for _ in running]
         t0 = time.perf_counter()
+        lossy_stage1 = spec.stage1 == "fuzzy" and is_lossy(spec.tau_q)  # the one stage 1 that reads the draft's laws
         while True:
             todo = [i for i, lim in enumerate(limits) if len(blocks[i]) < lim]
             if not todo:
@@ -52,7 +54,7 @@ class PyramidStrategy:
                 return out
 
             ks = [min(spec.ld, limits[i] - len(blocks[i])) for i in todo]
-            got = loop.draft_value(loop.draft_call("propose_for_qualifier", lambda full: (sub(full, "draft"), ks, spec.stage1 == "fuzzy")))
+            got = loop.draft_value(loop.draft_call("propose_for_qualifier", lambda full: (sub(full, "draft"), ks, lossy_stage1)))
             drafts = loop.fast(seqs, ks, [blocks[i] for i in todo]) if got is None else got[0]
             quals = RetryingCall(
                 loop.qualifier,  # type: ignore[arg-type]

@@ -219,13 +219,12 @@ class SSDStrategy:
             planned = {}
         fanouts = [self._fanout_for(p, shards) for p in proposals]
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
-        c = loop.spec.saguaro_c
         ahead_items = [self._planned_item(planned.get(s.seq_id), s.proposal, p) for s, p in zip(running, proposals)]  # type: ignore[arg-type]
         ahead = bool(running) and all(it is not None for it in ahead_items)
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
-            items = ssd_protocol.build_items([loop.step(s, full, "draft") for s in running], proposals, fanouts, ks, c, shard, shards, deltas)
+            items = ssd_protocol.build_items([loop.step(s, full, "draft") for s in running], proposals, fanouts, ks, shard, shards, deltas)
             if not full:
                 items = [planned_item or it for planned_item, it in zip(ahead_items, items)]
             return (items, rec.index, ahead and not full)
@@ -310,7 +309,7 @@ class SSDStrategy:
                 next_ks = next_ks[:1]
             pairs = [fanouts(k, k_now) for k in next_ks]
             history = s.all_ids if kind == "fast" else None
-            plans.append(NextRound(next_ks, kind, [h for h, _ in pairs], [b for _, b in pairs], spec.saguaro_c, history))
+            plans.append(NextRound(next_ks, kind, [h for h, _ in pairs], [b for _, b in pairs], history))
         return plans
 
     def _take_lookups(self, running: list[SequenceState], proposals: list[Proposal], outcomes: list[Outcome], lookups: _Lookups, rec: RoundRecord) -> None:
@@ -399,9 +398,7 @@ class SSDStrategy:
         t0 = time.perf_counter()
         got = None
         if kind == "neural":
-            # Saguaro sampling applies to backup drafts too: F_j of the round that will verify them
-            fanouts = [self._fanout(k, "neural") for k in ks]
-            got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full, "draft") for s in seqs], ks, loop.spec.saguaro_c, fanouts)))
+            got = loop.draft_value(loop.draft_call("propose", lambda full: ([loop.step(s, full, "draft") for s in seqs], ks)))
         if got is None:
             kind = "fast"
             proposals, span = loop.fast(seqs, ks), (t0, time.perf_counter())
