@@ -85,6 +85,12 @@ def test_a_second_engine_of_the_same_kind_reads_the_table_and_another_dtype_meas
 def test_no_draft_no_probe_and_a_failed_probe_leaves_the_cold_start(zoo_tiny, costs_dir, monkeypatch, caplog):
     _engine(zoo_tiny, draft=False).close()
     assert not costs_dir.exists()  # auto can only run AR: nothing to measure
+    small = _engine(zoo_tiny, max_kv_tokens=256)  # the probe's sequences would take more than a quarter of the KV
+    try:
+        assert small.loop.assigner.policy.snapshot()["verify_s"] is None and not costs_dir.exists()
+        assert small.generate(PROMPTS[:1], greedy(8))[0].token_ids
+    finally:
+        small.close()
 
     def broken(*args, **kwargs):
         raise RuntimeError("a worker fell over")

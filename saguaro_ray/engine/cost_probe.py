@@ -81,10 +81,11 @@ def cost_path(identity: Mapping[str, Any]) -> Path:
     return costs_dir() / f"{digest}.json"
 
 
-def seed_auto(loop: "RoundLoop", identity: Mapping[str, Any], max_batch: int) -> StepCosts | None:
+def seed_auto(loop: "RoundLoop", identity: Mapping[str, Any], max_batch: int, kv_tokens: int) -> StepCosts | None:
     """Seed ``loop``'s ``auto`` policy with this machine's step costs: the cached table for
-    ``identity``, else a fresh measurement (then cached). None when there is nothing to seed
-    (no auto policy, no draft: auto can only run AR) or the probe failed."""
+    ``identity``, else a fresh measurement (then cached; ``kv_tokens``: what each worker's KV
+    holds, of which the probe's sequences take at most a quarter). None when there is nothing to
+    seed (no auto policy, no draft: auto can only run AR) or the probe failed."""
     policy = loop.assigner.policy
     if not isinstance(policy, AutoPolicy) or not loop.draft_up or policy.modes == frozenset({"ar"}):
         return None
@@ -93,8 +94,11 @@ def seed_auto(loop: "RoundLoop", identity: Mapping[str, Any], max_batch: int) ->
     if costs is None:
         try:
             started = time.perf_counter()
-            costs = measure(loop, max_batch, policy.max_k)
+            costs = measure(loop, max_batch, policy.max_k, kv_tokens)
             log.info("auto: step costs measured in %.1f s (%s)", time.perf_counter() - started, path)
+        except ConfigError as e:  # an engine too small for the probe's sequences
+            log.info("auto: no step-cost probe (%s); auto starts from its cold-start schedule", e)
+            return None
         except Exception as e:  # noqa: BLE001 — best effort: the policy's cold start serves without it
             log.warning("auto: step-cost probe failed (%r); auto starts from its cold-start schedule", e)
             return None
@@ -191,14 +195,15 @@ def _build_steps(loop: "RoundLoop", probe: _Probe, batches: Sequence[int], max_k
     return tuple(out)
 
 
-def measure(loop: "RoundLoop", max_batch: int, max_k: int) -> StepCosts:
+def measure(loop: "RoundLoop", max_batch: int, max_k: int, kv_tokens: int) -> StepCosts:
     """Time the target's and the primary draft's steps (module docstring) on throwaway sequences."""
-    batches = [b for b in PROBE_BATCHES if b <= max(1, max_batch)]
     ks = sorted({0, 1, max(1, max_k // 2), max_k})
-    n = batches[-1]
+    batches = [b for b in PROBE_BATCHES if b <= max(1, max_batch)]
     need = PROBE_PROMPT + 1 + len(batches) * PROBE_REPEATS * sum(k + 1 for k in ks)  # the first sequence's, the longest
-    if need > loop.max_context:
-        raise ConfigError(f"the probe's sequences need {need} tokens of context; this model has {loop.max_context}")
+    batches = [b for b in batches if b * need <= kv_tokens // 4]
+    if need > loop.max_context or not batches:
+        raise ConfigError(f"the probe's sequences need {need} tokens of context each; this engine has {loop.max_context}, KV {kv_tokens}")
+    n = batches[-1]
     target = _Probe(loop, PROBE_SEQ_BASE, n)
     draft = _Probe(loop, PROBE_SEQ_BASE + n, n)
     try:

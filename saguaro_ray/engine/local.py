@@ -76,11 +76,12 @@ class LocalEngine:
             draft=[w for role, w in self.workers.items() if role_kind(role) == "draft"],
             qualifier=self.workers.get("qualifier"),
         )
-        seed_auto(self.loop, cost_identity(config, "inprocess"), config.max_batch_size)  # before any request
+        kv_tokens = min(r.kv.num_blocks * r.kv.block_size for r in runners.values())
+        seed_auto(self.loop, cost_identity(config, "inprocess"), config.max_batch_size, kv_tokens)  # before any request
         self.scheduler = Scheduler(
             self.loop,
             config.max_batch_size,
-            kv_tokens=min(r.kv.num_blocks * r.kv.block_size for r in runners.values()),
+            kv_tokens=kv_tokens,
             block_size=max(r.kv.block_size for r in runners.values()),
             max_queued=config.max_queued,
         )

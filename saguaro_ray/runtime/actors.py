@@ -212,8 +212,8 @@ class CoordinatorActor:
             broadcast=self._broadcast,
             forward=lambda workers, method: [w.forwarded(method) for w in workers],
         )
-        seed_auto(self.loop, cost_identity(config, "ray"), config.max_batch_size)  # auto's step costs, before any request
         infos = [worker_info(a) for a in workers.values()]
+        seed_auto(self.loop, cost_identity(config, "ray"), config.max_batch_size, min(i["kv_tokens"] for i in infos))  # before any request
         self.scheduler = Scheduler(
             self.loop,
             config.max_batch_size,
