@@ -790,3 +790,23 @@ def test_step_costs_are_checked_and_survive_json():
         StepCosts(((1, 1, 0.01),), ((0, 0.01),))
     with pytest.raises(ConfigError, match="malformed"):
         StepCosts.from_json({"draft": []})
+
+
+def test_rounds_of_a_held_exploration_are_flagged_as_trials():
+    """An SSD exploration held past its entry runs as a trial: its rounds say so (or carry
+    no prediction when every auto sequence is held), never pass for a searched choice."""
+    truth = Truth(backup="fast", ssd_base=0.005)  # SD and SSD near a tie: SSD is explored
+    policy = seeded(truth, explore=0.3)
+    flagged = []
+    current: list[str | None] = [None]
+    rng = random.Random(1)
+    for _ in range(120):
+        views = [SeqView(0, 0.0, MAX_K, ("ar", "sd", "ssd"), current[0])]
+        [c] = policy.choose(views)
+        held = 0 in policy._held
+        if held:
+            flagged.append(policy.prediction is None or policy.prediction.get("trial", False))
+        entering = [c.mode == "ssd" and current[0] != "ssd"]
+        policy.observe(_round(truth, rng, [0.0], [(c.mode, c.k)], entering, [0]))
+        current = [c.mode]
+    assert flagged and all(flagged)

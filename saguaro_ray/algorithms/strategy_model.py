@@ -515,11 +515,14 @@ class AutoPolicy:
             base = self._fixed_load(fixed_all, curve)
             best = self._optimise(glist, base, costs)
             searched = [g.opt for g in glist]
-            self.prediction = self._predict(glist, base, costs)
+            # every auto sequence held in an exploration: the round is the trial's, nothing was searched
+            self.prediction = self._predict(glist, base, costs) if glist else None
             self._reuse = (shape, _REUSE_ROUNDS, searched, self.prediction)
             if held:
                 self._explored += 1
                 self._trial_rate = self._explore_ref
+                if self.prediction is not None:  # the held sequences run a trial beside the searched ones
+                    self.prediction = {**self.prediction, "trial": True}
             elif self.explore:
                 self._try_explore(glist, base, costs, best)
                 if [g.opt for g in glist] != searched:  # a trial runs: predicted as any choice, the search's the runner-up
