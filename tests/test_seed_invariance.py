@@ -215,3 +215,57 @@ def test_proposals_carry_no_law_unless_a_fuzzy_stage_reads_it(zoo_tiny):
     [fuzzy] = draft.propose_for_qualifier([step(3)], [3], True)
     assert plain.q is None and exact.q is None and plain.tokens == exact.tokens == fuzzy.tokens
     assert fuzzy.q is not None and fuzzy.q.shape[0] == 3 and all(fuzzy.q[j, t] > 0 for j, t in enumerate(fuzzy.tokens))
+
+
+def test_qualified_tokens_carry_the_qualifiers_rows_only_for_a_lossy_fuzzy_stage2(zoo_tiny):
+    """An exact stage 1 qualifies by the drafter-invariant rule (tokens
+    only); asked for ``laws`` (a lossy fuzzy stage 2 reads them as q, DESIGN
+    §4) the same qualified tokens carry the qualifier's rows, and each token
+    is the race winner of its row under the position's noise: the rows are
+    the law it was drawn from."""
+    import torch
+
+    from saguaro_ray.algorithms.sampling import position_keys, race_token
+    from saguaro_ray.workers.messages import Proposal, SeqStep, VerifyItem
+    from saguaro_ray.workers.qualifier import QualifierLogic
+    from saguaro_ray.workers.runner import ModelRunner
+
+    params = seeded()
+    step = lambda i: SeqStep(seq_id=i, start=0, new_tokens=[5, 6, 7], params=params, seed=9, output_pos=0, prompt_len=3)  # noqa: E731
+    got = {}
+    for laws in (False, True):
+        qualifier = QualifierLogic(ModelRunner(str(zoo_tiny / "qualifier")))
+        [got[laws]] = qualifier.qualify([VerifyItem(step(1), Proposal([11, 12, 13]), "exact", laws=laws)])
+    plain, with_rows = got[False], got[True]
+    assert plain.q is None and plain.tokens == with_rows.tokens
+    rows = with_rows.q
+    assert rows is not None and rows.shape[0] == len(with_rows.tokens)
+    torch.testing.assert_close(rows.sum(-1).double(), torch.ones(len(rows), dtype=torch.float64))
+    assert race_token(rows, position_keys([9] * len(rows), range(len(rows)))).tolist() == with_rows.tokens
+
+
+def test_a_lossy_fuzzy_stage2_verifies_with_the_qualifiers_rows(zoo_tiny, monkeypatch):
+    """End to end, in process: exact stage 1, fuzzy stage 2 at τ > 0 — the
+    target's items carry the qualifier's rows (its q), the result says lossy,
+    and a seed still fixes the (lossy) output."""
+    from saguaro_ray.workers.target import TargetLogic
+
+    seen: list[bool] = []
+    real = TargetLogic.verify
+
+    def recording(self, items):
+        seen.extend(it.proposal.q is not None for it in items if it.rule == "fuzzy")
+        return real(self, items)
+
+    monkeypatch.setattr(TargetLogic, "verify", recording)
+    spec = SpeculationConfig(mode="pyramid", stage1="exact", stage2="fuzzy", tau_t=0.3, allow_lossy=True, lq=3, ld=2)
+    runs = []
+    for _ in range(2):
+        eng = LocalEngine(EngineConfig(target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=str(zoo_tiny / "qualifier"), spec=spec, threads_per_worker=1))
+        try:
+            runs.append(eng.generate(PROMPTS[:1], PARAMS["plain"], n=2))
+        finally:
+            eng.close()
+    assert seen and all(seen)
+    assert all(r.stats["lossy"] for r in runs[0])
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]

@@ -85,13 +85,16 @@ class VerifyItem:
     target's verification (``exact``, or PyramidSD's stage-2 test) and the
     qualifier's stage 1 alike. ``tau``/``div`` parametrise the lossy rules;
     ``div``'s default is :class:`SpeculationConfig`'s (the round loop always
-    passes the configured one)."""
+    passes the configured one). ``laws`` (a qualifier's item): the qualified
+    tokens carry the qualifier's rows they were drawn from, which a lossy
+    fuzzy stage 2 reads as q."""
 
     step: SeqStep
     proposal: Proposal
     rule: str = "exact"
     tau: float = 0.0
     div: str = SpeculationConfig.div
+    laws: bool = False
 
 
 @dataclass

@@ -117,8 +117,8 @@ def row_keys(steps: Sequence[SeqStep], lens: Sequence[int]) -> list[int]:
 
 
 def invariant_check(logits: torch.Tensor, steps: Sequence[SeqStep], proposals: Sequence[Proposal]) -> list[tuple[int, int]]:
-    """The drafter-invariant rule on flat logit rows (target and qualifier alike):
-    (accepted, emitted token) per sequence."""
+    """The drafter-invariant rule on flat logit rows: (accepted, emitted
+    token) per sequence (the qualifier runs it on rows it also keeps)."""
     lens = [len(p.tokens) for p in proposals]
     return invariant_outcomes(processed_rows(logits, steps, lens), row_keys(steps, lens), [p.tokens for p in proposals])
 

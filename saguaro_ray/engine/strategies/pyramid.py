@@ -1,6 +1,7 @@
 """PyramidSD: the draft proposes ``ld`` tokens at a time, the qualifier turns
 them into qualified tokens until ``lq`` are ready, and the target verifies
-that block with the qualifier's law as q."""
+that block — by the drafter-invariant rule, or, in a lossy fuzzy stage 2,
+with the qualifier's law as q (then the qualifier ships those rows)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class PyramidStrategy:
         block_q: list[list[Any]] = [[] for _ in running]
         t0 = time.perf_counter()
         lossy_stage1 = spec.stage1 == "fuzzy" and is_lossy(spec.tau_q)  # the one stage 1 that reads the draft's laws
+        lossy_stage2 = spec.stage2 == "fuzzy" and is_lossy(spec.tau_t)  # the one stage 2 that reads the qualifier's
         while True:
             todo = [i for i, lim in enumerate(limits) if len(blocks[i]) < lim]
             if not todo:
@@ -60,7 +62,7 @@ class PyramidStrategy:
                 loop.qualifier,  # type: ignore[arg-type]
                 "qualify",
                 lambda full: (
-                    [VerifyItem(st, local(d) if full else d, spec.stage1, spec.tau_q, spec.div) for st, d in zip(sub(full, "qualifier"), drafts)],
+                    [VerifyItem(st, local(d) if full else d, spec.stage1, spec.tau_q, spec.div, lossy_stage2) for st, d in zip(sub(full, "qualifier"), drafts)],
                 ),
             ).value()[0]
             for i, qp in zip(todo, quals):
