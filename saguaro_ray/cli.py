@@ -264,6 +264,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         default="default",
         help="SSD, one draft: the draft starts the next build itself (default: on through Ray, off in process)",
     )
+    p.add_argument("--no-pin-cores", dest="pin_cores", action="store_false", help="leave the Ray workers' threads to the scheduler (default: each claims CPU cores of its own)")
     p.add_argument("--address", default=None)
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
@@ -318,6 +319,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts,
             target_tp=args.target_tp,
             build_ahead=None if args.build_ahead == "default" else args.build_ahead == "on",
+            pin_cores=args.pin_cores,
             dtype=args.dtype,
             sampling=args.sampling,
         )

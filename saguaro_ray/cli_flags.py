@@ -134,6 +134,7 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 per Ray actor; in process, the CPUs split between the workers)")
     group.add_argument("--address", default=None, help="Ray cluster address (default: join a running one — a job's own — else start locally)")
     group.add_argument("--worker-cpus", type=float, default=0.5, help="logical CPUs Ray reserves per worker actor")
+    group.add_argument("--no-pin-cores", dest="pin_cores", action="store_false", help="on CPU, leave Ray workers' threads to the scheduler (default: each claims cores of its own)")
     group.add_argument("--target-tp", type=int, default=1, help="shard the target over this many rank actors (one GPU each on CUDA; tensor parallelism)")
 
 
@@ -150,6 +151,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         threads_per_worker=args.threads,
         address=args.address,
         worker_cpus=args.worker_cpus,
+        pin_cores=args.pin_cores,
         target_tp=args.target_tp,
     )
 

@@ -51,6 +51,7 @@ class BenchArgs:
     target_tp: int = 1
     draft_vocab: int | None = None  # every draft's reduced-vocabulary head (EngineConfig.draft_vocab)
     build_ahead: bool | None = None  # None: each runtime's default (on through Ray, off in process)
+    pin_cores: bool = True  # Ray workers claim CPU cores of their own (EngineConfig.pin_cores)
     dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
     sampling: list[dict[str, Any]] | None = None  # sampling settings (``--sampling``), run interleaved; None: plain alone
     progress: bool = True
@@ -120,6 +121,7 @@ class _Engine:
             threads_per_worker=args.threads,
             dtype=args.dtype,
             **_build_ahead(args),
+            pin_cores=args.pin_cores,
             **({} if runtime == "inprocess" else {"target_tp": args.target_tp, "address": args.address}),
         )
         if runtime == "inprocess":

@@ -117,7 +117,7 @@ class WorkerActor:
     def __init__(self, role: str, model: ModelRef, config: EngineConfig, key: bytes, tcp_host: str | None) -> None:
         logging.basicConfig(level=logging.INFO)
         _exit_if_asked(role)
-        torch.set_num_threads(config.worker_threads)
+        config.start_worker_process()
         kind = role_kind(role)
         self.role = role
         self.logic = _LOGIC[kind](self._make_runner(model, config))
@@ -145,6 +145,7 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "endpoint": self.server.endpoint,
             "threads": torch.get_num_threads(),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,  # where its threads may run
             "python_threads": len(own_threads()),  # a leak of waiter threads shows here
             "thread_kinds": thread_kinds(),  # ... and which kind leaks
             "kv_tokens": self.logic.runner.kv.num_blocks * self.logic.runner.kv.block_size,

@@ -100,7 +100,7 @@ class TargetFollowerActor:
 
     def __init__(self, model: str, config: EngineConfig, rank: int, key: bytes) -> None:
         logging.basicConfig(level=logging.INFO)
-        torch.set_num_threads(config.worker_threads)
+        config.start_worker_process()
         self.runner, self.tp = rank_runner(model, config, rank)
         self._key = key
         self._thread: threading.Thread | None = None
