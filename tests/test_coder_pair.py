@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import torch_threads
 from test_models_import import check_ar_equals_transformers_greedy
+from test_real_model import _one_thread  # noqa: F401 — autouse: one torch thread, as the workers run
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
@@ -35,12 +35,6 @@ pytestmark = pytest.mark.skipif(
 )
 TOKENS = 32
 MODES = ("sd", "ssd", "pyramid", "auto")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,9 @@ def test_runner_packs_every_linear_and_the_head(which: str, dtype: torch.dtype, 
     assert isinstance(model.lm_head, PackedLinear)
     assert all(type(m) is not nn.Linear for m in model.modules())
     assert (model.lm_head.weight is model.embed.weight) == (which == "tied")
+    # one copy of the weights: every packed layer but a tied head dropped its dense weight
+    kept = [m for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None]
+    assert kept == ([model.lm_head] if which == "tied" else [])
     monkeypatch.setenv("SAGUARO_LINEAR_KERNEL", "dense")
     dense = ModelRunner(path, dtype=dtype, max_kv_tokens=256)
     assert not any(isinstance(m, PackedLinear) for m in dense.model.modules())

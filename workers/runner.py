@@ -121,7 +121,7 @@ class ModelRunner:
         if quantize is not None:
             quantize_decoder(self.model, quantize, self.dtype, kernel)
         else:
-            pack_linears(self.model, self.device, self.dtype, kernel)
+            pack_linears(self.model, self.device, self.dtype, kernel, release_dense=True)
         cfg = self.config
         if max_kv_tokens is None:
             max_kv_tokens = 8 * min(cfg.max_position_embeddings, 4096)
