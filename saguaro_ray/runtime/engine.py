@@ -67,9 +67,7 @@ class EngineHandle:
         prompts = _prompt_list(prompts)
         resumption, done = Resumption(self.coordinator, params), SampleLog()
         while True:
-            request_id = uuid.uuid4().hex
-            resume = done.resume(len(prompts) * n)
-            gen = self.coordinator.generate_progress.remote(prompts, resumption.current_params(), n, request_id, resume)
+            request_id, gen = self._submit_progress(prompts, resumption, done, n)
             try:
                 for ref in gen:
                     item = ray.get(ref)
@@ -104,6 +102,14 @@ class EngineHandle:
             if not finished:
                 self.abort(request_id)
 
+    def _submit_progress(self, prompts: list[Prompt], resumption: Resumption, done: SampleLog, n: int) -> tuple[str, Any]:
+        """(Re)submit a generate under a fresh request id, with what ``done``
+        holds of its samples to resume from: the call :meth:`generate` and
+        :meth:`agenerate` iterate, sync or async."""
+        request_id = uuid.uuid4().hex
+        resume = done.resume(len(prompts) * n)
+        return request_id, self.coordinator.generate_progress.remote(prompts, resumption.current_params(), n, request_id, resume)
+
     def abort(self, request_id: str) -> None:
         """Abort the request(s) named ``request_id`` (fire and forget: the
         engine drops them at its next round boundary and frees their KV)."""
@@ -133,9 +139,7 @@ class EngineHandle:
         prompts = _prompt_list(prompts)
         resumption, done = Resumption(self.coordinator, params), SampleLog()
         while True:
-            request_id = uuid.uuid4().hex
-            resume = done.resume(len(prompts) * n)
-            gen = self.coordinator.generate_progress.remote(prompts, resumption.current_params(), n, request_id, resume)
+            request_id, gen = self._submit_progress(prompts, resumption, done, n)
             try:
                 async for ref in gen:
                     item = await ref
