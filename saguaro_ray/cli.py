@@ -275,7 +275,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from saguaro_ray.bench.plan import parse_modes, sampling_settings, temperature_settings
     from saguaro_ray.bench.plot import plot, require_matplotlib
-    from saguaro_ray.bench.report import format_table, markdown_table
+    from saguaro_ray.bench.report import format_table, inexact_rows, markdown_table
     from saguaro_ray.bench.run import BenchArgs, run_bench
 
     if "pyramid" in {m.mode for m in parse_modes(args.modes)} and not args.qualifier:
@@ -333,6 +333,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f.write(markdown_table(report["results"]) + "\n")
     if args.plot:
         plot(report, args.plot)
+    if bad := inexact_rows(report["results"]):  # the contract broken: say so, and fail the command
+        print("NOT AR's TOKENS (every mode must emit them for the same seeded request):\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
     return 0
 
 

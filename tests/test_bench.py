@@ -37,6 +37,9 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
         assert e["tokens_per_s"] > 0 and e["ideal_tokens_per_s"] > 0 and e["ideal_speedup_vs_ar"] > 0
         if e["mode"] == "ar":
             assert e["speedup_vs_ar"] == 1.0 and e["mean_accepted"] is None and set(e["strategy"]) == {"ar"}
+            assert e["same_as_ar"] is None
+        else:  # the bench's own exactness check: every request of every mode is AR's, the seeded T = 0.7 ones too
+            assert e["same_as_ar"]["of"] > 0 and e["same_as_ar"]["equal"] == e["same_as_ar"]["of"]
         if e["mode"] == "sd:2":  # the K sweep's strategy reached its requests
             assert set(e["strategy"]) == {"sd"} and 0 < e["mean_k"] <= 2 and 0 <= e["mean_accepted"] <= 2
         assert e["hops_ms"]["send"] is not None and e["hops_ms"]["reply"] is not None
@@ -58,7 +61,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert chose["sequence_rounds"]["ar"] >= sum(e["strategy"]["ar"] for e in results if e["mode"] == "ar")
     assert chose["policy"]["rounds_chosen"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "tok/s" in proc.stdout
+    assert "tok/s" in proc.stdout and "=ar" in proc.stdout
 
 
 def test_step_costs_cover_only_the_models_the_benched_modes_run(zoo_tiny):
@@ -142,6 +145,33 @@ def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, te
 
 def _rounds(n, wall, verify, batch=1):
     return [{"index": i, "batch": batch, "start": i * wall, "end": (i + 1) * wall, "verify": [i * wall, i * wall + verify]} for i in range(n)]
+
+
+def test_outputs_that_are_not_ars_are_counted_and_named():
+    """The bench's exactness check compares each request with AR's of the same
+    cell and seed; a row with one request off is named, a peer is compared at
+    T = 0 only (its sampling draws from another stream)."""
+    from saguaro_ray.bench.report import inexact_rows, summarise
+
+    def run(mode, outputs, runtime="ray", temperature=0.0, seed=0, batch=1):
+        r = _run(mode, runtime, _rounds(2, 0.004, 0.003), 0, 0, 100.0, batch=batch, temperature=temperature)
+        r.outputs, r.seed = outputs, seed
+        return r
+
+    runs = [
+        run("ar", [(1, 2), (3, 4)]), run("sd", [(1, 2), (3, 4)]), run("ssd", [(1, 2), (3, 5)]),
+        run("ar", [(7, 8), (9, 9)], seed=1), run("ssd", [(7, 8), (9, 9)], seed=1),  # a second repeat: its own reference
+        run("ar", [(1, 1), (2, 2)], temperature=0.7), run("sd", [(1, 1), (2, 2)], temperature=0.7),
+        run("hf-ar", [(1, 2), (3, 0)], runtime="hf"), run("hf-ar", [(5, 5), (6, 6)], runtime="hf", temperature=0.7),
+        run("sd", [(1, 2), (3, 4)], batch=2),  # no AR at batch 2: nothing to compare with
+    ]
+    by = {(e["mode"], e["temperature"], e["runtime"], e["batch_size"]): e["same_as_ar"] for e in summarise(runs)}
+    assert by["ar", 0.0, "ray", 1] is None
+    assert by["sd", 0.0, "ray", 1] == {"equal": 2, "of": 2} and by["sd", 0.7, "ray", 1] == {"equal": 2, "of": 2}
+    assert by["ssd", 0.0, "ray", 1] == {"equal": 3, "of": 4}
+    assert by["hf-ar", 0.0, "hf", 1] == {"equal": 1, "of": 2} and by["hf-ar", 0.7, "hf", 1] is None
+    assert by["sd", 0.0, "ray", 2] is None
+    assert inexact_rows(summarise(runs)) == ["ssd (ray) batch 1 T 0: 3/4 equal"]  # the peer's near-tie is reported, not a breach
 
 
 def test_ideal_ceiling_follows_its_definition():

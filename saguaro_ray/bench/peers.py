@@ -86,6 +86,7 @@ class PeerRunner:
         torch.set_num_threads(self.threads)
         tokens = decode_tokens = rounds = 0
         seconds = decode_seconds = 0.0
+        outputs: list[tuple[int, ...]] = []
         try:
             for i, prompt in enumerate(prompts):
                 ids = torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False)])
@@ -102,6 +103,7 @@ class PeerRunner:
                     )
                 end = time.perf_counter()
                 n = out.shape[1] - ids.shape[1]
+                outputs.append(tuple(out[0, ids.shape[1] :].tolist()))
                 tokens += n
                 seconds += end - t0
                 if clock.calls:
@@ -127,6 +129,8 @@ class PeerRunner:
             hits=0,
             lookups=0,
             breakdown=round_breakdown([]),
+            seed=seed,
+            outputs=outputs,
         )
 
     def _config(self, temperature: float, max_tokens: int) -> Any:

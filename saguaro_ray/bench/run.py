@@ -178,6 +178,8 @@ class _Runner:
             lookups=sum(r["hits"] + r["misses"] for r in decode),
             breakdown=round_breakdown(rounds),
             rounds=rounds,
+            seed=seed,
+            outputs=[tuple(r.token_ids) for r in results],
             **chosen,
         )
 
