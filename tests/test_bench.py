@@ -45,6 +45,9 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
         assert e["hops_ms"]["send"] is not None and e["hops_ms"]["reply"] is not None
         if e["mode"] == "ssd":
             assert 0 <= e["cache_hit_rate"] <= 1 and e["efficiency"] > 0
+            split = e["hit_by_outcome"]  # every lookup is at full acceptance or at a rejection, and the hits add up
+            assert split["full"]["share"] + split["rejected"]["share"] == pytest.approx(1.0)
+            assert sum(x["share"] * x["hit_rate"] for x in split.values()) == pytest.approx(e["cache_hit_rate"])
             assert 0 <= e["build_ahead_fraction"] <= 1 and 0 <= e["drafting_hidden_fraction"] <= 1
             assert None not in (e["hops_ms"]["bookkeeping"], e["hops_ms"]["lookup_send"], e["hops_ms"]["lookup_reply"])
         elif e["mode"] != "auto":

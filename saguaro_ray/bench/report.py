@@ -109,6 +109,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "tokens_per_s_max": hi,
                 "mean_accepted": accepted / spec_rounds if spec_rounds else None,
                 "cache_hit_rate": sum(r.hits for r in rs) / lookups if lookups else None,
+                "hit_by_outcome": _hit_by_outcome(rs) if lookups else None,
                 "efficiency": med / ideal if base_mode(mode) == "ssd" and ideal else None,
                 "ideal_tokens_per_s": ideal,
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
@@ -127,6 +128,19 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         )
     _compare(entries)
     return entries
+
+
+def _hit_by_outcome(rs: Iterable[RunResult]) -> dict[str, dict[str, float]]:
+    """SSD's lookups split by what verification did: ``full`` (every draft token
+    accepted: a hit needs the bonus token among the cached ones) and ``rejected``
+    (a hit needs the accepted length and the target's correction cached). Each:
+    its share of the lookups and its hit rate — where the misses come from."""
+    seen = [x for r in rs for rd in r.rounds for x in rd.get("looked_up") or ()]
+    out = {}
+    for name, full in (("full", True), ("rejected", False)):
+        xs = [hit for accepted, proposed, hit in seen if (accepted == proposed) == full]
+        out[name] = {"share": len(xs) / len(seen) if seen else 0.0, "hit_rate": sum(xs) / len(xs) if xs else 0.0}
+    return out
 
 
 def _same_as_ar(rs: Sequence[RunResult], runs: Sequence[RunResult]) -> dict[str, int] | None:

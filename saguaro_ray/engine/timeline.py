@@ -35,6 +35,9 @@ class RoundRecord:
     miss_backup: Span | None = None  # SSD: backups drafted for this round's misses after the lookup
     hits: int = 0
     misses: int = 0
+    # SSD: each lookup's outcome, [accepted, proposed, hit 0/1] per sequence looked up: whether the
+    # misses come at full acceptance (the bonus token not cached) or at a rejection (see the bench's hit_by_outcome)
+    looked_up: list[list[int]] = field(default_factory=list)
     backup: str | None = None
     accepted: list[int] = field(default_factory=list)  # per sequence, in the order the round verified them
     proposed: list[int] = field(default_factory=list)  # ... the draft tokens each was verified with

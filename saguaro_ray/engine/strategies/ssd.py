@@ -340,6 +340,7 @@ class SSDStrategy:
             s.hits += int(hit)
             rec.hits += int(hit)
             rec.misses += int(not hit)
+            rec.looked_up.append([out.accepted, out.proposed, int(hit)])
             s.proposal = got.hit or got.backup  # neither: the round loop's backup serves it
             if s.proposal is not None and lookups.plans is not None:
                 self._planned[s.seq_id] = (lookups.plans[j], lookups.steps[j], p.tokens, out.accepted, out.next_token)
