@@ -810,3 +810,59 @@ def test_rounds_of_a_held_exploration_are_flagged_as_trials():
         policy.observe(_round(truth, rng, [0.0], [(c.mode, c.k)], entering, [0]))
         current = [c.mode]
     assert flagged and all(flagged)
+
+
+# ------------------------------------------------------- batch > 1 on a real CPU target (issue 33, session 22)
+
+# SmolLM2-135M with its int4 self-draft, Ray, 1 thread a worker, 2 cores, as its rounds measured
+# (8 HumanEval x 64): verification flat to ~14 tokens (76 ms at 1 and 5 tokens, batch 1), then
+# ~5 ms a token (batch 8: 8 tokens 128 ms, 40 tokens 252 ms); a draft step 22 ms + 7 ms a sequence;
+# the SSD build 33 ms + 12 ms a sequence a K. A straight line through the probe's table (1 to
+# 64 tokens) charged batch 4's K = 4 the steep slope and auto ran AR (0.80x SSD at batch 4).
+SMOL_CPU = Truth(
+    ver_a=0.070, ver_seq=0.006, knee=14, ver_b=0.00525, step_c=0.022, step_d=0.0073, build_k=0.033, build_nk=0.0116,
+    ssd_base=0.008, ctl_c0=0.003, ctl_c1=0.0002, alpha={0.0: 0.93, 0.7: 0.9}, hit={0.0: 0.9, 0.7: 0.9}, hit_knee=4, hit_drop=0.1,
+)
+
+
+def test_the_verify_fit_finds_a_flat_part_and_its_knee():
+    """Probe-like rows of a target flat to 14 tokens and steep past it: the fit's knee is the
+    one of its candidates next to it, and it predicts both regimes (a line could not)."""
+    from saguaro_ray.algorithms.strategy_fits import KneeFit
+
+    fit = KneeFit(0.98)
+    for b in (1, 2, 4, 8):
+        for k in (0, 1, 3, 7):
+            fit.add(b * (k + 1), b, SMOL_CPU.verify(b * (k + 1), b))
+    a, slope, per_seq, knee, _ = fit.theta  # type: ignore[misc]
+    assert knee in (12, 16)
+    predict = lambda tokens, n: a + per_seq * n + slope * max(0, tokens - knee)  # noqa: E731
+    for tokens, n in ((5, 1), (20, 4), (40, 8), (64, 8)):
+        assert predict(tokens, n) == pytest.approx(SMOL_CPU.verify(tokens, n), rel=0.1)
+
+
+@pytest.mark.parametrize("temps", [[0.0] * 4, [0.0, 0.7] * 2], ids=["b4-t0", "b4-mixed"])
+def test_speculation_under_the_knee_is_picked_from_the_first_rounds_at_batch_4(temps):
+    """Batch 4 on the flat-then-steep target: SSD wins by over 1.3x over AR, and a
+    seeded policy runs it from its first rounds (a fresh engine: no acceptance measured yet;
+    the sampled bucket starts from the greedy one's rate)."""
+    best, (mode, k) = SMOL_CPU.best_fixed(temps)
+    assert mode == "ssd" and best > 1.3 * SMOL_CPU.rate(temps, [("ar", 0)] * 4)
+    _, history, tokens, times = simulate(SMOL_CPU, temps, rounds=80, policy=seeded(SMOL_CPU))
+    assert all(m == "ssd" for h in history[2:10] for m, _ in h), history[:10]
+    assert achieved(tokens, times, last=80) >= 0.95 * best
+
+
+def test_no_trial_or_switch_churn_at_batch_8_when_ar_wins():
+    """Batch 8, a draft whose steps and builds cost more than the tokens they bring (AR wins
+    by ~1.3x): from the first round AR runs, and the rounds that do not (the AR guard's
+    re-tests, trials) stay within the exploration share — no mixed AR+SSD rounds, and the
+    first 100 rounds reach 0.95 of AR."""
+    truth = replace(SMOL_CPU, step_c=0.06, step_d=0.015, build_k=0.06, build_nk=0.02, ssd_base=0.03)
+    temps = [0.0] * 8
+    best, choice = truth.best_fixed(temps)
+    assert choice == ("ar", 0)
+    _, history, tokens, times = simulate(truth, temps, rounds=100, policy=seeded(truth))
+    speculating = [h for h in history if any(m != "ar" for m, _ in h)]
+    assert len(speculating) <= 6, speculating
+    assert achieved(tokens, times, last=100) >= 0.95 * best

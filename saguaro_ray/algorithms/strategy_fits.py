@@ -36,6 +36,7 @@ class EwLeastSquares:
         self.weight = 0.0  # effective number of observations
         self._xtx = [[0.0] * n for _ in range(n)]
         self._xty = [0.0] * n
+        self._yy = 0.0  # decayed Σ y²: with the normal equations, the weighted residual (sse)
         self._prior: list[float] | None = None
         self._ridge: list[float] = [0.0] * n
         self._theta: list[float] | None = None
@@ -63,6 +64,7 @@ class EwLeastSquares:
             for j in range(self.n):
                 row[j] = g * row[j] + x[i] * x[j]
             self._xty[i] = g * self._xty[i] + x[i] * y
+        self._yy = g * self._yy + y * y
         self.weight = g * self.weight + 1.0
         self._theta = None
 
@@ -79,6 +81,15 @@ class EwLeastSquares:
             self._theta = self._solve()
         return self._theta
 
+    def sse(self) -> float:
+        """The decayed squared residual of the fitted θ over the observations (0 before any)."""
+        theta = self.theta
+        if theta is None:
+            return 0.0
+        fit = sum(t * x for t, x in zip(theta, self._xty))
+        quad = sum(theta[i] * self._xtx[i][j] * theta[j] for i in range(self.n) for j in range(self.n))
+        return max(0.0, self._yy - 2.0 * fit + quad)
+
     def _solve(self) -> list[float]:
         assert self._prior is not None
         free = list(range(self.n))
@@ -94,6 +105,58 @@ class EwLeastSquares:
             if not negative:
                 return theta
             free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
+
+
+VERIFY_KNEES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # token counts a verification may be flat up to
+KNEE_TOLERANCE = 0.1  # a knee must fit this much better than every lower one to be chosen
+
+
+class KneeFit:
+    """A verification's seconds: ``a + c·sequences + s·max(0, tokens − knee) + d·[SSD ran]``.
+
+    A target is memory-bound at small token counts (the weights are read once
+    whatever the count: tokens nearly free) and compute-bound past a knee; a
+    straight line over both regimes charges the flat part the steep part's
+    slope, so a longer K looked dear where it is free (the real model on
+    2 cores: flat to ~12 tokens at batch 1, then ~5 ms a token). The knee is
+    the lowest of :data:`VERIFY_KNEES` whose fit leaves a decayed residual within
+    :data:`KNEE_TOLERANCE` of the least (each knee's fit is a small linear least
+    squares): rounds at few token counts leave the knee open, and there a knee
+    chosen by noise made the slope past it wander (a straight line is the
+    default the data must beat).
+    ``d``: what a tree build running beside the verification adds to it (the
+    processes share the cores and memory bandwidth); fitted apart, SSD's
+    slowdown does not make every token look dear to AR and SD."""
+
+    def __init__(self, decay: float) -> None:
+        self._fits = {k: EwLeastSquares(4, decay) for k in VERIFY_KNEES}
+        self._best: int | None = None
+
+    @staticmethod
+    def features(tokens: float, batch: float, knee: int, ssd: bool) -> tuple[float, float, float, float]:
+        return (1.0, float(batch), max(0.0, tokens - knee), float(ssd))
+
+    def add(self, tokens: float, batch: float, seconds: float, ssd: bool = False) -> None:
+        for knee, fit in self._fits.items():
+            fit.add(self.features(tokens, batch, knee, ssd), seconds)
+        self._best = None
+
+    @property
+    def knee(self) -> int:
+        if self._best is None:
+            sse = {k: f.sse() for k, f in self._fits.items()}
+            low = min(sse.values())
+            self._best = min(k for k, v in sse.items() if v <= low * (1.0 + KNEE_TOLERANCE) + 1e-15)
+        return self._best
+
+    @property
+    def theta(self) -> tuple[float, float, float, int, float] | None:
+        """(a, per token past the knee, per sequence, knee, with SSD) or None before any observation."""
+        knee = self.knee
+        theta = self._fits[knee].theta
+        if theta is None:
+            return None
+        return (theta[0], theta[2], theta[1], knee, theta[3])
 
 
 def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX, Acceptance, EwLeastSquares, HitRates
+from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX, Acceptance, EwLeastSquares, HitRates, KneeFit
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy's interface, re-exported
     AUTO_MODES,
@@ -55,9 +55,8 @@ COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 TRIAL_WINDOW = 256  # the exploration budget holds at most explore × this many mean rounds' time
 
-# acceptance priors per bucket (a moderately good draft, worse as sampling spreads) and the
-# pseudo-observations they are worth
-_ACCEPT_PRIOR = (0.7, 0.6, 0.5, 0.4)
+# the acceptance prior (a moderately good draft) and the hit rate's
+_ACCEPT_PRIOR = 0.7
 _HIT_PRIOR = 0.5
 _SEQ_WEIGHT = 32.0  # a sequence's own rate ← its bucket's
 _SCALE_STEPS = 10  # a sequence's rate relative to its bucket's is quantised to 10% for grouping
@@ -133,7 +132,7 @@ class _Load:
 class _Costs:
     """The fitted coefficients one choice is made with (plain floats, read once per round)."""
 
-    ver: tuple[float, float, float]  # a, per token, per sequence
+    ver: tuple[float, float, float, int, float]  # a, per token past the knee, per sequence, the knee, with SSD (KneeFit)
     draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
     build: tuple[float, float, float, float]  # the build's end after verification's start: a, per SSD sequence, per K, per K and sequence
     after: tuple[float, float, float, float]  # lookup and backups: a, per SSD sequence, per backup step when any misses, per missed K
@@ -145,7 +144,8 @@ class _Costs:
         c = self.ctl
         ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
         ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
-        verify = max(0.0, self.ver[0] + self.ver[1] * load.tokens + self.ver[2] * load.n)
+        v = self.ver
+        verify = max(0.0, v[0] + v[1] * max(0, load.tokens - v[3]) + v[2] * load.n + (v[4] if load.n_ssd else 0.0))
         t = max(0.0, ctl) + verify
         if sequential:
             d = self.draft
@@ -216,13 +216,18 @@ class AutoPolicy:
         self.max_k = max_k
         self.explore = float(explore)
         self._rng = random.Random(seed)
-        self._verify = EwLeastSquares(3, COST_DECAY)
+        self._verify = KneeFit(COST_DECAY)
         self._drafting = EwLeastSquares(3, COST_DECAY)
         self._build = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._after = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
-        self._accept = [Acceptance(max_k, p) for p in _ACCEPT_PRIOR]  # SD, and SSD hits
+        # SD, and SSD hits. A sampled bucket not seen yet starts from the greedy bucket's rate (under
+        # the drafter-invariant rule a draft's agreement falls little with temperature: 0.91 at T = 0,
+        # 0.95 at 0.7 on the real model), not from a fixed guess (0.5 at T = 0.7 held a fresh engine
+        # at AR for 40 rounds in simulation where SSD won by 1.45x)
+        self._accept = [Acceptance(max_k, _ACCEPT_PRIOR)]
+        self._accept += [Acceptance(max_k, self._accept[0]) for _ in BUCKETS[1:]]
         # SSD misses (the backup's proposal), a priori accepted like the draft: backup="auto"
         # serves misses neurally where they are rare (small batches), which is where a prior
         # matters; where the point-mass backup wins, misses are common and the data soon rule
@@ -264,7 +269,7 @@ class AutoPolicy:
         n SSD sequences is fitted as what it costs beyond a draft step over as many
         sequences (the build's model, :meth:`_observe_ssd`)."""
         for tokens, batch, seconds in costs.verify:
-            self._verify.add((1.0, float(tokens), float(batch)), seconds)
+            self._verify.add(tokens, batch, seconds)
         for n, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
                 self._drafting.add((1.0, float(steps), float(steps * n)), steps * seconds)
@@ -289,7 +294,7 @@ class AutoPolicy:
         self._observed += 1
         self._charge_trial(costs)
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
-            self._verify.add((1.0, float(costs.verify_tokens), float(costs.batch)), costs.verify_s)
+            self._verify.add(costs.verify_tokens, costs.batch, costs.verify_s, costs.ssd_batch > 0)
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
         if steps > 0:
             self._drafting.add((1.0, float(steps), float(steps * costs.draft_batch)), costs.draft_s)
@@ -454,7 +459,7 @@ class AutoPolicy:
         build = self._build_coefficients(draft)
         after = self._after.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, draft[1], draft[2]]
         ctl = self._ctl.theta or [0.0] * 7
-        return _Costs((ver[0], ver[1], ver[2]), (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
+        return _Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
 
     def _build_coefficients(self, draft: Sequence[float]) -> list[float]:
         """The build's end: K draft steps (``draft``: the drafting fit or its prior) and what was
@@ -608,10 +613,12 @@ class AutoPolicy:
         incumbent stands (Dinkelbach). Each sweep also tries the other mode
         off: a step count held fixed would hide its own fixed cost. λ starts
         at the last round's ratio, where it usually already is."""
-        b_tok, d_step = costs.ver[1], costs.draft[2]
+        d_step = costs.draft[2]
+        # verification is flat up to its knee and linear past it: the picks are linearised with the
+        # slope past it and, where there is a flat part, with none (tokens under the knee are free)
+        slopes = (costs.ver[1], 0.0) if costs.ver[3] > 0 and costs.ver[1] > 0 else (costs.ver[1],)
         # the build's overrun, max(0, B − V), has no slope to linearise by: picks leave it out
         # and every Q of the sweep is evaluated exactly (with it)
-        _, e_seq, e_any, e_miss = costs.after
         s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
         q_max = max([g.cap for g in groups if "ssd" in g.modes] + [base.ssd_k])
         s_values = ([0] if not base.steps else []) + list(range(max(1, base.steps), s_max + 1))
@@ -628,22 +635,9 @@ class AutoPolicy:
         total_weight = sum(weights)
         p_all = 1.0 - math.exp(base.log_hit - total_weight)
         for _ in range(_DINKELBACH_ITERS):
-            per_group = []
-            for g, inc, w in zip(groups, best_opts, weights):
-                sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
-                ssd = (
-                    [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k) for k in range(1, g.cap + 1)]
-                    if "ssd" in g.modes
-                    else []
-                )
-                c = len(g.members)
-                joined = (g.hit[inc[1]] if inc[0] == "ssd" else g.hit_pooled) ** c
-                others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
-                dear = lam * e_any * others * (1.0 - joined) / c
-                cheap = lam * e_any * p_all * w / total_weight / c if w else dear
-                per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
+            per_slope = {b_tok: self._linearised(groups, best_opts, weights, lam, b_tok, costs, all_hit, p_all) for b_tok in slopes}
 
-            def picks(s: int, q: int, share: int) -> list[tuple[str, int]]:
+            def picks(s: int, q: int, share: int, per_group: list[tuple[float, list, list, tuple[float, float]]]) -> list[tuple[str, int]]:
                 opts = []
                 for ar_val, sd_pref, ssd_pref, any_costs in per_group:
                     any_cost = any_costs[share]
@@ -666,8 +660,8 @@ class AutoPolicy:
                     configs = [(v, q) for v in s_values for q in dict.fromkeys((config[1], q_off))]
                 else:
                     configs = [(s, v) for v in q_values for s in dict.fromkeys((config[0], s_off))]
-                for (s, q), share in itertools.product(configs, (0, 1)):
-                    opts = picks(s, q, share)
+                for (s, q), share, per_group in itertools.product(configs, (0, 1), per_slope.values()):
+                    opts = picks(s, q, share, per_group)
                     key = tuple(opts)
                     if key in seen:
                         continue  # configurations that lead to the same choices: evaluated once
@@ -683,6 +677,32 @@ class AutoPolicy:
             g.opt = o
         self._last_rate = best
         return best
+
+    @staticmethod
+    def _linearised(
+        groups: list[_Group], incumbent: list[tuple[str, int]], weights: list[float], lam: float, b_tok: float, costs: _Costs,
+        all_hit: float, p_all: float,
+    ) -> list[tuple[float, list[tuple[float, int]], list[tuple[float, int]], tuple[float, float]]]:
+        """Per group, N − λ·T linearised with ``b_tok`` a token: AR's value, SD's and SSD's best
+        value up to each K, and SSD's share of P(some sequence misses) (dear, cheap): see
+        :meth:`_optimise`."""
+        _, e_seq, e_any, e_miss = costs.after
+        total_weight = sum(weights)
+        per_group = []
+        for g, inc, w in zip(groups, incumbent, weights):
+            sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+            ssd = (
+                [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k) for k in range(1, g.cap + 1)]
+                if "ssd" in g.modes
+                else []
+            )
+            c = len(g.members)
+            joined = (g.hit[inc[1]] if inc[0] == "ssd" else g.hit_pooled) ** c
+            others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
+            dear = lam * e_any * others * (1.0 - joined) / c
+            cheap = lam * e_any * p_all * w / total_weight / c if w else dear
+            per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
+        return per_group
 
     # ------------------------------------------------------------------ exploring
 
@@ -781,7 +801,7 @@ class AutoPolicy:
             "explore_s": self._trial_s,  # what trial rounds measured beyond their reference rates
             "explore_budget_s": self._budget_s,
             "wall_s": self._wall_s,  # wall time observed (explore_s / wall_s: the share trials cost)
-            "verify_s": coef(self._verify, ("a", "per_token", "per_seq")),
+            "verify_s": None if self._verify.theta is None else dict(zip(("a", "per_token", "per_seq", "knee", "ssd"), self._verify.theta)),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
             # the build's end after verification's start (the draft's steps included)
             "ssd_build_s": (
