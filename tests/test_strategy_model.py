@@ -803,7 +803,7 @@ def test_rounds_of_a_held_exploration_are_flagged_as_trials():
     for _ in range(120):
         views = [SeqView(0, 0.0, MAX_K, ("ar", "sd", "ssd"), current[0])]
         [c] = policy.choose(views)
-        held = 0 in policy._held
+        held = 0 in policy._trials.held
         if held:
             flagged.append(policy.prediction is None or policy.prediction.get("trial", False))
         entering = [c.mode == "ssd" and current[0] != "ssd"]

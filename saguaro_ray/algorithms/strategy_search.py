@@ -1,0 +1,326 @@
+"""``auto``'s round-time model and the search over it: what a round of a given assignment of
+modes and K to the batch's groups is predicted to emit and take, and the assignment that
+maximises the ratio (``docs/auto.md``: the model term by term, and the search).
+
+The search linearises exactly the round-time model it evaluates, so the two live here together;
+the fitted coefficients they read come from :class:`~saguaro_ray.algorithms.strategy_model.AutoPolicy`
+(its estimators: :mod:`~saguaro_ray.algorithms.strategy_fits`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX
+
+_SEQUENTIAL = ("sd", "pyramid")  # modes drafted step by step before verification
+SWITCH_HORIZON = 16  # rounds a choice is expected to hold: the SSD switch cost is spread over them
+_DINKELBACH_ITERS = 4
+
+
+def expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[float]:
+    """E[emitted] for K = 0..k_max speculated: 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j scaled, capped)."""
+    out = [1.0]
+    run = 1.0
+    for j in range(k_max):
+        run *= min(ALPHA_MAX, alphas[j] * scale)
+        out.append(out[-1] + run)
+    return out
+
+
+class Load:
+    """A round's totals as the cost model sees them: the fixed sequences' part, then a candidate's."""
+
+    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.tokens = 0
+        self.e = 0.0  # expected emitted tokens (switch costs included)
+        self.n_sd = 0
+        self.steps = 0  # the SD group's largest K: its sequential draft steps
+        self.n_ssd = 0
+        self.ssd_k = 0  # the SSD group's largest K: a neural backup's sequential steps
+        self.log_hit = 0.0  # log P(every SSD sequence hits)
+        self.miss_k = 0.0  # expected Σ K over the SSD sequences that miss
+
+    def add(self, count: int, mode: str, k: int, e: float, hit: float) -> None:
+        self.n += count
+        self.tokens += count * (k + 1)
+        self.e += count * e
+        if mode in _SEQUENTIAL:
+            self.n_sd += count
+            if k > self.steps:
+                self.steps = k
+        elif mode == "ssd":
+            self.n_ssd += count
+            if k > self.ssd_k:
+                self.ssd_k = k
+            self.log_hit += count * math.log(min(max(hit, 1e-9), 1.0 - 1e-9))
+            self.miss_k += count * (1.0 - hit) * k
+
+    def copy(self) -> "Load":
+        out = Load.__new__(Load)
+        for name in Load.__slots__:
+            setattr(out, name, getattr(self, name))
+        return out
+
+
+@dataclass
+class Costs:
+    """The fitted coefficients one choice is made with (plain floats, read once per round)."""
+
+    ver: tuple[float, float, float, int, float]  # a, per token past the knee, per sequence, the knee, with SSD (KneeFit)
+    draft: tuple[float, float, float]  # a (per round), per step, per step and sequence
+    build: tuple[float, float, float, float]  # the build's end after verification's start: a, per SSD sequence, per K, per K and sequence
+    after: tuple[float, float, float, float]  # lookup and backups: a, per SSD sequence, per backup step when any misses, per missed K
+    # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
+    ctl: tuple[float, float, float, float, float, float, float]
+
+    def round_time(self, load: Load) -> float:
+        sequential = bool(load.n_sd and load.steps)
+        c = self.ctl
+        ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
+        ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
+        v = self.ver
+        verify = max(0.0, v[0] + v[1] * max(0, load.tokens - v[3]) + v[2] * load.n + (v[4] if load.n_ssd else 0.0))
+        t = max(0.0, ctl) + verify
+        if sequential:
+            d = self.draft
+            t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
+        if load.n_ssd:
+            b, a = self.build, self.after
+            t += max(0.0, b[0] + b[1] * load.n_ssd + load.ssd_k * (b[2] + b[3] * load.n_ssd) - verify)
+            p_any = 1.0 - math.exp(load.log_hit)
+            t += max(0.0, a[0] + a[1] * load.n_ssd + a[2] * load.ssd_k * p_any + a[3] * load.miss_k)
+        return t
+
+
+class Group:
+    """Sequences the model cannot tell apart: one choice for all of them."""
+
+    __slots__ = ("bucket", "scale", "cap", "modes", "in_ssd", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd", "entry", "leave", "opt")
+
+    def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool) -> None:
+        self.bucket = bucket
+        self.scale = scale  # the members' own acceptance relative to their bucket's
+        self.cap = cap
+        self.modes = modes
+        self.in_ssd = in_ssd
+        self.hit: list[float] = [0.0] * (cap + 1)  # SSD's hit rate by K
+        self.hit_pooled = 0.0  # over every K: what the search linearises P(all hit) with
+        self.members: list[int] = []  # indices into the round's auto sequences
+        self.seq_ids: list[int] = []
+        self.e_sd: list[float] = [1.0]  # expected tokens by K (index 0: AR), switch cost included
+        self.e_ssd: list[float] = [1.0]
+        self.entry: list[float] = [0.0]  # tokens an SSD entry's forced miss costs, by K
+        self.leave = 0.0  # a sequence in SSD choosing AR or SD pays this (the hysteresis band)
+        self.opt: tuple[str, int] = ("ar", 0)
+
+    def value(self, opt: tuple[str, int]) -> float:
+        mode, k = opt
+        if mode == "ssd":
+            return self.e_ssd[k]
+        return (self.e_sd[k] if mode == "sd" else 1.0) - self.leave
+
+    def excursion(self, opt: tuple[str, int]) -> float:
+        """Tokens per member that trying ``opt`` for one round costs beyond
+        :meth:`value`'s amortised switch: an entry into SSD, or the re-entry
+        after a round out of it, is paid in full."""
+        if opt[0] == "ssd" and not self.in_ssd:
+            return self.entry[opt[1]] * (1.0 - 1.0 / SWITCH_HORIZON)
+        if opt[0] != "ssd" and self.in_ssd:
+            return self.leave * (SWITCH_HORIZON - 1.0)
+        return 0.0
+
+
+
+def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs) -> dict[str, Any]:
+    """One option's prediction: its label (``sd:4``; ``ar+ssd:4`` when groups differ),
+    expected emitted tokens of the batch and predicted round seconds."""
+    e, t, _ = round_of(groups, opts, base, costs)
+    label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
+    return {"option": label, "tokens": e, "seconds": t}
+
+def predict(groups: list[Group], base: Load, costs: Costs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the search's choice (every group's ``opt``) is predicted to do, and the
+    runner-up: the best option of another mode for every auto sequence (AR; SD or
+    SSD at one K, capped per group) — the option a misprediction would have
+    preferred; and the AR option (what the AR guard switches to)."""
+    chosen = option(groups, [g.opt for g in groups], base, costs)
+    best: dict[str, dict[str, Any]] = {}
+    ar = best["ar"] = option(groups, [("ar", 0)] * len(groups), base, costs)
+    for mode in ("sd", "ssd"):
+        cap = max((g.cap for g in groups if mode in g.modes), default=0)
+        for k in range(1, cap + 1):
+            opts = [(mode, min(k, g.cap)) if mode in g.modes and g.cap >= 1 else ("ar", 0) for g in groups]
+            o = option(groups, opts, base, costs)
+            if mode not in best or _rate(o) > _rate(best[mode]):
+                best[mode] = o
+    modes = {m for m, _ in (g.opt for g in groups)}
+    others = [o for m, o in best.items() if modes != {m}]
+    runner_up = max(others, key=_rate) if others else None
+    return {"chosen": chosen, "runner_up": runner_up}, ar
+
+
+def evaluate(
+    groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: float = 0.0
+) -> tuple[float, float]:
+    """(expected tokens per second, P(every SSD sequence hits)) of the round if group i
+    runs opts[i] (``extra``: tokens to add, e.g. an excursion's cost)."""
+    e, t, hit = round_of(groups, opts, base, costs, extra)
+    return (e / t if t > 0 else math.inf), hit
+
+def round_of(
+    groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: float = 0.0
+) -> tuple[float, float, float]:
+    """(expected tokens, predicted seconds, P(every SSD sequence hits)) of that round."""
+    load = base.copy()
+    load.e += extra
+    for g, opt in zip(groups, opts):
+        load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]])
+    return load.e, costs.round_time(load), math.exp(load.log_hit)
+
+def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) -> float:
+    """Sets every group's ``opt``; returns the predicted tokens per second.
+
+    A configuration is the SD group's step count S and the SSD group's
+    largest K, Q. For one, every group's best choice separates once the
+    ratio is linearised at λ (and P(all SSD sequences hit) at the
+    incumbent's): N − λ·T. Each candidate is then evaluated exactly; S and
+    Q are swept in turn from the incumbent's, λ ← the best ratio, until the
+    incumbent stands (Dinkelbach). Each sweep also tries the other mode
+    off: a step count held fixed would hide its own fixed cost. λ starts
+    at ``last_rate`` (the last search's ratio), where it usually already is."""
+    d_step = costs.draft[2]
+    # verification is flat up to its knee and linear past it: the picks are linearised with the
+    # slope past it and, where there is a flat part, with none (tokens under the knee are free)
+    slopes = (costs.ver[1], 0.0) if costs.ver[3] > 0 and costs.ver[1] > 0 else (costs.ver[1],)
+    # the build's overrun, max(0, B − V), has no slope to linearise by: picks leave it out
+    # and every Q of the sweep is evaluated exactly (with it)
+    s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
+    q_max = max([g.cap for g in groups if "ssd" in g.modes] + [base.ssd_k])
+    s_values = ([0] if not base.steps else []) + list(range(max(1, base.steps), s_max + 1))
+    q_values = ([0] if not base.ssd_k else []) + list(range(max(1, base.ssd_k), q_max + 1))
+    best_opts: list[tuple[str, int]] = [("ar", 0)] * len(groups)
+    best, all_hit = evaluate(groups, best_opts, base, costs)
+    config = (s_values[0], q_values[0])
+    lam = max(best, last_rate)
+    seen: set[tuple[tuple[str, int], ...]] = set()
+    # P(some SSD sequence misses) is not additive: a group is charged its share of it either
+    # as the one that joins the incumbent's SSD sequences (dear) or as one of every group
+    # that may run SSD (cheap); both kinds of candidate are generated and evaluated exactly
+    weights = [len(g.members) * -math.log(min(max(g.hit_pooled, 1e-9), 1.0 - 1e-9)) if "ssd" in g.modes else 0.0 for g in groups]
+    total_weight = sum(weights)
+    p_all = 1.0 - math.exp(base.log_hit - total_weight)
+    for _ in range(_DINKELBACH_ITERS):
+        per_slope = {b_tok: linearised(groups, best_opts, weights, lam, b_tok, costs, all_hit, p_all) for b_tok in slopes}
+
+        def picks(s: int, q: int, share: int, per_group: list[tuple[float, list, list, tuple[float, float]]]) -> list[tuple[str, int]]:
+            opts = []
+            for ar_val, sd_pref, ssd_pref, any_costs in per_group:
+                any_cost = any_costs[share]
+                v, pick = ar_val, ("ar", 0)
+                if s and sd_pref:
+                    sv, k = sd_pref[min(s, len(sd_pref)) - 1]
+                    if sv - lam * s * d_step > v:
+                        v, pick = sv - lam * s * d_step, ("sd", k)
+                if q and ssd_pref:
+                    qv, k = ssd_pref[min(q, len(ssd_pref)) - 1]
+                    if qv - q * any_cost > v:
+                        pick = ("ssd", k)
+                opts.append(pick)
+            return opts
+
+        incumbent = best_opts
+        for sweep in range(2):  # S with Q held or off, then Q with S held or off
+            s_off, q_off = s_values[0], q_values[0]
+            if sweep == 0:
+                configs = [(v, q) for v in s_values for q in dict.fromkeys((config[1], q_off))]
+            else:
+                configs = [(s, v) for v in q_values for s in dict.fromkeys((config[0], s_off))]
+            for (s, q), share, per_group in itertools.product(configs, (0, 1), per_slope.values()):
+                opts = picks(s, q, share, per_group)
+                key = tuple(opts)
+                if key in seen:
+                    continue  # configurations that lead to the same choices: evaluated once
+                seen.add(key)
+                r, hit = evaluate(groups, opts, base, costs)
+                if r > best * (1.0 + 1e-12):
+                    best, best_opts, all_hit, config = r, opts, hit, (s, q)
+        if best_opts is incumbent and lam == best:
+            break  # λ is the incumbent's own ratio and nothing beats it
+        lam = best
+        seen.clear()  # λ moved: the same choices may now come from other configurations
+    for g, o in zip(groups, best_opts):
+        g.opt = o
+    return best
+
+def linearised(
+    groups: list[Group], incumbent: list[tuple[str, int]], weights: list[float], lam: float, b_tok: float, costs: Costs,
+    all_hit: float, p_all: float,
+) -> list[tuple[float, list[tuple[float, int]], list[tuple[float, int]], tuple[float, float]]]:
+    """Per group, N − λ·T linearised with ``b_tok`` a token: AR's value, SD's and SSD's best
+    value up to each K, and SSD's share of P(some sequence misses) (dear, cheap): see
+    :func:`optimise`."""
+    _, e_seq, e_any, e_miss = costs.after
+    total_weight = sum(weights)
+    per_group = []
+    for g, inc, w in zip(groups, incumbent, weights):
+        sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+        ssd = (
+            [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k) for k in range(1, g.cap + 1)]
+            if "ssd" in g.modes
+            else []
+        )
+        c = len(g.members)
+        joined = (g.hit[inc[1]] if inc[0] == "ssd" else g.hit_pooled) ** c
+        others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
+        dear = lam * e_any * others * (1.0 - joined) / c
+        cheap = lam * e_any * p_all * w / total_weight / c if w else dear
+        per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
+    return per_group
+
+
+def fill_values(
+    g: Group, alphas: list[float], miss: list[float], hit_rates: Callable[[Sequence[float]], list[float]], pooled: float
+) -> None:
+    """A group's expected tokens by mode and K under these acceptance rates and
+    hit rates (``hit_rates``: by K, from P(all K accepted) by K; ``pooled``: over every K)."""
+    e_draft = expected_tokens(alphas, g.scale, g.cap)
+    hits = hit_rates(all_accepted(e_draft))
+    g.hit, g.hit_pooled = hits, pooled
+    if g.cap == 0:
+        return
+    if "sd" in g.modes:
+        g.e_sd = e_draft
+    if "ssd" in g.modes:
+        e_miss = expected_tokens(miss, 1.0, g.cap)
+        g.entry = [h * max(0.0, d - m) for h, d, m in zip(hits, e_draft, e_miss)]
+        switch = [x / SWITCH_HORIZON for x in g.entry]
+        e_ssd = [h * d + (1.0 - h) * m for h, d, m in zip(hits, e_draft, e_miss)]
+        g.e_ssd = e_ssd if g.in_ssd else [e - s for e, s in zip(e_ssd, switch)]
+        g.leave = max(switch) if g.in_ssd else 0.0
+
+
+def all_accepted(expected: list[float]) -> list[float]:
+    """P(all K accepted) for K = 0.. from :func:`expected_tokens`'s output (its increments)."""
+    return [1.0] + [b - a for a, b in zip(expected, expected[1:])]
+
+
+
+def _rate(option: dict[str, Any]) -> float:
+    """An option's predicted tokens per second."""
+    return option["tokens"] / option["seconds"] if option["seconds"] > 0 else math.inf
+
+
+def _prefix_best(values: list[float]) -> list[tuple[float, int]]:
+    """For each K = 1..len: the best (value, k) with k <= K (values[k-1] is K = k's)."""
+    out: list[tuple[float, int]] = []
+    for k, v in enumerate(values, start=1):
+        out.append((v, k) if not out or v > out[-1][0] else out[-1])
+    return out
