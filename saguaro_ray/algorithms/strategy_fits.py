@@ -109,6 +109,7 @@ class EwLeastSquares:
 
 VERIFY_KNEES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # token counts a verification may be flat up to
 KNEE_TOLERANCE = 0.1  # a knee must fit this much better than every lower one to be chosen
+KNEE_RESELECT = 8  # observations between two choices of the knee (it moves slowly; each choice solves every knee's fit)
 
 
 class KneeFit:
@@ -123,7 +124,8 @@ class KneeFit:
     :data:`KNEE_TOLERANCE` of the least (each knee's fit is a small linear least
     squares): rounds at few token counts leave the knee open, and there a knee
     chosen by noise made the slope past it wander (a straight line is the
-    default the data must beat).
+    default the data must beat). The knee is chosen again every
+    :data:`KNEE_RESELECT` observations, the chosen knee's fit after each.
     ``d``: what a tree build running beside the verification adds to it (the
     processes share the cores and memory bandwidth); fitted apart, SSD's
     slowdown does not make every token look dear to AR and SD."""
@@ -131,6 +133,7 @@ class KneeFit:
     def __init__(self, decay: float) -> None:
         self._fits = {k: EwLeastSquares(4, decay) for k in VERIFY_KNEES}
         self._best: int | None = None
+        self._adds = 0
 
     @staticmethod
     def features(tokens: float, batch: float, knee: int, ssd: bool) -> tuple[float, float, float, float]:
@@ -139,7 +142,9 @@ class KneeFit:
     def add(self, tokens: float, batch: float, seconds: float, ssd: bool = False) -> None:
         for knee, fit in self._fits.items():
             fit.add(self.features(tokens, batch, knee, ssd), seconds)
-        self._best = None
+        self._adds += 1
+        if self._adds % KNEE_RESELECT == 0:
+            self._best = None
 
     @property
     def knee(self) -> int:

@@ -138,13 +138,13 @@ class Group:
         return 0.0
 
 
-
 def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs) -> dict[str, Any]:
     """One option's prediction: its label (``sd:4``; ``ar+ssd:4`` when groups differ),
     expected emitted tokens of the batch and predicted round seconds."""
     e, t, _ = round_of(groups, opts, base, costs)
     label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
     return {"option": label, "tokens": e, "seconds": t}
+
 
 def predict(groups: list[Group], base: Load, costs: Costs) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the search's choice (every group's ``opt``) is predicted to do, and the
@@ -175,6 +175,7 @@ def evaluate(
     e, t, hit = round_of(groups, opts, base, costs, extra)
     return (e / t if t > 0 else math.inf), hit
 
+
 def round_of(
     groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: float = 0.0
 ) -> tuple[float, float, float]:
@@ -184,6 +185,7 @@ def round_of(
     for g, opt in zip(groups, opts):
         load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]])
     return load.e, costs.round_time(load), math.exp(load.log_hit)
+
 
 def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) -> float:
     """Sets every group's ``opt``; returns the predicted tokens per second.
@@ -198,8 +200,10 @@ def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) ->
     at ``last_rate`` (the last search's ratio), where it usually already is."""
     d_step = costs.draft[2]
     # verification is flat up to its knee and linear past it: the picks are linearised with the
-    # slope past it and, where there is a flat part, with none (tokens under the knee are free)
-    slopes = (costs.ver[1], 0.0) if costs.ver[3] > 0 and costs.ver[1] > 0 else (costs.ver[1],)
+    # slope past it and, where the batch in AR leaves a flat part, with none (tokens under the
+    # knee are free)
+    ar_tokens = base.tokens + sum(len(g.members) for g in groups)
+    slopes = (costs.ver[1], 0.0) if costs.ver[3] > ar_tokens and costs.ver[1] > 0 else (costs.ver[1],)
     # the build's overrun, max(0, B − V), has no slope to linearise by: picks leave it out
     # and every Q of the sweep is evaluated exactly (with it)
     s_max = max([g.cap for g in groups if "sd" in g.modes] + [base.steps])
@@ -217,8 +221,10 @@ def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) ->
     weights = [len(g.members) * -math.log(min(max(g.hit_pooled, 1e-9), 1.0 - 1e-9)) if "ssd" in g.modes else 0.0 for g in groups]
     total_weight = sum(weights)
     p_all = 1.0 - math.exp(base.log_hit - total_weight)
-    for _ in range(_DINKELBACH_ITERS):
-        per_slope = {b_tok: linearised(groups, best_opts, weights, lam, b_tok, costs, all_hit, p_all) for b_tok in slopes}
+    for it in range(_DINKELBACH_ITERS):
+        # the flat part's candidates once, from the first λ: later iterations refine the incumbent
+        used = slopes if it == 0 else slopes[:1]
+        per_slope = {b_tok: linearised(groups, best_opts, weights, lam, b_tok, costs, all_hit, p_all) for b_tok in used}
 
         def picks(s: int, q: int, share: int, per_group: list[tuple[float, list, list, tuple[float, float]]]) -> list[tuple[str, int]]:
             opts = []
@@ -259,6 +265,7 @@ def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) ->
     for g, o in zip(groups, best_opts):
         g.opt = o
     return best
+
 
 def linearised(
     groups: list[Group], incumbent: list[tuple[str, int]], weights: list[float], lam: float, b_tok: float, costs: Costs,
@@ -310,7 +317,6 @@ def fill_values(
 def all_accepted(expected: list[float]) -> list[float]:
     """P(all K accepted) for K = 0.. from :func:`expected_tokens`'s output (its increments)."""
     return [1.0] + [b - a for a, b in zip(expected, expected[1:])]
-
 
 
 def _rate(option: dict[str, Any]) -> float:
