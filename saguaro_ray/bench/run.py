@@ -150,11 +150,12 @@ class _Runner:
         request j at ``temperatures.for_request(j)``, each with ``sampling``'s fields."""
         params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, sampling)
         b = batch_size or len(prompts)
-        before = len(self.engine.timeline())
+        seen = self.engine.timeline()
+        after = seen[-1]["index"] if seen else -1  # rounds are numbered; the byte-bounded timeline drops old ones
         t0 = time.perf_counter()
         results = [r for i in range(0, len(prompts), b) for r in self.engine.handle.generate(prompts[i : i + b], params[i : i + b])]
         seconds = time.perf_counter() - t0
-        rounds = self.engine.timeline()[before:]
+        rounds = [r for r in self.engine.timeline() if r["index"] > after]
         tokens = sum(len(r.token_ids) for r in results)
         prefill = [r for r in rounds if r.get("prefill")]
         prefill_tokens = sum(r["batch"] for r in prefill)

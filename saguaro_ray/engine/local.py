@@ -75,6 +75,7 @@ class LocalEngine:
             self.max_context,
             draft=[w for role, w in self.workers.items() if role_kind(role) == "draft"],
             qualifier=self.workers.get("qualifier"),
+            timeline_bytes=config.timeline_bytes,
         )
         kv_tokens = min(r.kv.num_blocks * r.kv.block_size for r in runners.values())
         seed_auto(self.loop, cost_identity(config, "inprocess"), config.max_batch_size, kv_tokens)  # before any request

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, Sequence
 
@@ -37,7 +36,7 @@ from saguaro_ray.engine.sequence import SequenceState
 from saguaro_ray.engine.strategies import Proposer, make_strategies
 from saguaro_ray.engine.strategies.assign import Assigner, Policy
 from saguaro_ray.engine.strategy_menu import StrategyMenu
-from saguaro_ray.engine.timeline import TIMELINE_ROUNDS, RoundRecord
+from saguaro_ray.engine.timeline import TIMELINE_BYTES, RoundRecord, Timeline
 from saguaro_ray.engine.transport import WorkerHandle, WorkerLost
 from saguaro_ray.workers.messages import RECENT_TOKENS, Outcome, Proposal, ProposalSource, SeqStep, VerifyItem
 
@@ -67,12 +66,14 @@ class RoundLoop:
         broadcast: BroadcastFn = submit_each,
         forward: ForwardFn | None = None,
         policy: Policy | None = None,
+        timeline_bytes: int | None = None,
     ) -> None:
         """``broadcast``: how one call reaches several drafts at once (SSD's lookups);
         ``forward``: where the transport allows, how the target places the SSD
         lookups on the drafts itself when verification ends; ``policy``: what
         picks ``auto`` sequences' strategies (default: the fitted cost model,
-        :class:`~saguaro_ray.algorithms.strategy_model.AutoPolicy`)."""
+        :class:`~saguaro_ray.algorithms.strategy_model.AutoPolicy`);
+        ``timeline_bytes``: the round history's bound (:class:`Timeline`; None: ``TIMELINE_BYTES``)."""
         self.spec = spec
         self.target = target
         drafts = [] if draft is None else [draft] if not isinstance(draft, (list, tuple)) else list(draft)
@@ -82,7 +83,7 @@ class RoundLoop:
         self.qualifier = qualifier
         self.eos_ids = eos_ids
         self.max_context = max_context
-        self.timeline: deque[RoundRecord] = deque(maxlen=TIMELINE_ROUNDS)
+        self.timeline = Timeline(TIMELINE_BYTES if timeline_bytes is None else timeline_bytes)
         self._round_ids = itertools.count()  # round ids keep increasing when the timeline is full
         self.menu = StrategyMenu.of(spec, bool(drafts), qualifier is not None)
         self.default_strategy = self.menu.filled(Strategy(spec.mode))  # the engine's checked when it was configured

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from saguaro_ray.jobs.load_clients import Outcome, Spec
+from saguaro_ray.jobs.soak import soak_text
 
 if TYPE_CHECKING:
     from saguaro_ray.jobs.load_test import LoadOptions
@@ -168,5 +169,7 @@ def summary_text(report: dict[str, Any]) -> str:
     kill = report.get("coordinator_kill")
     if kill:
         lines.append(f"coordinator killed at {kill['at_s']:.1f} s (pid {kill['pid']}) with {kill['good_requests_in_flight']} well-behaved requests in flight")
+    if "soak" in report:
+        lines.append(soak_text(report["soak"]))
     lines += [f"FAIL: {f}" for f in report["failures"]] or ["OK"]
     return "\n".join(lines)

@@ -31,6 +31,11 @@ own, with an API key (so a bad bearer token is poison too); ``--url`` drives a
 server already running (``--api-key`` if it checks keys). The resources come
 from the replica's ``/v1/saguaro/metrics`` (its ``resources`` section): its
 one engine, which every strategy's requests share.
+
+``--soak MINUTES`` runs the load that long and samples every process's
+memory, threads and KV blocks meanwhile (``--sample-every``, default 60 s);
+it FAILS when a process's RSS keeps growing after the warm-up (the bound
+and why: :mod:`saguaro_ray.jobs.soak`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +72,7 @@ from saguaro_ray.jobs.load_clients import (
     stream_request,
 )
 from saguaro_ray.jobs.load_report import build_report, disagreements, mismatch, resource_problems, summary_text
+from saguaro_ray.jobs.soak import SoakPlan, add_to_report, sample_until
 
 log = logging.getLogger("saguaro_ray.jobs.load_test")
 
@@ -88,6 +94,7 @@ class LoadOptions:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # the server's limit, which the "huge body" poison exceeds
     kill_coordinator_s: float | None = None  # SIGKILL the engine's coordinator this far into the load
+    soak: SoakPlan | None = None  # sample every process's memory during the load, and judge its trend
 
     def split(self) -> tuple[int, int, int]:
         """(good, disconnecting, poison) clients; a fraction above 0 gets at least one."""
@@ -112,6 +119,10 @@ async def _snapshot(client: httpx.AsyncClient, base: str, headers: dict[str, str
     resp = await client.get(base + "/v1/saguaro/metrics", headers=headers)
     resp.raise_for_status()
     return resp.json()
+
+
+async def _resources_now(client: httpx.AsyncClient, base: str, headers: dict[str, str]) -> dict[str, Any]:
+    return (await _snapshot(client, base, headers))["resources"]
 
 
 async def _settle(client: httpx.AsyncClient, base: str, headers: dict[str, str], baseline: dict[str, Any] | None) -> tuple[dict[str, Any], list[str], float]:
@@ -205,12 +216,18 @@ async def run_load(base: str, opts: LoadOptions) -> dict[str, Any]:
         t_load = time.monotonic()
         loops = [good(c) for c in range(good_n)] + [hang_up(c) for c in range(disconnect_n)] + [poison(c) for c in range(poison_n)]
         killer = None if opts.kill_coordinator_s is None else asyncio.ensure_future(_kill_coordinator_after(opts.kill_coordinator_s))
+        samples: list[dict[str, Any]] = []
+        if opts.soak is not None:
+            snapshot = lambda: _resources_now(client, base, headers)  # noqa: E731
+            loops.append(sample_until(snapshot, stop_at, opts.soak.sample_every_s, samples))
         await asyncio.gather(*loops)
         load_s = time.monotonic() - t_load
         kill = None if killer is None else await killer
         # a killed coordinator restarted its workers: the resources are compared with a new baseline's processes
         end_snap, problems, settle_s = await _settle(client, base, headers, None if kill else baseline)
     report = build_report(opts, (good_n, disconnect_n, poison_n), outcomes, refs, disagree, start_snap, end_snap, problems, load_s, settle_s)
+    if opts.soak is not None:
+        add_to_report(report, samples, opts.soak)
     if kill is not None:
         at = kill.pop("at")
         report["coordinator_kill"] = kill
@@ -303,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poison", type=float, default=0.05, help="fraction of clients that send poison bodies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-coordinator", type=float, metavar="SECONDS", help="SIGKILL the engine's coordinator this far into the load (--config only)")
+    p.add_argument("--soak", type=float, metavar="MINUTES", help="load for MINUTES (instead of --seconds), sampling every process's memory; FAIL if it keeps growing")
+    p.add_argument("--sample-every", type=float, default=60.0, metavar="SECONDS", help="--soak: the sampling interval")
+    p.add_argument("--soak-warmup", type=float, metavar="MINUTES", help="--soak: samples left out of the verdict (default: the first half)")
     p.add_argument("--json", help="write the report here")
     return p
 
@@ -310,15 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    opts = LoadOptions(args.clients, args.seconds, args.disconnect, args.poison, args.seed, args.api_key, kill_coordinator_s=args.kill_coordinator)
     try:
+        soak = None if args.soak is None else SoakPlan(args.soak, args.sample_every, args.soak_warmup)
+        seconds = args.seconds if soak is None else soak.minutes * 60
+        opts = LoadOptions(args.clients, seconds, args.disconnect, args.poison, args.seed, args.api_key, kill_coordinator_s=args.kill_coordinator, soak=soak)
         if args.kill_coordinator is not None and not args.config:
             raise ValueError("--kill-coordinator needs --config (the engine in this test's own Ray instance)")
         opts.split()  # refuse impossible fractions before starting anything
         if args.config:
             key = args.api_key or "sk-load-" + secrets.token_hex(8)
             with serve_from_config(args.config, key) as (base, limit):
-                report = asyncio.run(run_load(base, LoadOptions(**(asdict(opts) | {"api_key": key, "max_body_bytes": limit}))))
+                report = asyncio.run(run_load(base, replace(opts, api_key=key, max_body_bytes=limit)))
         else:
             report = asyncio.run(run_load(args.url.rstrip("/"), opts))
     except (SaguaroError, httpx.HTTPError, ValueError) as exc:  # a bad config, no server, a refused reference

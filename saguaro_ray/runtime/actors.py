@@ -44,6 +44,7 @@ from saguaro_ray.runtime.data_plane import DataPlaneStore
 from saguaro_ray.runtime.data_plane.devices import indexed_device
 from saguaro_ray.runtime.data_plane.status import PlaneStatus
 from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.runtime.process_memory import memory
 from saguaro_ray.runtime.ray_transport import RECOVER_TIMEOUT_S, RayWorkerHandle
 from saguaro_ray.runtime.restart_budget import RestartBudget
 from saguaro_ray.runtime.routing import ActorLogic
@@ -139,7 +140,7 @@ class WorkerActor:
     def info(self) -> dict[str, Any]:
         return {
             "role": self.role,
-            "pid": os.getpid(),
+            **memory(),  # pid, rss_bytes, heap_in_use_bytes / heap_free_bytes: the soak's samples
             "restarted": ray.get_runtime_context().was_current_actor_reconstructed,  # by Ray, before anyone asked
             "node": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -210,6 +211,7 @@ class CoordinatorActor:
             models.max_context,
             draft=[c for role, c in self.clients.items() if role_kind(role) == "draft"],
             qualifier=self.clients.get("qualifier"),
+            timeline_bytes=config.timeline_bytes,
             broadcast=self._broadcast,
             forward=lambda workers, method: [w.forwarded(method) for w in workers],
         )
@@ -400,6 +402,9 @@ class CoordinatorActor:
             "active": self.scheduler.active,
             **self.plane.metrics(),  # data_plane_backend / _error / _generation
             "broadcast_subscribers": sorted(self._subscribed),
+            # this process (the soak's samples): its memory, threads and the timeline's share
+            "process": {**memory(), "python_threads": len(own_threads()), "thread_kinds": thread_kinds()},
+            "timeline_bytes": self.loop.timeline.bytes,
         }
 
     async def shutdown(self) -> None:

@@ -87,6 +87,9 @@ class EngineConfig:
     # (gloo on CPU, NCCL on CUDA); False: they ride the ZeroMQ frames
     data_plane: bool = True
     call_timeout_s: float = 120.0
+    # the coordinator's round history (engine.timeline(), the benchmarks' source), estimated
+    # bytes; None: saguaro_ray.engine.timeline.TIMELINE_BYTES (16 MiB)
+    timeline_bytes: int | None = None
     # ZeroMQ CURVE on every TCP control-plane socket (multi-node): frames cannot be read
     # or altered on the network; on one node the sockets are IPC in private dirs either way
     encrypt: bool = False
@@ -131,6 +134,8 @@ class EngineConfig:
             raise ConfigError(f"encrypt must be True or False, got {self.encrypt!r}")
         if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
             raise ConfigError(f"max_queued must be a positive integer or None, got {self.max_queued!r}")
+        if self.timeline_bytes is not None and (not isinstance(self.timeline_bytes, int) or isinstance(self.timeline_bytes, bool) or self.timeline_bytes < 1):
+            raise ConfigError(f"timeline_bytes must be a positive integer or None, got {self.timeline_bytes!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
         if isinstance(self.restart_window_s, bool) or not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:

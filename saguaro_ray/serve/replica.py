@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from saguaro_ray.runtime.data_plane.status import PlaneStatus
+from saguaro_ray.runtime.process_memory import MEMORY_FIELDS, memory
 from saguaro_ray.runtime.threads import own_threads, thread_kinds
 from saguaro_ray.serve.auth import APIKeys
 from saguaro_ray.serve.config import ServeAppConfig, parse_config
@@ -166,8 +167,10 @@ class ReplicaCore:
 
     async def _resources(self, fresh: dict[str, Any] | None) -> dict[str, Any]:
         """What a leak would grow, read now: this replica's Python threads and
-        the engine's samples queued or running (``fresh``: the coordinator's
-        metrics) and each worker's pid, free KV blocks and Python threads
+        memory (:func:`~saguaro_ray.runtime.process_memory.memory`, as for
+        each process below), the engine's samples queued or running and its
+        coordinator's process (``fresh``: the coordinator's metrics) and each
+        worker's pid, memory, free KV blocks and Python threads
         (when this replica launched the engine: an attached engine's workers
         belong to whoever launched it, and are not listed). The
         engine or its workers not answering within ``ENGINE_PROBE_S`` are
@@ -180,7 +183,8 @@ class ReplicaCore:
             infos = None
         workers = None if infos is None else {
             role: {
-                "pid": i["pid"],  # the process to read memory of (one per worker actor; a sharded target's rank 0)
+                "pid": i["pid"],  # one per worker actor; a sharded target's rank 0
+                **{k: i[k] for k in MEMORY_FIELDS},  # as the worker read its own
                 "free_kv_blocks": i["free_kv_blocks"],
                 "kv_blocks": i["kv_tokens"] // i["block_size"],
                 "python_threads": i["python_threads"],
@@ -188,5 +192,11 @@ class ReplicaCore:
             }
             for role, i in infos.items()
         }
-        engine = {"active": None if fresh is None else fresh["active"], "queued": None if fresh is None else fresh["queued"], "workers": workers}
-        return {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), "ongoing_requests": self.admission.active, "engine": engine}
+        engine = {
+            "active": None if fresh is None else fresh["active"],
+            "queued": None if fresh is None else fresh["queued"],
+            "coordinator": None if fresh is None else {**fresh["process"], "timeline_bytes": fresh["timeline_bytes"]},
+            "workers": workers,
+        }
+        own = {"python_threads": len(own_threads()), "thread_kinds": thread_kinds(), **memory()}
+        return {**own, "ongoing_requests": self.admission.active, "engine": engine}

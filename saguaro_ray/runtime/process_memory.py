@@ -1,0 +1,74 @@
+"""A process's own memory, as the process itself reads it (the soak's samples).
+
+A soak (``load_test --soak``) asks whether memory keeps growing under load.
+Each process reports its own numbers — a worker in its ``info()``, the
+coordinator in its ``metrics()``, the Serve replica in ``/v1/saguaro/metrics``
+— so nothing is guessed from outside from a pid that may belong to a
+restarted actor by then.
+
+Two readings tell allocator caching from a leak: the resident set (what the
+OS charges the process) and glibc's own account of its heap (``mallinfo2``):
+bytes handed out and not yet freed (``heap_in_use_bytes``: a leak grows this)
+and bytes freed but kept in the arenas (``heap_free_bytes``: caching and
+fragmentation grow this, and ``malloc_trim`` gives it back). torch's CPU
+tensors are allocated through the same malloc, so they count in both. On a
+libc without ``mallinfo2`` (musl, macOS) the heap fields are None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from functools import cache
+from typing import Any
+
+MEMORY_FIELDS = ("rss_bytes", "heap_in_use_bytes", "heap_free_bytes")  # what memory() reads, besides the pid
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc >= 2.33, struct mallinfo2: every field a size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@cache
+def _libc() -> Any:
+    """glibc with ``mallinfo2``/``malloc_trim``, or None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``; psutil elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        import psutil  # Ray's own dependency
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def memory() -> dict[str, Any]:
+    """``pid``, ``rss_bytes`` and glibc's heap: ``heap_in_use_bytes`` (allocated,
+    small and mmapped chunks) and ``heap_free_bytes`` (freed, held by the arenas)."""
+    out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": rss_bytes(), "heap_in_use_bytes": None, "heap_free_bytes": None}
+    libc = _libc()
+    if libc is not None:
+        m = libc.mallinfo2()
+        out["heap_in_use_bytes"] = int(m.uordblks + m.hblkhd)
+        out["heap_free_bytes"] = int(m.fordblks)
+    return out
+
+
+def trim() -> bool:
+    """Give the arenas' free memory back to the OS (``malloc_trim(0)``); False
+    when nothing was returned or the libc has no such call."""
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
