@@ -120,3 +120,41 @@ def test_a_seeded_sampled_stream_resumes_with_the_same_tokens(handle):
         if i == 5:
             kill_coordinator(handle)
     assert tokens == ref.token_ids
+
+
+def test_the_batch_jobs_prompts_outlive_a_killed_coordinator(handle, target, tmp_path):
+    """``saguaro_ray.jobs.generate`` runs its prompts through the handle's
+    ``agenerate``: prompts in flight when the coordinator dies resume, and the
+    job writes every prompt's T = 0 output as an unkilled run does, no error line."""
+    import asyncio
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from saguaro_ray.engine.frontend import Frontend
+    from saguaro_ray.jobs.generate import _generate
+    from saguaro_ray.model_set import ModelSet
+
+    spec = SpeculationConfig(mode="ar")
+    frontend = Frontend.for_models(ModelSet.open(str(target), modes=[spec]), spec)
+    rows = [{"prompt": p} for p in [*PROMPTS, [4, 4, 2], [8]]]
+    params = {i: greedy() for i in range(len(rows))}
+    refs = [r.token_ids for r in handle.generate([r["prompt"] for r in rows], greedy())]
+    lines: list[dict] = []
+    out: dict = {}
+
+    def job() -> None:
+        try:
+            out["failures"] = asyncio.run(_generate(handle, frontend, rows, params, list(range(len(rows))), SimpleNamespace(n=1, in_flight=2), lines.append))
+        except BaseException as exc:  # noqa: BLE001 — handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    wait_until_progress(handle)
+    kill_coordinator(handle)
+    assert thread.is_alive()  # killed mid-job
+    thread.join(300)
+    assert "error" not in out, out.get("error")
+    assert out["failures"] == 0 and not [x for x in lines if "error" in x], json.dumps(lines)[:500]
+    assert {x["index"]: x["token_ids"] for x in lines} == dict(enumerate(refs))

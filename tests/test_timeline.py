@@ -34,6 +34,7 @@ def test_the_timeline_keeps_the_latest_rounds_within_its_bytes():
     assert len(line) == len(kept) and 40 < len(kept) < 100
     assert [r.index for r in kept] == list(range(1000 - len(kept), 1000))  # the most recent, in order
     assert line.bytes == sum(record_bytes(r) for r in kept)
+    assert line.appended == 1000
 
 
 def test_one_record_larger_than_the_bound_is_still_kept():

@@ -90,9 +90,11 @@ class Timeline:
         self.max_bytes = max_bytes
         self._records: deque[tuple[RoundRecord, int]] = deque()
         self.bytes = 0  # estimated, of the records held
+        self.appended = 0  # rounds recorded since the start, dropped ones too
 
     def append(self, rec: RoundRecord) -> None:
         size = record_bytes(rec)
+        self.appended += 1
         self._records.append((rec, size))
         self.bytes += size
         while self.bytes > self.max_bytes and len(self._records) > 1:

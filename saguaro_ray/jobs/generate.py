@@ -23,7 +23,10 @@ exits with status 1 after finishing the rest.
 Resumable: lines are written (and flushed) as each prompt completes, in
 completion order; a rerun reads the output first and skips every prompt whose
 ``n`` samples are all there (error lines do not count, so they are retried).
-A torn last line from a killed run is cut off before appending.
+A torn last line from a killed run is cut off before appending. A prompt in
+flight when the engine's coordinator dies is not lost: it resumes from what it
+emitted once Ray has restarted the coordinator (the engine handle's
+``agenerate``), within its deadline.
 
 Paths are opened by the job's driver process: with ``ray job submit`` give
 absolute paths on the head node (or a shared filesystem), or paths relative to
@@ -34,12 +37,13 @@ there are discarded with it).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +148,9 @@ def _params(args: argparse.Namespace, row: dict[str, Any]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
-
     from saguaro_ray.cli_flags import speculation_from_args
     from saguaro_ray.engine.frontend import Frontend
-    from saguaro_ray.errors import ConfigError, SaguaroError
+    from saguaro_ray.errors import ConfigError
 
     if args.n <= 0 or args.in_flight <= 0:
         raise ConfigError("--n and --in-flight must be positive")
@@ -162,8 +164,6 @@ def run(args: argparse.Namespace) -> int:
     params = {i: _params(args, rows[i]) for i in todo}
     handle, owned, models = _engine(args)
     frontend = Frontend.for_models(models, speculation_from_args(args))
-    failures = 0
-    t0 = time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     try:
         with open(args.output, "a", encoding="utf-8") as out:
@@ -172,48 +172,61 @@ def run(args: argparse.Namespace) -> int:
                 out.write(json.dumps(obj) + "\n")
                 out.flush()
 
-            pending: dict[Any, int] = {}
-            queue = list(todo)
-            finished = 0
-            while queue or pending:
-                while queue and len(pending) < args.in_flight:
-                    i = queue.pop(0)
-                    try:
-                        frontend.make_sequences([rows[i]["prompt"]], params[i], args.n)
-                    except SaguaroError as exc:
-                        write({"index": i, "prompt": rows[i]["prompt"], "error": str(exc)})
-                        failures += 1
-                        continue
-                    ref = handle.coordinator.generate.remote([rows[i]["prompt"]], params[i], args.n)
-                    pending[ref] = i
-                if not pending:
-                    continue
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=_WAIT_S)
-                if not ready:
-                    raise TimeoutError(f"no prompt finished within {_WAIT_S:.0f} s; {len(pending)} in flight")
-                for ref in ready:
-                    i = pending.pop(ref)
-                    try:
-                        results = ray.get(ref)
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = getattr(exc, "cause", None)
-                        if not isinstance(cause, SaguaroError):
-                            raise
-                        write({"index": i, "prompt": rows[i]["prompt"], "error": str(cause)})
-                        failures += 1
-                        continue
-                    for r in results:
-                        obj = r.to_json()
-                        obj["prompt_index"] = i
-                        write({"index": i, "prompt": rows[i]["prompt"], **obj})
-                    finished += 1
-                    if finished % 10 == 0 or not (queue or pending):
-                        print(f"generate: {finished}/{len(todo)} prompts done ({time.perf_counter() - t0:.1f} s)", flush=True)
+            failures = asyncio.run(_generate(handle, frontend, rows, params, todo, args, write))
     finally:
         if owned:
             handle.shutdown()
     print(f"generate: wrote {args.output}; {failures} prompt(s) failed", flush=True)
     return 1 if failures else 0
+
+
+async def _generate(
+    handle: Any, frontend: Any, rows: list[dict[str, Any]], params: dict[int, Any], todo: list[int], args: argparse.Namespace, write: Callable[[dict[str, Any]], None]
+) -> int:
+    """Run every prompt of ``todo``, ``--in-flight`` at a time, through the
+    handle's ``agenerate`` — so a prompt in flight when the engine's
+    coordinator is lost resumes from what it emitted once Ray has restarted it
+    (saguaro_ray.runtime.resumable), instead of failing; writes each prompt's
+    lines as it completes and returns how many prompts failed."""
+    from saguaro_ray.errors import SaguaroError
+
+    failures = finished = 0
+    t0 = time.perf_counter()
+    queue = list(todo)
+    pending: dict[asyncio.Future[Any], int] = {}
+    while queue or pending:
+        while queue and len(pending) < args.in_flight:
+            i = queue.pop(0)
+            try:
+                frontend.make_sequences([rows[i]["prompt"]], params[i], args.n)
+            except SaguaroError as exc:
+                write({"index": i, "prompt": rows[i]["prompt"], "error": str(exc)})
+                failures += 1
+                continue
+            pending[asyncio.ensure_future(handle.agenerate([rows[i]["prompt"]], params[i], args.n))] = i
+        if not pending:
+            continue
+        ready, _ = await asyncio.wait(pending, timeout=_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        if not ready:
+            for task in pending:
+                task.cancel()  # aborts its request
+            raise TimeoutError(f"no prompt finished within {_WAIT_S:.0f} s; {len(pending)} in flight")
+        for task in ready:
+            i = pending.pop(task)
+            try:
+                results = task.result()
+            except SaguaroError as exc:  # the prompt's own error, or an engine that could not resume it
+                write({"index": i, "prompt": rows[i]["prompt"], "error": str(exc)})
+                failures += 1
+                continue
+            for r in results:
+                obj = r.to_json()
+                obj["prompt_index"] = i
+                write({"index": i, "prompt": rows[i]["prompt"], **obj})
+            finished += 1
+            if finished % 10 == 0 or not (queue or pending):
+                print(f"generate: {finished}/{len(todo)} prompts done ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return failures
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -396,7 +396,7 @@ class CoordinatorActor:
             "draft_up": self.loop.draft_up,
             "drafts_up": len(self.loop.drafts.up()),
             "draft_catch_ups": self.loop.catch_ups,  # auto sequences whose drafts were sent the tokens they missed
-            "rounds": len(self.loop.timeline),
+            "rounds": self.loop.timeline.appended,  # since start (the timeline keeps the latest)
             "strategies": self.loop.assigner.metrics(),
             "queued": self.scheduler.queued,
             "active": self.scheduler.active,
