@@ -4,10 +4,10 @@ short soak on the zoo CPU deployment through the very command a user runs.
 The verdict leaves the warm-up out and fits a line to each process's RSS
 over the rest: a flat series after a warm-up bump passes, a steady climb
 fails (and so does a soak too short to show a trend). The short soak runs
-80 s of load sampled every 10 s and checks the report: every process of the
+60 s of load sampled every 10 s and checks the report: every process of the
 server (replica, coordinator, each worker) sampled with the memory it read
 itself, the table and the verdict in the text, the exit status agreeing with
-it. No timing and no memory figure of the real run is asserted (a 40 s
+it. No timing and no memory figure of the real run is asserted (a 30 s
 window says little about a leak; the 20-minute soak on the real model is
 the measurement, docs/runtime.md).
 """
@@ -134,7 +134,7 @@ def soak_report(tmp_path_factory, zoo_tiny) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-m", "saguaro_ray.jobs.load_test", "--config", str(ROOT / "deploy/serve/zoo-cpu.yaml")]
-    cmd += ["--clients", "6", "--disconnect", "0", "--poison", "0", "--soak", "1.33", "--sample-every", "10", "--json", str(out)]
+    cmd += ["--clients", "4", "--disconnect", "0", "--poison", "0", "--soak", "1", "--sample-every", "10", "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT, check=False)
     assert out.exists(), res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -145,9 +145,9 @@ def soak_report(tmp_path_factory, zoo_tiny) -> dict:
 def test_short_soak_samples_every_process_and_gives_a_verdict(soak_report):
     soak = soak_report["soak"]
     samples = soak["samples"]
-    assert len(samples) >= 8  # every 10 s over 80 s, and the load's end
+    assert len(samples) >= 6  # every 10 s over 60 s, and the load's end
     for s in samples:
-        assert {"replica", "coordinator", "target", "draft"} <= set(s["processes"]), s
+        assert {"replica", "coordinator", "target"} <= set(s["processes"]) and any(n.startswith("draft") for n in s["processes"]), s
         for p in s["processes"].values():
             assert p["rss_mib"] > 0 and p["threads"] > 0
     # the memory each process read itself: distinct pids, the workers' KV pools
@@ -155,7 +155,7 @@ def test_short_soak_samples_every_process_and_gives_a_verdict(soak_report):
     assert samples[-1]["processes"]["coordinator"]["timeline_mib"] > 0
     assert all(0 <= s["processes"]["target"]["kv_used"] <= s["processes"]["target"]["kv_blocks"] for s in samples)
     verdict = soak["verdict"]
-    assert set(verdict["processes"]) >= {"replica", "coordinator", "target", "draft"}
+    assert set(verdict["processes"]) == set(samples[-1]["processes"])
     assert all("slope_mib_per_min" in v for v in verdict["processes"].values()), verdict
     assert "soak verdict: " + ("PASS" if verdict["ok"] else "FAIL") in soak_report["stdout"]
     assert "MiB/min" in soak_report["stdout"]
