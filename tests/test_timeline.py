@@ -19,6 +19,7 @@ def _record(index: int, batch: int, auto: bool = False) -> RoundRecord:
     t = time.perf_counter
     rec = RoundRecord(index=index, batch=batch, start=t(), end=t(), verify=(t(), t()), draft=(t(), t()), build=(t(), t()), lookup=(t(), t()))
     rec.accepted, rec.proposed, rec.modes = [i % 5 for i in range(batch)], [4] * batch, {"ssd": batch // 2, "sd": batch - batch // 2}
+    rec.looked_up = [[i % 4, 4, i % 2] for i in range(batch // 2)]  # the SSD half's lookups
     rec.sent, rec.back, rec.lookup_sent, rec.lookup_back, rec.backup, rec.budget = t(), t(), t(), t(), "auto", 8
     if auto:
         rec.auto = {"chosen": {"option": "sd4", "tokens": 3.2, "seconds": 0.1}, "runner_up": {"option": "ar", "tokens": 1.0, "seconds": 0.05}, "measured": {"tokens": 3, "seconds": 0.11}}

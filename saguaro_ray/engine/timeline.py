@@ -75,8 +75,9 @@ def record_bytes(rec: RoundRecord) -> int:
     """What ``rec`` holds in memory, estimated: measured with ``tracemalloc``
     over 2,000 filled-in records (every span and control-plane time set),
     ~1.18 kB at batch 1 and ~1.6 kB at batch 32 (the per-sequence lists),
-    ~0.75 kB more with auto's prediction; the estimate errs a little high."""
-    return 1200 + 16 * len(rec.accepted) + 16 * len(rec.modes) + (800 if rec.auto else 0)
+    ~0.75 kB more with auto's prediction, ~90 B per SSD lookup's outcome; the
+    estimate errs a little high."""
+    return 1200 + 16 * len(rec.accepted) + 16 * len(rec.modes) + 90 * len(rec.looked_up) + (800 if rec.auto else 0)
 
 
 class Timeline:
