@@ -149,7 +149,7 @@ def test_short_soak_samples_every_process_and_gives_a_verdict(soak_report):
     for s in samples:
         assert {"replica", "coordinator", "target"} <= set(s["processes"]) and any(n.startswith("draft") for n in s["processes"]), s
         for p in s["processes"].values():
-            assert p["rss_mib"] > 0 and p["threads"] > 0
+            assert p["rss_mib"] > 0 and p["threads"] > 0 and p["python_blocks"] > 0
     # the memory each process read itself: distinct pids, the workers' KV pools
     assert len({p["pid"] for p in samples[-1]["processes"].values()}) == len(samples[-1]["processes"])
     assert samples[-1]["processes"]["coordinator"]["timeline_mib"] > 0

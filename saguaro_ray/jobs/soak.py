@@ -27,9 +27,11 @@ both
 A process whose pid changed during the window (Ray restarted it) is judged on
 its latest life. Fewer than three samples after warm-up cannot show a trend:
 that is a FAIL too (the soak was too short for its interval). glibc's heap
-in use gets its slope beside RSS: RSS climbing while the heap in use stays
-flat is the allocator holding freed memory, the heap in use climbing is
-objects kept alive — a leak.
+in use gets its slope beside RSS, and Python's allocated blocks their first
+and last count: RSS climbing while both stay flat is an allocator holding
+freed memory; the heap in use climbing is native memory kept (a leak, or a
+native cache filling — oneDNN's primitive cache is bounded, see docs/usage.md);
+Python's blocks climbing is Python objects kept alive.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def _process(p: dict[str, Any]) -> dict[str, Any]:
         "rss_mib": _mib(p["rss_bytes"]),
         "heap_in_use_mib": _mib(p.get("heap_in_use_bytes")),
         "heap_free_mib": _mib(p.get("heap_free_bytes")),
+        "python_blocks": p.get("python_blocks"),
         "threads": p["python_threads"],
     }
 
@@ -166,6 +169,7 @@ def judge(samples: list[dict[str, Any]], plan: SoakPlan) -> dict[str, Any]:
             "growth_mib": round(growth, 2),
             "heap_in_use_slope_mib_per_min": None if None in heap else round(slope(ts, heap), 3),
             "threads_first_last": [life[0][1]["threads"], life[-1][1]["threads"]],
+            "python_blocks_first_last": [life[0][1].get("python_blocks"), life[-1][1].get("python_blocks")],
         }
         grows = rss > bound.slope_mib_per_min and growth > bound.growth_mib
         verdicts[name] = v | {"ok": not grows, "why": f"RSS grows {rss:.2f} MiB/min, {growth:.1f} MiB over the window" if grows else None}
@@ -204,7 +208,8 @@ def soak_text(soak: dict[str, Any]) -> str:
             heap = v["heap_in_use_slope_mib_per_min"]
             lines.append(
                 f"  {name}: RSS {v['rss_first_mib']:.1f} -> {v['rss_last_mib']:.1f} MiB, slope {v['slope_mib_per_min']:+.2f} MiB/min "
-                f"({v['growth_mib']:+.1f} MiB over {v['samples']} samples), heap in use {'-' if heap is None else f'{heap:+.2f}'} MiB/min"
+                f"({v['growth_mib']:+.1f} MiB over {v['samples']} samples), heap in use {'-' if heap is None else f'{heap:+.2f}'} MiB/min, "
+                f"Python blocks {'-' if None in v['python_blocks_first_last'] else ' -> '.join(map(str, v['python_blocks_first_last']))}"
                 + (" (restarted)" if v["restarted"] else "") + ("" if v["ok"] else "  FAIL")
             )
         else:

@@ -6,13 +6,16 @@ coordinator in its ``metrics()``, the Serve replica in ``/v1/saguaro/metrics``
 — so nothing is guessed from outside from a pid that may belong to a
 restarted actor by then.
 
-Two readings tell allocator caching from a leak: the resident set (what the
-OS charges the process) and glibc's own account of its heap (``mallinfo2``):
-bytes handed out and not yet freed (``heap_in_use_bytes``: a leak grows this)
-and bytes freed but kept in the arenas (``heap_free_bytes``: caching and
-fragmentation grow this, and ``malloc_trim`` gives it back). torch's CPU
-tensors are allocated through the same malloc, so they count in both. On a
-libc without ``mallinfo2`` (musl, macOS) the heap fields are None.
+Three readings tell allocator caching from a leak: the resident set (what
+the OS charges the process); glibc's own account of its heap (``mallinfo2``):
+bytes handed out and not yet freed (``heap_in_use_bytes``: a native leak or
+a growing native cache shows here — torch's CPU tensors and oneDNN's caches
+are malloc'd) and bytes freed but kept in the arenas (``heap_free_bytes``:
+caching and fragmentation grow this, and ``malloc_trim`` gives it back); and
+the blocks Python's own allocator has handed out (``python_blocks``: small
+Python objects live in pymalloc's mmapped arenas, which glibc does not
+count — a Python-object leak shows here). On a libc without ``mallinfo2``
+(musl, macOS) the heap fields are None.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 from functools import cache
 from typing import Any
 
-MEMORY_FIELDS = ("rss_bytes", "heap_in_use_bytes", "heap_free_bytes")  # what memory() reads, besides the pid
+MEMORY_FIELDS = ("rss_bytes", "heap_in_use_bytes", "heap_free_bytes", "python_blocks")  # what memory() reads, besides the pid
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -56,9 +60,11 @@ def rss_bytes() -> int:
 
 
 def memory() -> dict[str, Any]:
-    """``pid``, ``rss_bytes`` and glibc's heap: ``heap_in_use_bytes`` (allocated,
-    small and mmapped chunks) and ``heap_free_bytes`` (freed, held by the arenas)."""
+    """``pid``, ``rss_bytes``, glibc's heap: ``heap_in_use_bytes`` (allocated,
+    small and mmapped chunks) and ``heap_free_bytes`` (freed, held by the
+    arenas), and ``python_blocks`` (pymalloc's blocks in use)."""
     out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": rss_bytes(), "heap_in_use_bytes": None, "heap_free_bytes": None}
+    out["python_blocks"] = sys.getallocatedblocks()
     libc = _libc()
     if libc is not None:
         m = libc.mallinfo2()
