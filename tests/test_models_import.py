@@ -517,10 +517,11 @@ def _top2_gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-def check_ar_equals_transformers_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> tuple[int, int]:
+def check_ar_equals_transformers_greedy(path: Path, prompts: list[str], max_new_tokens: int, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """Our runner's greedy tokens against transformers' greedy ``generate`` on
     the same checkpoint; a mismatch is allowed only where the top two logits
     (ours or theirs) are within 1e-4. Returns (positions compared, near-ties).
+    Both run in ``dtype``.
 
     Our runner follows transformers' tokens (prefill, then one AR decode step
     per token — what our greedy AR does), so every position is compared, also
@@ -530,8 +531,8 @@ def check_ar_equals_transformers_greedy(path: Path, prompts: list[str], max_new_
     from saguaro_ray.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(path, max_kv_tokens=4096)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    runner = ModelRunner(path, dtype=dtype, max_kv_tokens=4096)
     near_ties = compared = 0
     for i, text in enumerate(prompts):
         ids = tok.encode(text, add_special_tokens=False)
