@@ -175,8 +175,8 @@ def _reference_for(ar: RunResult, r: RunResult) -> bool:
 
 
 def inexact_rows(results: Sequence[dict[str, Any]]) -> list[str]:
-    """The rows of our engine whose outputs are not all AR's (``ssd b4 T0.7: 3/8``):
-    each one breaks the exactness contract."""
+    """The rows of our engine whose outputs are not all AR's
+    (``ssd (ray) batch 4 T 0.7: 3/8 equal``): each one breaks the exactness contract."""
     return [
         f"{row_name(e)} ({e['runtime']}) batch {e['batch_size']} T {_temperature_label(e['temperature'])}: {e['same_as_ar']['equal']}/{e['same_as_ar']['of']} equal"
         for e in results
