@@ -17,7 +17,7 @@ from torch import nn
 from saguaro_ray.algorithms.sampling import position_generator, position_uniforms, process_logits, uniforms
 from saguaro_ray.algorithms.verification import greedy_outcomes, verify
 from saguaro_ray.kernels.attention import TorchBackend, TreeBatch
-from saguaro_ray.kernels.linear import PackedLinear, linear_kernel, pack_linears, packing_available
+from saguaro_ray.kernels.linear import EXACT_ROWS, PackedLinear, linear_kernel, pack_linears, packing_available, row_bucket
 
 CPU = torch.device("cpu")
 
@@ -56,6 +56,33 @@ def test_packed_linear_is_row_invariant(dtype: torch.dtype) -> None:
             assert torch.equal(packed(x[:rows]), every[:rows]), rows
         for i in (0, 7, 16):
             assert torch.equal(packed(x[i]), every[i])
+
+
+def test_row_buckets_bound_the_shapes_and_the_padding() -> None:
+    """Every row count maps to a bucket at least as large and at most 1/8 larger,
+    exact up to EXACT_ROWS, and 1..2048 rows need 72 shapes (not 2,048)."""
+    assert [row_bucket(r) for r in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+    assert all(r <= row_bucket(r) <= r * 9 / 8 and row_bucket(row_bucket(r)) == row_bucket(r) for r in range(1, 20_000))
+    assert len({row_bucket(r) for r in range(1, 2049)}) == 72
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_rows_to_a_bucket_changes_no_bit(dtype: torch.dtype) -> None:
+    """The bucketed product of each row equals oneDNN's product at the exact row
+    count (what ran before bucketing), for counts inside and at the edge of buckets
+    and a 3-D input (a prefill's [1, T, D])."""
+    if not packing_available(CPU, dtype):
+        pytest.skip(f"oneDNN packing not available for {dtype}")
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 1536, bias=True).to(dtype)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(700, 576, dtype=dtype)
+    with torch.inference_mode():
+        for rows in (17, 19, 33, 100, 257, 699):
+            assert row_bucket(rows) != rows
+            exact = torch.ops.mkldnn._linear_pointwise(x[:rows], packed._packed, packed._bias, "none", [], "")
+            assert torch.equal(packed(x[:rows]), exact), rows
+            assert torch.equal(packed(x[:rows].unsqueeze(0)), exact.unsqueeze(0)), rows
 
 
 def test_pack_linears_respects_device_dtype_and_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,9 +72,39 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+EXACT_ROWS = 16
+"""Up to this many rows :func:`packed_linear` runs the row count it is given."""
+
+
+def row_bucket(rows: int) -> int:
+    """The row count :func:`packed_linear` runs for ``rows`` rows: ``rows`` up to
+    :data:`EXACT_ROWS`, above it the next of eight steps per octave (17..32 in
+    steps of 2, 33..64 in steps of 4, ...), so at most 1/8 more rows.
+
+    Why: oneDNN builds (JIT-compiles) a primitive per input shape and keeps it in
+    two caches of up to 1,024 entries each (its own and ideep's), ~0.3 MB apiece;
+    a server's prefills and ragged batches bring a new row count nearly every
+    round, so a worker's memory kept growing for the 20 minutes of a soak (issue
+    36: +6.9 MiB/min on SmolLM2-135M) and each new count paid a compilation.
+    Bucketed, every weight sees at most 16 + 8 per octave shapes (72 up to 2,048
+    rows), all kept. Padding is exact: oneDNN's product of a row does not depend
+    on how many rows come with it from two up (tests/test_fast_paths.py)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with a weight from :func:`pack_weight` (``x`` in the weight's dtype)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``x @ W.T + bias`` with a weight from :func:`pack_weight` (``x`` in the weight's
+    dtype), run on :func:`row_bucket` rows (zero rows added, their outputs dropped)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    bucket = row_bucket(rows)
+    if bucket != rows:
+        flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return (y if bucket == rows else y[:rows]).view(*x.shape[:-1], y.shape[-1])
 
 
 class PackedLinear(nn.Module):
@@ -163,6 +193,7 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, ke
 __all__ = [
     "KERNEL_ENV",
     "LINEAR_KERNELS",
+    "EXACT_ROWS",
     "PackedLinear",
     "linear_kernel",
     "pack_linears",
@@ -170,4 +201,5 @@ __all__ = [
     "packed_linear",
     "packing_available",
     "plain_linears",
+    "row_bucket",
 ]
