@@ -108,11 +108,12 @@ def test_processes_read_from_the_metrics_resources():
         **mine,
         "engine": {
             "coordinator": {**mine, "pid": 8, "timeline_bytes": 2**21},
-            "workers": {"target": {**mine, "pid": 9, "kv_blocks": 64, "free_kv_blocks": 60}},
+            "workers": {"target": {**mine, "pid": 9, "kv_blocks": 64, "free_kv_blocks": 60, "ranks": [{**mine, "pid": 10, "tp_rank": 1}]}},
         },
     }
     got = processes(resources)
-    assert set(got) == {"replica", "coordinator", "target"}
+    assert set(got) == {"replica", "coordinator", "target", "target.rank1"}  # a sharded target's rank 1 is a process of its own
+    assert got["target.rank1"]["pid"] == 10 and got["target.rank1"]["rss_mib"] == 300.0
     assert got["replica"]["rss_mib"] == 300.0 and got["coordinator"]["timeline_mib"] == 2.0
     assert got["target"]["kv_used"] == 4 and got["target"]["pid"] == 9
     resources["engine"] = {"coordinator": None, "workers": None}  # an engine that did not answer in time

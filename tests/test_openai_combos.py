@@ -87,7 +87,9 @@ def test_a_tensor_parallel_target_under_grammar_penalties_and_logprobs_equals_tp
         )
     )  # fmt: skip
     try:
-        assert [r["tp_rank"] for r in h.worker_info()["target"]["ranks"]] == [0, 1]
+        ranks = h.worker_info()["target"]["ranks"]
+        assert [r["tp_rank"] for r in ranks] == [0, 1]
+        assert ranks[1]["rss_bytes"] > 0 and ranks[1]["pid"] != ranks[0]["pid"]  # rank 1 reports its own memory (the soak samples it)
         got = h.generate(prompts, params)
     finally:
         h.shutdown()

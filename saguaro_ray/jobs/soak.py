@@ -102,13 +102,16 @@ def _process(p: dict[str, Any]) -> dict[str, Any]:
 def processes(resources: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each process's sample from a metrics snapshot's ``resources``: the
     replica, the coordinator and every worker (by role; a worker also its KV
-    blocks in use). One that did not answer is left out of this sample."""
+    blocks in use; a sharded target's ranks > 0 as ``target.rank1``, ...).
+    One that did not answer is left out of this sample."""
     out = {"replica": _process(resources)}
     engine = resources["engine"]
     if engine.get("coordinator"):
         out["coordinator"] = _process(engine["coordinator"]) | {"timeline_mib": _mib(engine["coordinator"]["timeline_bytes"])}
     for role, w in (engine.get("workers") or {}).items():
         out[role] = _process(w) | {"kv_used": w["kv_blocks"] - w["free_kv_blocks"], "kv_blocks": w["kv_blocks"]}
+        for rank in w.get("ranks", []):  # a sharded target's ranks > 0, judged as processes of their own
+            out[f"{role}.rank{rank['tp_rank']}"] = _process(rank)
     return out
 
 

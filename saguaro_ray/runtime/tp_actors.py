@@ -26,8 +26,10 @@ from saguaro_ray.runtime.actors import WorkerActor, make_runner
 from saguaro_ray.runtime.data_plane import DataPlaneStore, StoreClient
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.placement import actor_options, reserve
+from saguaro_ray.runtime.process_memory import memory
 from saguaro_ray.runtime.restart_budget import RAY_MAX_RESTARTS
 from saguaro_ray.runtime.target_group import TargetGroup
+from saguaro_ray.runtime.threads import own_threads
 from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext
@@ -121,7 +123,8 @@ class TargetFollowerActor:
     def info(self) -> dict[str, Any]:
         return {
             "role": f"target.rank{self.tp.rank}",
-            "pid": os.getpid(),
+            **memory(),  # pid and memory: the soak samples every rank, not only rank 0
+            "python_threads": len(own_threads()),
             "node": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "tp_rank": self.tp.rank,

@@ -189,6 +189,8 @@ class ReplicaCore:
                 "kv_blocks": i["kv_tokens"] // i["block_size"],
                 "python_threads": i["python_threads"],
                 "thread_kinds": i["thread_kinds"],
+                # a sharded target's other ranks: processes of their own, sampled too
+                "ranks": [{k: r[k] for k in ("tp_rank", "pid", "python_threads", *MEMORY_FIELDS)} for r in i.get("ranks", [])[1:]],
             }
             for role, i in infos.items()
         }
