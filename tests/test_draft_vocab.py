@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_checkpoint, torch_threads
+from helpers import save_tiny_checkpoint
 from test_exactness_sampling import assert_law, exact_law
 from test_structured_output import JSON_OBJECT, grammar_law
 
@@ -36,16 +36,12 @@ from saguaro_ray.workers.messages import SeqStep
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.target import RunnerLogic
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 N_ZOO = 512  # of the tiny zoo's 2048 ids
 PROMPTS = ["def f(x):\n    return ", "import os\n", "for i in range(10):\n    "]
 MAX_TOKENS = 24
 STRATEGIES = {"sd": Strategy("sd", 3), "ssd": Strategy("ssd", 3), "pyramid": Strategy("pyramid")}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 def greedy(mode: str, **kw) -> SamplingParams:

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 MAX_TOKENS = 24
 # ragged lengths 1 .. 40, distinct content
@@ -35,12 +37,6 @@ PROMPTS: list[list[int]] = [
     [(17 * i + 4) % 120 + 3 for i in range(40)],
 ]
 BATCH = PROMPTS[:5]  # the batch-size-5 call
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, load_hf_model, save_tiny_checkpoint
 from scipy.stats import chi2
 
 from saguaro_ray.algorithms.sampling import process_logits
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 PROMPT = [5, 6, 7]
 M = 6  # generated tokens whose joint law is tested
@@ -51,12 +53,6 @@ N_MUTANT = 1500  # samples per sensitivity run (their bias is gross)
 SEED = 50_000  # samples use SEED .. SEED + N - 1
 ALPHA = 1e-3
 REJECT = 1e-6  # sensitivity checks must reject far below ALPHA
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import save_tiny_checkpoint, torch_threads
+from helpers import save_tiny_checkpoint
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.kernels.linear import PackedLinear, pack_linears, packing_available
 from saguaro_ray.workers.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 CPU = torch.device("cpu")
 ROWS = (1, 5, 8, 17)
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 def _skip_unless_packable(dtype: torch.dtype) -> None:

@@ -12,18 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import hf_logits, load_hf_model, save_tiny_checkpoint, torch_threads
+from helpers import hf_logits, load_hf_model, save_tiny_checkpoint
 from saguaro_ray.errors import ConfigError, OutOfKVBlocksError, PromptTooLongError, SaguaroError
 from saguaro_ray.workers.kv_cache import PagedKVCache
 from saguaro_ray.workers.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 BS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 def make_cache(num_blocks: int = 8, block_size: int = BS) -> PagedKVCache:

@@ -20,11 +20,12 @@ from saguaro_ray.config import SamplingParams, Strategy
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [3], [44, 45, 46, 47, 48], [90, 12, 77, 31]]
 STRATEGIES = [Strategy("ar"), Strategy("sd", 3), Strategy("ssd", 3), Strategy("pyramid"), Strategy("auto")]
 PENALTY = dict(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.4, logit_bias=((7, 3.0), (11, -2.0)))
 
-_one_thread = test_exactness_greedy._one_thread
 models = test_exactness_greedy.models
 
 

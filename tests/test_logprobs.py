@@ -22,7 +22,6 @@ from collections import Counter
 import pytest
 import torch
 from helpers import hf_logits, load_hf_model
-from test_exactness_greedy import _one_thread  # noqa: F401  (one torch thread for the module)
 
 from saguaro_ray.algorithms.logprobs import IMPOSSIBLE, TokenLogprobs, top_n
 from saguaro_ray.config import SamplingParams, SpeculationConfig, Strategy
@@ -30,6 +29,8 @@ from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.runtime.wire import FrameCodec
 from saguaro_ray.workers.messages import Outcome
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 TOL = 1e-4
 BOUNDARY = 1e-5  # a top-p cut this close to a token's preceding mass may fall on either side of it

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import torch_threads
 from saguaro_ray.cli import main
 from saguaro_ray.errors import CheckpointError, ConfigError, UnsupportedArchitectureError
 from saguaro_ray.models import ModelRef, import_gguf, models_root, real_model_path, resolve_model_path, resolve_models
@@ -37,15 +36,11 @@ from saguaro_ray.models.spec import QUANT_SCHEMES
 from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 ATOL = 1e-4
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 MERGES = ["Ġ t", "h e", "i n", "Ġt he", "r e", "Ġ a", "o n"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 def write_gguf(

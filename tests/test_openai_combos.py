@@ -44,6 +44,8 @@ from saguaro_ray.workers.grammar_masks import GrammarMasks
 from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.token_history import TokenHistory
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 SCHEMA = FORMATS["json_schema"]
 SCHEMA_FORMAT = ResponseFormat.of(SCHEMA)
 N_LOGPROBS = 5
@@ -51,7 +53,6 @@ PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_pena
 
 
 # one torch thread; the structured-output tests' engine (every strategy, auto by default) and tokenizer; transformers' target
-_one_thread = test_exactness_greedy._one_thread
 engine = test_structured_output.engine
 tokenizer = test_structured_output.tokenizer
 hf = test_logprobs.hf

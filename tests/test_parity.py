@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import hf_logits, load_hf_model, save_tiny_checkpoint, torch_threads
+from helpers import hf_logits, load_hf_model, save_tiny_checkpoint
 from saguaro_ray.workers.checkpoint import open_checkpoint
 from saguaro_ray.workers.rope import inverse_frequencies
 from saguaro_ray.workers.runner import ModelRunner
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 ATOL = 1e-4
 BLOCK = 4
@@ -42,12 +44,6 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @dataclass

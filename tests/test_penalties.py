@@ -40,7 +40,7 @@ from typing import Any
 import openai
 import pytest
 import torch
-from helpers import load_hf_model, perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+from helpers import load_hf_model, perturbed_checkpoint, save_tiny_checkpoint
 from test_exactness_sampling import ALPHA, REJECT, chi_square, counts_of, exact_law
 import test_serve
 from test_serve import MODEL, assert_openai_error, bounded, raw_post
@@ -56,6 +56,8 @@ from saguaro_ray.serve.chat import chat_prompt_ids
 from saguaro_ray.workers.logit_adjust import LogitAdjuster, RowContext
 from saguaro_ray.workers.token_history import TokenHistory
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 test_serve.share_fixtures(globals())  # the Serve tests' Ray cluster, engine and app, as fixtures here too
 
 MAX_TOKENS = 24
@@ -70,12 +72,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "all": {"presence_penalty": 0.4, "frequency_penalty": 0.6, "repetition_penalty": 1.2, "logit_bias": {NEWLINE: -3, 283: 1.5}},
 }
 STRATEGIES = {"sd": Strategy("sd", 3), "ssd": Strategy("ssd", 3), "pyramid": Strategy("pyramid"), "auto": Strategy("auto", 3)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 def greedy(setting: str | None = None, strategy: Strategy | None = None, max_tokens: int = MAX_TOKENS) -> SamplingParams:

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import torch_threads
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
@@ -36,6 +35,8 @@ from saguaro_ray.workers.model_config import DecoderConfig
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 CPU = torch.device("cpu")
 ROWS = (1, 4, 5, 8, 9, 17)  # either side of each format's int_rows
 # the int kernels and oneDNN compute in bf16: outputs carry bf16 rounding
@@ -43,12 +44,6 @@ TOL = {"rtol": 2e-2, "atol": 2e-2}
 # ...and a runner's logits come out of a bf16 head, one bf16 step apart (1/32 at |logit| >= 4)
 # between paths whose hidden states differ by rounding
 RUNNER_TOL = {"rtol": 2e-2, "atol": 8e-2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 FORMATS = {"int8": INT8_PER_CHANNEL, "int4-g32": INT4_GROUP32}

@@ -13,7 +13,6 @@ is tested in ``test_models_import.py``.
 from __future__ import annotations
 
 import pytest
-from helpers import torch_threads
 from test_exactness_sampling import assert_law, exact_law
 from test_models_import import REAL, needs_wheel
 
@@ -23,7 +22,7 @@ from saguaro_ray.runtime.engine_config import EngineConfig
 from saguaro_ray.models import resolve_model_path
 from saguaro_ray.prompt_sets import humaneval_problems
 
-pytestmark = needs_wheel
+pytestmark = [needs_wheel, pytest.mark.usefixtures("one_thread")]
 
 TOKENS = 128
 SPECS = {
@@ -31,12 +30,6 @@ SPECS = {
     "ssd": dict(draft="self:int4", spec=SpeculationConfig(mode="ssd", k=4)),
     "pyramid": dict(draft="self:int4", qualifier="self:int8", spec=SpeculationConfig(mode="pyramid", lq=4, ld=2)),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

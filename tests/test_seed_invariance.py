@@ -31,12 +31,13 @@ import pytest
 from engine_helpers import SPECS
 from test_exactness_sampling import ALPHA, N_MUTANT, REJECT, chi_square, counts_of, run
 from test_exactness_sampling import models, target_law  # noqa: F401  (fixtures)
-from test_exactness_sampling import _one_thread  # noqa: F401  (fixture)
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.runtime.engine_config import EngineConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 PROMPTS = ["def main(", "import os"]
 N = 3  # samples per prompt (sample i uses seed + i)

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 
 import pytest
-from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, save_tiny_checkpoint
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
 from saguaro_ray.runtime.engine_config import EngineConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [3], [44, 45, 46, 47, 48, 49], [90, 12, 77, 31]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

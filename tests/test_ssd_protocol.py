@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import perturbed_checkpoint, save_tiny_checkpoint, torch_threads
+from helpers import perturbed_checkpoint, save_tiny_checkpoint
 
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.engine import LocalEngine
@@ -30,14 +30,10 @@ from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.messages import BuildItem, KVDelta, LookupResult, NextRound, Proposal, ProposalSource, SeqStep, Timed
 from saguaro_ray.workers.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=50, seed=1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import save_tiny_checkpoint, torch_threads
+from helpers import save_tiny_checkpoint
 
 from saguaro_ray.workers.graphs import StepGraphs, bucket
 from saguaro_ray.workers.runner import ModelRunner
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral-window"])

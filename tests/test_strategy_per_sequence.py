@@ -23,6 +23,8 @@ from saguaro_ray.engine import LocalEngine
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.runtime.engine_config import EngineConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 MAX_TOKENS = 20
 PROMPTS: list[list[int]] = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [3], [44, 45, 46, 47, 48], [90, 12, 77, 31], [8, 9]]
 STRATEGIES = [Strategy("ar"), Strategy("sd", 2), Strategy("ssd", 3), Strategy("pyramid"), Strategy("auto"), Strategy("sd", 5)]
@@ -52,7 +54,6 @@ class Cycling:
         self.observed.append(costs)
 
 
-_one_thread = test_exactness_greedy._one_thread  # one torch thread, and the greedy tests' tiny models
 models = test_exactness_greedy.models
 
 

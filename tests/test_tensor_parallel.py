@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import ARCHES, save_tiny_checkpoint, torch_threads
+from helpers import ARCHES, save_tiny_checkpoint
 from tp_helpers import RUNNER_KWARGS, rank_main, scenario
 from saguaro_ray.errors import CheckpointError, ConfigError, JoinTimeout
 from saguaro_ray.runtime.data_plane import DataPlaneStore
@@ -24,17 +24,13 @@ from saguaro_ray.workers.checkpoint import load_decoder, open_checkpoint
 from saguaro_ray.workers.runner import ModelRunner
 from saguaro_ray.workers.tensor_parallel import ShardPlan, TPContext, check_tensor_parallel
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as each worker runs
+
 # (arch, overrides): every preset, plus the awkward splits
 CASES = [(arch, {}) for arch in ARCHES] + [
     ("llama", {"num_key_value_heads": 1}),  # one KV head over two ranks: replicated
     ("qwen2", {"vocab_size": 131, "tie_word_embeddings": True}),  # uneven vocabulary, tied LM head
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")
