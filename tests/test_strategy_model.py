@@ -61,6 +61,13 @@ class Truth:
     hit: dict = field(default_factory=lambda: {0.0: 0.8, 0.7: 0.5})
     hit_knee: int = 99  # past this K the hit rate falls by hit_drop a K: a fixed budget covers fewer outcomes of a longer speculation
     hit_drop: float = 0.0
+    # a round where a sequence enters SSD or an SSD sequence changes K has no plan built ahead for
+    # it: its build starts afresh (after any stale one) and takes this much longer
+    entry_s: float = 0.0
+    # drafts this many tokens behind a sequence (it ran AR) catch up before it speculates: it runs
+    # AR that round while they do, and the catch-up slows that round's verification by catch_up_s
+    catch_up: int = 0
+    catch_up_s: float = 0.0
     noise: float = 0.03
 
     def verify(self, tokens: float, n: int = 0) -> float:
@@ -101,13 +108,18 @@ class Truth:
         sd = [k for m, k in choices if m == "sd"]
         return self.draft_r + max(sd) * self.step(len(sd)) if sd else 0.0
 
-    def expected_time(self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool]) -> float:
+    def expected_time(
+        self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool], rebuild: bool = False, catch_ups: int = 0
+    ) -> float:
+        """``rebuild``: a sequence enters SSD or changes K in it (:attr:`entry_s`);
+        ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`)."""
         tokens = sum(k + 1 for _, k in choices)
-        verify = self.verify(tokens, len(choices))
+        verify = self.verify(tokens, len(choices)) + (self.catch_up_s if catch_ups else 0.0)
         t = self.control(choices) + verify + self.drafting(choices)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
-            t += self.ssd_base + max(0.0, self.build(len(ssd), max(k for _, k, _ in ssd)) - verify)
+            build = self.build(len(ssd), max(k for _, k, _ in ssd)) + (self.entry_s if rebuild else 0.0)
+            t += self.ssd_base + max(0.0, build - verify)
             if self.backup == "neural":
                 miss = [1.0 if e else 1.0 - self.hit_at(tt, k) for tt, k, e in ssd]
                 p_any = 1.0 - math.prod(1.0 - m for m in miss)
@@ -125,8 +137,9 @@ class Truth:
         return max((self.rate(temps, [o] * len(temps)), o) for o in options)
 
 
-def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids) -> RoundCosts:
-    """One sampled round under ``truth`` (what the engine would report)."""
+def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0) -> RoundCosts:
+    """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
+    ``catch_ups``: see :meth:`Truth.expected_time`)."""
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
@@ -144,13 +157,13 @@ def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids) 
             acc += 1
         seqs.append(SeqResult(sid, t, m, k, acc, hit))
     tokens = sum(k + 1 for _, k in choices)
-    verify = truth.verify(tokens, len(choices)) * noise()
+    verify = (truth.verify(tokens, len(choices)) + (truth.catch_up_s if catch_ups else 0.0)) * noise()
     sd = [k for m, k in choices if m == "sd"]
     draft = truth.drafting(choices) * noise()
     n_ssd = sum(m == "ssd" for m, _ in choices)
     exposed, build = 0.0, math.nan
     if n_ssd:
-        build = truth.build(n_ssd, ssd_k) * noise()
+        build = (truth.build(n_ssd, ssd_k) + (truth.entry_s if rebuild else 0.0)) * noise()
         exposed = truth.ssd_base * noise() + max(0.0, build - verify)
         if truth.backup == "neural" and misses:
             exposed += ssd_k * truth.step(misses) * noise()
@@ -175,21 +188,30 @@ def simulate(
     policy = policy or AutoPolicy(modes=modes, max_k=MAX_K, seed=seed)
     rng = random.Random(seed + 1000)
     current: list[str | None] = [None] * len(temps)
+    last_k = [0] * len(temps)  # each sequence's K in its last SSD round
+    lag = [0] * len(temps)  # tokens its drafts have not seen (it ran AR)
     seq_ids = list(range(len(temps)))
     history, tokens, times = [], [], []
     for r in range(rounds):
         if lifetime:
             for i in range(len(temps)):
                 if r and (r + i * lifetime // len(temps)) % lifetime == 0:
-                    seq_ids[i], current[i] = max(seq_ids) + 1, None
-        views = [SeqView(i, t, k_cap, modes, c) for i, t, c in zip(seq_ids, temps, current)]
+                    seq_ids[i], current[i], lag[i] = max(seq_ids) + 1, None, 0
+        lagging = [bool(truth.catch_up) and n >= truth.catch_up for n in lag]
+        views = [SeqView(i, t, k_cap, modes, c, lg) for i, t, c, lg in zip(seq_ids, temps, current, lagging)]
         picked = [(c.mode, c.k) for c in policy.choose(views)]
+        # a sequence whose drafts lag runs AR while they catch up (the engine's not-ready rounds)
+        caught = [lg and m != "ar" for lg, (m, _) in zip(lagging, picked)]
+        picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
+        rebuild = any(en or (m == "ssd" and k != lk) for en, (m, k), lk in zip(entering, picked, last_k))
         history.append(picked)
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, picked, entering)))
-        times.append(truth.expected_time(temps, picked, entering))
-        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids))
+        times.append(truth.expected_time(temps, picked, entering, rebuild, sum(caught)))
+        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught)))
         current = [m for m, _ in picked]
+        last_k = [k if m == "ssd" else 0 for m, k in picked]
+        lag = [0 if cu or m != "ar" else n + 1 for cu, (m, _), n in zip(caught, picked, lag)]
     return policy, history, tokens, times
 
 
@@ -217,7 +239,9 @@ def test_cheap_draft_high_acceptance_converges_to_speculation_with_k_above_one()
     assert all(m in ("sd", "ssd") and k > 1 for m, k in final), final
     assert achieved(tokens, times) > 1.5 * truth.rate([0.0] * 4, [("ar", 0)] * 4)
     reached = rounds_to_reach(tokens, times, 0.95 * truth.best_fixed([0.0] * 4)[0])
-    assert reached is not None and reached <= 60, reached
+    # (59 rounds until session 23; 61 since the SSD entry and the K change of rounds 3-6 no longer
+    # count as SSD's measured rate, which moves the AR guard's measurements of AR two rounds later)
+    assert reached is not None and reached <= 64, reached
 
 
 @pytest.mark.parametrize(
@@ -866,3 +890,63 @@ def test_no_trial_or_switch_churn_at_batch_8_when_ar_wins():
     speculating = [h for h in history if any(m != "ar" for m, _ in h)]
     assert len(speculating) <= 6, speculating
     assert achieved(tokens, times, last=100) >= 0.95 * best
+
+
+# ------------------------------------------- getting into SSD costs time, and the guard (issue 33, session 23)
+
+# batch 8 on the real CPU target at T = 0.7 (session 22's worst cell, 0.76x AR): steady SSD rounds
+# at K = 1 beat AR, but a round that enters SSD or changes its K builds afresh and took 350-720 ms
+# against ~150 ms steady; drafts 8 tokens behind a sequence catch up before it speculates
+SMOL_B8_ENTRY = replace(SMOL_CPU, entry_s=0.4, catch_up=8, catch_up_s=0.015)
+
+
+def test_the_guard_judges_ssd_by_its_steady_rounds(monkeypatch):
+    """A choice of SSD (the search forced to it) that wins by 1.4x in steady rounds, on a
+    target whose SSD entries take 0.8 s more (five steady rounds; session 22 measured up to
+    0.57 s more at batch 8): the entry rounds that the AR guard's measuring of AR forces
+    (leaving SSD for a round, then coming back) must not count as SSD's rate — counted, they
+    held AR for good (79 of 150 rounds; session 22: AR for 18-48 rounds a run, each re-test
+    an entry again). Judged by its steady rounds SSD runs on: 0.84 of its steady rate, the
+    entries the AR measurements cost included (0.70 counted)."""
+    truth, temps = replace(SMOL_B8_ENTRY, entry_s=0.8), [0.7] * 8
+    ssd = truth.rate(temps, [("ssd", 1)] * 8)
+    assert ssd > 1.4 * truth.rate(temps, [("ar", 0)] * 8)
+    policy = seeded(truth)
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", 1) for _ in auto])
+    _, history, tokens, times = simulate(truth, temps, rounds=150, policy=policy)
+    assert policy.snapshot()["guard_held"] <= 10
+    assert achieved(tokens, times, last=150) >= 0.8 * ssd, (achieved(tokens, times, last=150) / ssd, policy.snapshot()["guard_held"])
+
+
+def test_a_retest_that_waited_for_its_drafts_runs_when_they_are_ready(monkeypatch):
+    """The guard holds AR after SSD measured slow (a dear draft: the first 100 rounds);
+    then the draft gets cheap (SSD wins by 1.4x). A re-test of SSD finds the drafts behind
+    (the sequences ran AR), so its round runs AR while they catch up: that re-test must run
+    on the next round rather than count as done — else every re-test is an AR round and
+    SSD is never measured again (session 22: each re-test found drafts 16 tokens behind)."""
+    slow = replace(SMOL_B8_ENTRY, entry_s=0.0, build_k=0.2, build_nk=0.05)
+    fast = replace(SMOL_B8_ENTRY, entry_s=0.0)
+    temps = [0.7] * 8
+    assert slow.rate(temps, [("ssd", 1)] * 8) < 0.8 * slow.rate(temps, [("ar", 0)] * 8) and fast.rate(temps, [("ssd", 1)] * 8) > 1.4 * fast.rate(temps, [("ar", 0)] * 8)
+    policy = seeded(slow)
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", 1) for _ in auto])
+    simulate(slow, temps, rounds=100, policy=policy)
+    _, history, *_ = simulate(fast, temps, rounds=200, seed=1, policy=policy)
+    speculating = [i for i, h in enumerate(history) if h[0][0] == "ssd"]
+    assert len(speculating) >= 10, speculating
+
+
+@pytest.mark.parametrize("temps", [[0.7] * 8, [0.0, 0.7] * 4], ids=["b8-t07", "b8-mixed"])
+def test_what_an_ssd_entry_took_is_charged_when_switching(temps):
+    """Batch 8 where steady SSD at K = 1 beats AR by 1.45x but each entry or K change costs
+    0.4 s (two and a half steady rounds): the rebuild's measured time is charged in the switch
+    cost (trials, K changes and the AR guard's measuring rounds pay it in full, a choice
+    amortised over its horizon), so auto gets into SSD and stays: 0.85 of the best in the
+    first 100 rounds, where charging only an entry's forced miss reached 0.72 (SSD left
+    after the first costly entries, AR for the rest)."""
+    truth = SMOL_B8_ENTRY
+    best, choice = truth.best_fixed(temps)
+    assert choice == ("ssd", 1) and best > 1.4 * truth.rate(temps, [("ar", 0)] * 8)
+    policy, history, tokens, times = simulate(truth, temps, rounds=100, policy=seeded(truth))
+    assert achieved(tokens, times, last=100) >= 0.85 * best, (achieved(tokens, times, last=100) / best, policy.snapshot()["guard_held"])
+    assert policy.snapshot()["rebuild_ratio"] > 1.0  # what it learned: a rebuild round takes more than a whole build beyond a steady one

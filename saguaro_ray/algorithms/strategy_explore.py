@@ -116,12 +116,13 @@ class Trials:
         # (kind, -score, tie-break, from, to): optimistic candidates rank before blind cost
         # checks, whose inflated score is no estimate to compare with theirs
         candidates: list[tuple[int, float, float, tuple[str, int], tuple[str, int]]] = []
-        trials: dict[tuple[tuple[str, int], tuple[str, int]], tuple[list[int], list[tuple[str, int]], float]] = {}
+        trials: dict[tuple[tuple[str, int], tuple[str, int]], tuple[list[int], list[tuple[str, int]], tuple[float, float]]] = {}
         for opt in dict.fromkeys(opts):
             for alt in neighbours(next(g for g in groups if g.opt == opt)):
                 moved = [i for i, g in enumerate(groups) if g.opt == opt and alt in neighbours(g)]
                 trial = [alt if i in moved else o for i, o in enumerate(opts)]
-                cost = -sum(len(groups[i].members) * groups[i].excursion(alt) for i in moved)
+                excursions = [(len(groups[i].members), groups[i].excursion(alt)) for i in moved]
+                cost = (-sum(n * x[0] for n, x in excursions), sum(n * x[1] for n, x in excursions))
                 trials[opt, alt] = (moved, trial, cost)
                 for i in moved:
                     if i not in ups:

@@ -23,6 +23,9 @@ GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 
 GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
 GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
 GUARD_RETEST = 16  # a context held at AR lets the model's choice run at most once every this many rounds
+# a re-test whose rounds measured nothing steady (they waited for drafts to catch up, or rebuilt
+# SSD's cache) runs again on the next round, for at most this many rounds
+RETEST_PENDING = 4
 
 
 class ARGuard:
@@ -31,8 +34,11 @@ class ARGuard:
     def __init__(self) -> None:
         self._arms: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
         self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
+        # re-tests in progress: the arm's weight when it was let through (unchanged: nothing measured yet), rounds left
+        self._retesting: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, int]] = {}
         self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
         self.retest_rate: float | None = None  # set by a hold() that let a re-test through: AR's measured rate
+        self.measuring = False  # set by a hold() that runs AR to measure its rate
 
     @staticmethod
     def context(batch: int, temperatures: Sequence[float]) -> tuple[int, tuple[int, ...]]:
@@ -49,7 +55,7 @@ class ARGuard:
         tok, sec, w = self._arms.get((context, arm), (0.0, 0.0, 0.0))
         self._arms[context, arm] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
 
-    def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], budget_s: float = math.inf) -> bool:
+    def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], budget_s: float = math.inf, leave_s: float = 0.0) -> bool:
         """Should a speculating choice in ``context``, whose round would run ``arm``, give way to AR this round?
         Yes while AR measures faster — but for a re-test: at most every
         :data:`GUARD_RETEST`-th round, and only when ``budget_s`` (the policy's
@@ -57,18 +63,29 @@ class ARGuard:
         measures beyond AR's time for its tokens (then :attr:`retest_rate` is
         AR's rate, the reference the policy charges the round against). And,
         to have the rate speculation must beat, every :data:`GUARD_RETEST`-th
-        round while AR's is not known yet."""
-        self.retest_rate = None
+        round while AR's is not known yet — once ``budget_s`` covers
+        ``leave_s``, what leaving the choice for a round costs (SSD's cache
+        rebuilt on return; then :attr:`measuring` is set and the policy pays it)."""
+        self.retest_rate, self.measuring = None, False
         plain, spec = self._arms.get((context, ())), self._arms.get((context, arm))
         if spec is None or spec[2] < GUARD_EVIDENCE:
             return False
+        pending = self._retesting.pop((context, arm), None)
+        if pending is not None and pending[0] == spec[2] and pending[1] > 0 and plain is not None:
+            # the re-test measured no steady round yet (a round the guard does not count): it runs again
+            self._retesting[context, arm] = (pending[0], pending[1] - 1)
+            self.retest_rate = plain[0] / plain[1]
+            return False
         n = self._holds[context] = self._holds.get(context, 0) + 1
         if plain is None or plain[2] < GUARD_EVIDENCE:
-            hold = n % GUARD_RETEST == 0
+            hold = self.measuring = n >= GUARD_RETEST and leave_s <= budget_s
+            if hold:
+                self._holds[context] = 0
         else:
             ar_rate = plain[0] / plain[1]
             hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * ar_rate
             if hold and n >= GUARD_RETEST and spec[1] / spec[2] - spec[0] / spec[2] / ar_rate <= budget_s:
                 hold, self._holds[context], self.retest_rate = False, 0, ar_rate
+                self._retesting[context, arm] = (spec[2], RETEST_PENDING)
         self.held += hold
         return hold

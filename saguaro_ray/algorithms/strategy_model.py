@@ -34,6 +34,7 @@ from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, Hit
 from saguaro_ray.algorithms.strategy_explore import Trials
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_search import (
+    SWITCH_HORIZON,
     Costs,
     Group,
     Load,
@@ -70,6 +71,13 @@ _SSD_EXPOSED_PRIOR = 0.1  # unmeasured SSD exposure: this share of the verificat
 # the first rounds' (mode, K as a share of max_k) (see AutoPolicy._cold_start)
 _COLD_START = (("ar", 0.0), ("sd", 0.25), ("sd", 0.5), ("ssd", 0.5), ("ssd", 0.5), ("ssd", 0.5))
 _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
+# a round that enters SSD or changes an SSD sequence's K builds afresh (no plan ahead for it, and
+# after any stale one): what it takes beyond the steady round's prediction, as a multiple of the
+# predicted build, weighs the last ~5 such rounds; before one is measured, nothing beyond its
+# forced miss (a prior of one whole build exposed kept a fresh engine out of SSD in simulation
+# where it won by 1.2x and entries cost no more than their misses)
+_REBUILD_DECAY = 0.8
+_REBUILD_PRIOR = 0.0
 
 
 @dataclass
@@ -78,6 +86,7 @@ class _SeqStat:
     accepted: float = 0.0
     seen: int = 0  # the round it was last observed
     full: bool | None = None  # its last round accepted every draft token (what its next lookup looks up)
+    ssd_k: int = 0  # the K of its last round, if that ran SSD (its cache was built for it)
 
 
 class AutoPolicy:
@@ -118,7 +127,11 @@ class AutoPolicy:
         self._hit = [HitRates(max_k, _HIT_PRIOR) for _ in BUCKETS]
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
+        self._speculating: set[int] = set()  # auto sequences the round just chosen speculates with
+        self._rebuild = [0.0, 0.0]  # decayed Σ (excess / predicted build) and count over rebuild rounds
         self._observed = 0
+        self._switch_full_s = 0.0  # seconds of rebuild the last choice pays in its round (a re-test's budget covers it)
+        self._leave_full_s = 0.0  # ... and that a round of AR instead would cost (SSD's rebuild on return)
         self._last_counts = {m: 0 for m in AUTO_MODES}
         self._last_rate = 0.0  # the last search's predicted tokens/s: the next one's starting λ
         self._guard = ARGuard()
@@ -157,8 +170,17 @@ class AutoPolicy:
     # ------------------------------------------------------------------ learning
 
     def observe(self, costs: RoundCosts) -> None:
-        """Fit the model to one finished round (fixed-strategy sequences included)."""
-        if costs.seqs:
+        """Fit the model to one finished round (fixed-strategy sequences included).
+
+        A *rebuild* round (a sequence entered SSD or changed its K there) teaches
+        the rebuild's cost and not the steady fits; a round where a sequence
+        chosen to speculate ran AR (its drafts catching up) and a rebuild round
+        are not what a choice runs at steadily: the AR guard judges by the others."""
+        rebuild = self._rebuilt(costs.seqs)
+        caught_up = any(r.seq_id in self._speculating and r.mode == "ar" for r in costs.seqs)
+        if rebuild:
+            self._observe_rebuild(costs)
+        if costs.seqs and not rebuild and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
                 ARGuard.arm(r.mode for r in costs.seqs),
@@ -176,7 +198,7 @@ class AutoPolicy:
             self._drafting.decay_only()
         ssd = [r for r in costs.seqs if r.mode == "ssd"]
         if costs.ssd_batch > 0 and ssd:
-            self._observe_ssd(costs, ssd)
+            self._observe_ssd(costs, ssd, rebuild)
         else:
             self._after.decay_only()
             self._build.decay_only()
@@ -210,6 +232,7 @@ class AutoPolicy:
             st = self._seqs[r.seq_id] = _SeqStat()
         st.seen = self._observed
         after_full, st.full = st.full, r.proposed > 0 and r.accepted >= r.proposed
+        st.ssd_k = r.proposed if r.mode == "ssd" else 0
         if r.mode not in ("sd", "ssd") or r.proposed <= 0:
             return  # AR speculates nothing; PyramidSD's proposals are qualified tokens, another law
         b = temperature_bucket(r.temperature)
@@ -227,21 +250,57 @@ class AutoPolicy:
         st.tested += min(r.proposed, accepted + 1)
         st.accepted += accepted
 
+    def _rebuilt(self, seqs: Sequence[SeqResult]) -> bool:
+        """Did the round build some SSD sequence's tree afresh: it entered SSD, or its K
+        is not the one its cache was built for."""
+        for r in seqs:
+            if r.mode == "ssd" and r.proposed > 0:
+                st = self._seqs.get(r.seq_id)
+                if r.seq_id in self._entering or (st is not None and st.ssd_k and st.ssd_k != r.proposed):
+                    return True
+        return False
+
+    def _observe_rebuild(self, costs: RoundCosts) -> None:
+        """What a rebuild round took beyond the steady round the model predicts for its
+        load (its forced misses as misses), as a multiple of its predicted build."""
+        if self._verify.theta is None:
+            return
+        c = self._costs()
+        load = Load()
+        for r in costs.seqs:
+            hit = 0.0 if self._missed(r) else 1.0
+            load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit)
+        build = _build_s(c, load.n_ssd, load.ssd_k)
+        if build <= 0.0 or not math.isfinite(costs.wall_s):
+            return
+        excess = costs.wall_s - c.round_time(load)  # noise both ways: unclamped, so its mean is not biased up
+        self._rebuild = [_REBUILD_DECAY * self._rebuild[0] + excess / build, _REBUILD_DECAY * self._rebuild[1] + 1.0]
+
+    @property
+    def rebuild_ratio(self) -> float:
+        """What a rebuild round costs beyond a steady one, in predicted builds."""
+        return max(0.0, (self._rebuild[0] + _REBUILD_PRIOR) / (self._rebuild[1] + 1.0))
+
     def _missed(self, r: SeqResult) -> bool:
         """An SSD sequence's proposal came from the backup: its lookup missed, or it
         just entered SSD (no cache yet; the engine may report no lookup at all)."""
         return r.hit is False or (r.hit is None and r.seq_id in self._entering)
 
-    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult]) -> None:
+    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], rebuild: bool = False) -> None:
         """Fit SSD's two exposed parts: when the build ended (where it ran this
         round) and the rest of the exposure, the lookup and backups. Both start
         from the draft's measured step costs: a build is K sequential steps of
-        the draft SD measures, and so is a neural backup."""
+        the draft SD measures, and so is a neural backup. A ``rebuild`` round's
+        build (afresh, after any stale one) is not the steady build's: its end
+        teaches nothing, its overrun is still not the lookup's."""
         n, k_max = float(costs.ssd_batch), max(r.proposed for r in ssd)
         missed = [r.proposed for r in ssd if self._missed(r)]
         draft = self._drafting.theta
         overrun = 0.0
-        if math.isfinite(costs.ssd_build_s):
+        if math.isfinite(costs.ssd_build_s) and rebuild:
+            self._build.decay_only()
+            overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
+        elif math.isfinite(costs.ssd_build_s):
             # fitted beyond K sequential draft steps over the SSD sequences (a tree step costs at
             # least a draft step over as many sequences), so a K-slope the recent rounds leave
             # open, every one at one K, is the draft's measured step and not 0
@@ -266,6 +325,7 @@ class AutoPolicy:
         """One Choice per ``auto`` sequence (same order). ``fixed``: the batch's other
         sequences with the strategy their request fixed — they share the round's time."""
         self.prediction = None
+        self._switch_full_s = self._leave_full_s = 0.0
         if not auto:  # nothing to choose: not a round of the exploration budget either
             choices: list[Choice] = []
         elif not self._seeded and (self._observed < len(_COLD_START) or self._verify.theta is None):
@@ -277,7 +337,11 @@ class AutoPolicy:
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
                 arm = ARGuard.arm([c.mode for c in choices] + [c.mode for _, c in fixed])
-                if self._guard.hold(ARGuard.context(len(temps), temps), arm, self._trials.budget_s):
+                context = ARGuard.context(len(temps), temps)
+                # a re-test is paid from the budget, rebuild included
+                if self._guard.hold(context, arm, self._trials.budget_s - self._switch_full_s, self._leave_full_s):
+                    if self._guard.measuring:  # a round of AR to measure it: its cost is leaving (SSD's rebuild on return)
+                        self._trials.budget_s -= self._leave_full_s
                     choices = [Choice("ar", 0) for _ in auto]
                     self._trials.rate = None  # an exploration displaced by AR is no trial
                     if self.prediction is not None and self._ar_option is not None:
@@ -289,6 +353,7 @@ class AutoPolicy:
             counts[c.mode] += 1
         self._last_counts = counts
         self._entering = {v.seq_id for v, c in (*zip(auto, choices), *fixed) if c.mode == "ssd" and v.current != "ssd"}
+        self._speculating = {v.seq_id for v, c in zip(auto, choices) if c.mode != "ar"}
         return choices
 
     def _cold_start(self, v: SeqView) -> Choice:
@@ -351,27 +416,37 @@ class AutoPolicy:
                 continue
             b = temperature_bucket(v.temperature)
             scale = self._seq_scale(v.seq_id, curve(b)[2])
-            key = (b, scale, cap, modes, v.current == "ssd")
+            st = self._seqs.get(v.seq_id)
+            ssd_k = st.ssd_k if v.current == "ssd" and st is not None else 0
+            key = (b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging)
             g = groups.get(key)
             if g is None:
-                g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd")
+                g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging)
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
         self._trials.age_holds()
         fixed_all = (*fixed, *held)
         glist = list(groups.values())
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
+        costs, ratio = self._costs(), self.rebuild_ratio
+
+        def rebuild_s(g: Group) -> list[float]:
+            # a rebuild's fixed part is shared by every sequence that rebuilds in the round: per
+            # member, the batch's (charged to a group alone, it kept small groups out of SSD)
+            n = len(auto)
+            return [ratio * _build_s(costs, n, k) / n for k in range(g.cap + 1)]
+
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
             self._reuse = (shape, self._reuse[1] - 1, self._reuse[2], self._reuse[3])
             for g, opt in zip(glist, self._reuse[2]):
-                g.opt = opt
+                g.opt, g.rebuild_s = opt, rebuild_s(g)
             self.prediction = self._reuse[3]
         else:
             for g in glist:
                 alphas, miss, _, hits = curve(g.bucket)
                 fill_values(g, alphas, miss, hits.values, hits.pooled.value)
-            costs = self._costs()
+                g.rebuild_s = rebuild_s(g)
             base = self._fixed_load(fixed_all, curve)
             best = self._last_rate = optimise(glist, base, costs, self._last_rate)
             searched = [g.opt for g in glist]
@@ -391,6 +466,8 @@ class AutoPolicy:
             c = Choice(*g.opt)
             for i in g.members:
                 out[i] = c
+            self._switch_full_s += len(g.members) * g.switch_s(g.opt) * SWITCH_HORIZON
+            self._leave_full_s += len(g.members) * g.switch_s(("ar", 0)) * SWITCH_HORIZON
         return out  # type: ignore[return-value]
 
     def _fixed_load(self, fixed: Sequence[tuple[SeqView, Choice]], curve) -> Load:
@@ -471,8 +548,15 @@ class AutoPolicy:
             },
             "last_choice": dict(self._last_counts),
             "predicted_tokens_per_s": self._last_rate,  # what the last search expected of its choice
+            "rebuild_ratio": self.rebuild_ratio,  # a rebuild round's time beyond a steady one, in predicted builds
             "guard_held": self._guard.held,  # rounds whose speculating choice gave way to AR (measuring it, or faster)
         }
+
+
+def _build_s(costs: Costs, n: int, k: int) -> float:
+    """The model's build over ``n`` SSD sequences at K = ``k``, from verification's start."""
+    b = costs.build
+    return b[0] + b[1] * n + k * (b[2] + b[3] * n) if n and k else 0.0
 
 
 def _clamp_time(seconds: float) -> float:

@@ -35,7 +35,7 @@ def expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[f
 class Load:
     """A round's totals as the cost model sees them: the fixed sequences' part, then a candidate's."""
 
-    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k")
+    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k", "switch_s")
 
     def __init__(self) -> None:
         self.n = 0
@@ -47,9 +47,11 @@ class Load:
         self.ssd_k = 0  # the SSD group's largest K: a neural backup's sequential steps
         self.log_hit = 0.0  # log P(every SSD sequence hits)
         self.miss_k = 0.0  # expected Σ K over the SSD sequences that miss
+        self.switch_s = 0.0  # seconds of switch costs (SSD entries and rebuilds), amortised: the search's, not the round's
 
-    def add(self, count: int, mode: str, k: int, e: float, hit: float) -> None:
+    def add(self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0) -> None:
         self.n += count
+        self.switch_s += count * switch_s
         self.tokens += count * (k + 1)
         self.e += count * e
         if mode in _SEQUENTIAL:
@@ -103,14 +105,19 @@ class Costs:
 class Group:
     """Sequences the model cannot tell apart: one choice for all of them."""
 
-    __slots__ = ("bucket", "scale", "cap", "modes", "in_ssd", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd", "entry", "leave", "opt")
+    __slots__ = (
+        "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "lagging", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd",
+        "entry", "leave", "rebuild_s", "opt",
+    )
 
-    def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool) -> None:
+    def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False) -> None:
         self.bucket = bucket
         self.scale = scale  # the members' own acceptance relative to their bucket's
         self.cap = cap
         self.modes = modes
         self.in_ssd = in_ssd
+        self.ssd_k = ssd_k  # in SSD: the K its cache was built for (another K is a rebuild)
+        self.lagging = lagging  # its drafts must catch up before it speculates (one more AR round)
         self.hit: list[float] = [0.0] * (cap + 1)  # SSD's hit rate by K
         self.hit_pooled = 0.0  # over every K: what the search linearises P(all hit) with
         self.members: list[int] = []  # indices into the round's auto sequences
@@ -119,6 +126,8 @@ class Group:
         self.e_ssd: list[float] = [1.0]
         self.entry: list[float] = [0.0]  # tokens an SSD entry's forced miss costs, by K
         self.leave = 0.0  # a sequence in SSD choosing AR or SD pays this (the hysteresis band)
+        # seconds per member of a round that enters SSD at K, or rebuilds at K (no plan built ahead for it)
+        self.rebuild_s: list[float] = [0.0] * (cap + 1)
         self.opt: tuple[str, int] = ("ar", 0)
 
     def value(self, opt: tuple[str, int]) -> float:
@@ -127,21 +136,36 @@ class Group:
             return self.e_ssd[k]
         return (self.e_sd[k] if mode == "sd" else 1.0) - self.leave
 
-    def excursion(self, opt: tuple[str, int]) -> float:
-        """Tokens per member that trying ``opt`` for one round costs beyond
-        :meth:`value`'s amortised switch: an entry into SSD, or the re-entry
-        after a round out of it, is paid in full."""
+    def switch_s(self, opt: tuple[str, int]) -> float:
+        """Seconds per member that choosing ``opt`` costs in switching, amortised over
+        :data:`SWITCH_HORIZON` rounds: entering SSD or changing its K (the build
+        starts afresh, after any stale one: the round's time, not only its forced
+        miss), or leaving it (coming back pays the entry again)."""
+        mode, k = opt
+        if mode == "ssd":
+            return self.rebuild_s[k] / SWITCH_HORIZON if not self.in_ssd or k != self.ssd_k else 0.0
+        return self.rebuild_s[min(self.ssd_k, self.cap)] / SWITCH_HORIZON if self.in_ssd else 0.0
+
+    def excursion(self, opt: tuple[str, int]) -> tuple[float, float]:
+        """Tokens and seconds per member that trying ``opt`` for one round costs
+        beyond :meth:`value`'s and :meth:`switch_s`'s amortised switch: an entry into
+        SSD, a rebuild at another K, or the re-entry after a round out of it, is
+        paid in full; a lagging sequence's speculation waits a round for its drafts."""
+        full = SWITCH_HORIZON - 1.0
+        tokens = max(0.0, self.value(opt) - 1.0) if self.lagging and opt[0] != "ar" else 0.0
         if opt[0] == "ssd" and not self.in_ssd:
-            return self.entry[opt[1]] * (1.0 - 1.0 / SWITCH_HORIZON)
-        if opt[0] != "ssd" and self.in_ssd:
-            return self.leave * (SWITCH_HORIZON - 1.0)
-        return 0.0
+            tokens += self.entry[opt[1]] * (1.0 - 1.0 / SWITCH_HORIZON)
+        elif opt[0] != "ssd" and self.in_ssd:
+            tokens += self.leave * full
+        return tokens, self.switch_s(opt) * full
 
 
 def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs) -> dict[str, Any]:
     """One option's prediction: its label (``sd:4``; ``ar+ssd:4`` when groups differ),
-    expected emitted tokens of the batch and predicted round seconds."""
+    expected emitted tokens of the batch and predicted round seconds (the round's own:
+    no amortised switch)."""
     e, t, _ = round_of(groups, opts, base, costs)
+    t -= _switch_s(groups, opts)
     label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
     return {"option": label, "tokens": e, "seconds": t}
 
@@ -168,23 +192,28 @@ def predict(groups: list[Group], base: Load, costs: Costs) -> tuple[dict[str, An
 
 
 def evaluate(
-    groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: float = 0.0
+    groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: tuple[float, float] = (0.0, 0.0)
 ) -> tuple[float, float]:
     """(expected tokens per second, P(every SSD sequence hits)) of the round if group i
-    runs opts[i] (``extra``: tokens to add, e.g. an excursion's cost)."""
+    runs opts[i] (``extra``: tokens and seconds to add, e.g. an excursion's cost)."""
     e, t, hit = round_of(groups, opts, base, costs, extra)
     return (e / t if t > 0 else math.inf), hit
 
 
 def round_of(
-    groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: float = 0.0
+    groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: tuple[float, float] = (0.0, 0.0)
 ) -> tuple[float, float, float]:
-    """(expected tokens, predicted seconds, P(every SSD sequence hits)) of that round."""
+    """(expected tokens, predicted seconds with the amortised switch costs, P(every SSD
+    sequence hits)) of that round."""
     load = base.copy()
-    load.e += extra
+    load.e += extra[0]
     for g, opt in zip(groups, opts):
-        load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]])
-    return load.e, costs.round_time(load), math.exp(load.log_hit)
+        load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]], g.switch_s(opt))
+    return load.e, costs.round_time(load) + load.switch_s + extra[1], math.exp(load.log_hit)
+
+
+def _switch_s(groups: list[Group], opts: list[tuple[str, int]]) -> float:
+    return sum(len(g.members) * g.switch_s(opt) for g, opt in zip(groups, opts))
 
 
 def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) -> float:
@@ -278,9 +307,10 @@ def linearised(
     total_weight = sum(weights)
     per_group = []
     for g, inc, w in zip(groups, incumbent, weights):
-        sd = [g.e_sd[k] - g.leave - lam * b_tok * (k + 1) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+        leave_s = g.switch_s(("ar", 0))
+        sd = [g.e_sd[k] - g.leave - lam * (b_tok * (k + 1) + leave_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
         ssd = (
-            [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k) for k in range(1, g.cap + 1)]
+            [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k + g.switch_s(("ssd", k))) for k in range(1, g.cap + 1)]
             if "ssd" in g.modes
             else []
         )
@@ -289,7 +319,7 @@ def linearised(
         others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
         dear = lam * e_any * others * (1.0 - joined) / c
         cheap = lam * e_any * p_all * w / total_weight / c if w else dear
-        per_group.append((g.value(("ar", 0)) - lam * b_tok, _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
+        per_group.append((g.value(("ar", 0)) - lam * (b_tok + leave_s), _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
     return per_group
 
 
@@ -303,14 +333,16 @@ def fill_values(
     g.hit, g.hit_pooled = hits, pooled
     if g.cap == 0:
         return
+    # a lagging group's speculation waits a round for its drafts: that round's gain, amortised
+    lag = (lambda e: [x - (x - 1.0) / SWITCH_HORIZON for x in e]) if g.lagging else (lambda e: e)  # noqa: E731
     if "sd" in g.modes:
-        g.e_sd = e_draft
+        g.e_sd = lag(e_draft)
     if "ssd" in g.modes:
         e_miss = expected_tokens(miss, 1.0, g.cap)
         g.entry = [h * max(0.0, d - m) for h, d, m in zip(hits, e_draft, e_miss)]
         switch = [x / SWITCH_HORIZON for x in g.entry]
         e_ssd = [h * d + (1.0 - h) * m for h, d, m in zip(hits, e_draft, e_miss)]
-        g.e_ssd = e_ssd if g.in_ssd else [e - s for e, s in zip(e_ssd, switch)]
+        g.e_ssd = lag(e_ssd if g.in_ssd else [e - s for e, s in zip(e_ssd, switch)])
         g.leave = max(switch) if g.in_ssd else 0.0
 
 

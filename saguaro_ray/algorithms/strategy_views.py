@@ -31,13 +31,17 @@ class SeqView:
     """One sequence before a round. ``k_cap``: the largest K allowed this round
     (0: only AR). ``modes``: the fixed modes allowed for it (``ar`` always).
     ``current``: the mode it ran last round (None: new) — leaving ``ssd``
-    drops its cached speculation, entering it costs a backup proposal."""
+    drops its cached speculation, entering it costs a backup proposal.
+    ``lagging``: its drafts have not seen the tokens of its last AR rounds
+    (the engine's catch-up threshold): chosen to speculate, it runs AR once
+    more while they catch up."""
 
     seq_id: int
     temperature: float
     k_cap: int
     modes: tuple[str, ...]
     current: str | None
+    lagging: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_cap, int) or self.k_cap < 0:

@@ -259,6 +259,12 @@ class RoundLoop:
         self.timeline.append(rec)
         return self._retire(running)
 
+    def lagging(self, s: SequenceState) -> bool:
+        """Would ``s``, picked to speculate now, run AR while its drafts catch up
+        (:meth:`drafts_ready`)? What ``auto`` charges a switch out of AR."""
+        pending = self._catching_up.get(s.seq_id)
+        return s.unseen_by_drafts >= CATCH_UP_TOKENS or (pending is not None and not all(f.done() for f in pending))
+
     def drafts_ready(self, seqs: Sequence[SequenceState]) -> set[int]:
         """The ids among ``seqs`` (``auto`` sequences picked to speculate this
         round) whose drafts can draft for them now without a catch-up on the

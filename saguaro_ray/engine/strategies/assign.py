@@ -54,7 +54,10 @@ class Assigner:
                 picks[s.seq_id] = (strategy.mode, loop.spec.lq if strategy.mode == "pyramid" else strategy.k or 0)
         if auto:
             modes = loop.menu.auto_modes if loop.draft_up else ("ar",)
-            views = [SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode) for s in auto]
+            views = [
+                SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s))
+                for s in auto
+            ]
             fixed = [
                 (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode), Choice(*picks[s.seq_id]))
                 for s in running
