@@ -950,3 +950,18 @@ def test_what_an_ssd_entry_took_is_charged_when_switching(temps):
     policy, history, tokens, times = simulate(truth, temps, rounds=100, policy=seeded(truth))
     assert achieved(tokens, times, last=100) >= 0.85 * best, (achieved(tokens, times, last=100) / best, policy.snapshot()["guard_held"])
     assert policy.snapshot()["rebuild_ratio"] > 1.0  # what it learned: a rebuild round takes more than a whole build beyond a steady one
+
+
+def test_a_seeded_policy_spends_no_ar_round_to_learn_ars_rate():
+    """Batch 1 at T = 0.7 on the real CPU target (acceptance ~0.97: K = 8 emitted 8.2-8.9 tokens a
+    round; a K change or entry cost 40-100 ms more): SSD wins by 2x over AR, and the start-up
+    probe timed AR's round. The AR guard compares with the probe's AR until AR rounds measure
+    it, so no round runs AR only to measure it — each did, then re-entered SSD at a rebuild's
+    cost (session 22: an AR round every 16, and the SD that followed one: SD in 8 % of rounds)."""
+    truth = replace(SMOL_CPU, alpha={0.0: 0.93, 0.7: 0.97}, hit={0.0: 0.92, 0.7: 0.95}, entry_s=0.08, catch_up=8, catch_up_s=0.01)
+    temps = [0.7]
+    best, choice = truth.best_fixed(temps)
+    assert choice[0] == "ssd" and best > 2 * truth.rate(temps, [("ar", 0)])
+    policy, history, tokens, times = simulate(truth, temps, rounds=100, policy=seeded(truth))
+    assert [h[0] for h in history].count(("ar", 0)) == 0 and policy.snapshot()["guard_held"] == 0
+    assert achieved(tokens, times, last=100) >= 0.9 * best

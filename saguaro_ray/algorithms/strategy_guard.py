@@ -34,6 +34,9 @@ class ARGuard:
     def __init__(self) -> None:
         self._arms: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
         self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
+        # AR's rate measured by the engine's start-up probe, per batch size's power of two: what
+        # speculation must beat before AR rounds were run (they then replace it)
+        self._ar_prior: dict[int, float] = {}
         # re-tests in progress: the arm's weight when it was let through (unchanged: nothing measured yet), rounds left
         self._retesting: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, int]] = {}
         self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
@@ -55,6 +58,14 @@ class ARGuard:
         tok, sec, w = self._arms.get((context, arm), (0.0, 0.0, 0.0))
         self._arms[context, arm] = (GUARD_DECAY * tok + tokens, GUARD_DECAY * sec + seconds, GUARD_DECAY * w + 1.0)
 
+    def seed_ar(self, batch: int, seconds: float) -> None:
+        """AR's round at ``batch`` sequences as the start-up probe timed its target call:
+        the guard compares with it until AR rounds of that batch size were measured, so
+        a fresh engine spends no AR round (and, in SSD, no cache rebuild after it) only
+        to learn AR's rate."""
+        if batch > 0 and seconds > 0 and math.isfinite(seconds):
+            self._ar_prior[batch.bit_length()] = batch / seconds
+
     def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], budget_s: float = math.inf, leave_s: float = 0.0) -> bool:
         """Should a speculating choice in ``context``, whose round would run ``arm``, give way to AR this round?
         Yes while AR measures faster — but for a re-test: at most every
@@ -68,6 +79,8 @@ class ARGuard:
         rebuilt on return; then :attr:`measuring` is set and the policy pays it)."""
         self.retest_rate, self.measuring = None, False
         plain, spec = self._arms.get((context, ())), self._arms.get((context, arm))
+        if (plain is None or plain[2] < GUARD_EVIDENCE) and context[0] in self._ar_prior:
+            plain = (self._ar_prior[context[0]], 1.0, GUARD_EVIDENCE)  # the probe's AR until rounds measure it
         if spec is None or spec[2] < GUARD_EVIDENCE:
             return False
         pending = self._retesting.pop((context, arm), None)

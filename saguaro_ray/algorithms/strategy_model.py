@@ -157,6 +157,8 @@ class AutoPolicy:
         sequences (the build's model, :meth:`_observe_ssd`)."""
         for tokens, batch, seconds in costs.verify:
             self._verify.add(tokens, batch, seconds)
+            if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
+                self._guard.seed_ar(batch, seconds)
         for n, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
                 self._drafting.add((1.0, float(steps), float(steps * n)), steps * seconds)
