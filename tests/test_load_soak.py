@@ -1,9 +1,9 @@
 """The soak (``load_test --soak``): its verdict on synthetic series, and a
 short soak on the zoo CPU deployment through the very command a user runs.
 
-The verdict leaves the warm-up out and fits a line to each process's RSS
-over the rest: a flat series after a warm-up bump passes, a steady climb
-fails (and so does a soak too short to show a trend). The short soak runs
+The verdict leaves the warm-up out and fits a line to each process's held
+memory (anonymous RSS less glibc's free-held bytes) over the rest: a flat
+series after a warm-up bump passes, a steady climb fails (and so does a soak too short to show a trend). The short soak runs
 60 s of load sampled every 10 s and checks the report: every process of the
 server (replica, coordinator, each worker) sampled with the memory it read
 itself, the table and the verdict in the text, the exit status agreeing with
@@ -27,15 +27,19 @@ from saguaro_ray.jobs.soak import SoakBound, SoakPlan, add_to_report, judge, pro
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _samples(series: dict[str, list[float]], every_min: float = 1.0, pids: dict[str, list[int]] | None = None) -> list[dict]:
-    """One sample per point: each process's RSS (MiB) and a flat heap."""
+def _samples(
+    series: dict[str, list[float]], every_min: float = 1.0, pids: dict[str, list[int]] | None = None, rss: dict[str, list[float]] | None = None
+) -> list[dict]:
+    """One sample per point: each process's held memory (MiB; its RSS 100 MiB
+    more unless ``rss`` gives it) and a flat heap."""
     n = len(next(iter(series.values())))
     out = []
     for i in range(n):
         procs = {}
-        for name, rss in series.items():
+        for name, held in series.items():
             pid = (pids or {}).get(name, [1] * n)[i]
-            procs[name] = {"pid": pid, "rss_mib": rss[i], "heap_in_use_mib": 50.0, "heap_free_mib": 5.0, "threads": 7}
+            r = (rss or {}).get(name, [h + 100 for h in held])[i]
+            procs[name] = {"pid": pid, "held_mib": held[i], "rss_mib": r, "heap_in_use_mib": 50.0, "heap_free_mib": 5.0, "threads": 7}
         out.append({"t_min": round(i * every_min, 3), "processes": procs})
     return out
 
@@ -67,6 +71,17 @@ def test_a_steady_climb_fails():
     assert verdict["processes"]["coordinator"]["ok"]
 
 
+def test_held_memory_is_judged_not_rss():
+    """RSS that swings with glibc's free-held bytes and the kernel's file pages
+    (the real soak's draft: -84 MiB over its window, its target's +27 with a flat
+    heap) is not judged; held memory that climbs under a flat RSS is."""
+    swing = [2700 + (60 if i % 3 == 0 else 0) + (-90 if i > 15 else 0) + 3 * i for i in range(21)]
+    flat = judge(_samples({"draft": [2500.0] * 21}, rss={"draft": swing}), SoakPlan(20))
+    assert flat["ok"] and flat["processes"]["draft"]["rss_slope_mib_per_min"] != 0
+    climb = judge(_samples({"target": [2500 + 3.0 * i for i in range(21)]}, rss={"target": [2700.0] * 21}), SoakPlan(20))
+    assert not climb["ok"] and "held memory grows 3.00 MiB/min" in climb["processes"]["target"]["why"]
+
+
 def test_the_bound_needs_both_a_slope_and_a_growth():
     # 4 MiB/min over a 1-minute window is 4 MiB: noise for a short soak, under the 8 MiB growth bound
     short = _samples({"target": [600, 600, 602, 604, 606]}, every_min=0.25)
@@ -96,14 +111,14 @@ def test_report_and_text():
         s["processes"]["target"] |= {"kv_used": 5, "kv_blocks": 64}
     report = {"failures": [], "ok": True}
     add_to_report(report, samples, SoakPlan(2, sample_every_s=30))
-    assert not report["ok"] and report["failures"] == ["soak: target: RSS grows 20.00 MiB/min, 20.0 MiB over the window"]
+    assert not report["ok"] and report["failures"] == ["soak: target: held memory grows 20.00 MiB/min, 20.0 MiB over the window"]
     text = soak_text(report["soak"])
     assert "replica" in text.splitlines()[1] and "target" in text.splitlines()[1]
     assert "slope +20.00 MiB/min" in text and text.endswith("soak verdict: FAIL")
 
 
 def test_processes_read_from_the_metrics_resources():
-    mine = {"pid": 7, "rss_bytes": 300 * 2**20, "heap_in_use_bytes": 2**20, "heap_free_bytes": 0, "python_threads": 9}
+    mine = {"pid": 7, "rss_bytes": 300 * 2**20, "rss_anon_bytes": 200 * 2**20, "heap_in_use_bytes": 2**20, "heap_free_bytes": 2**21, "python_threads": 9}
     resources = {
         **mine,
         "engine": {
@@ -115,6 +130,8 @@ def test_processes_read_from_the_metrics_resources():
     assert set(got) == {"replica", "coordinator", "target", "target.rank1"}  # a sharded target's rank 1 is a process of its own
     assert got["target.rank1"]["pid"] == 10 and got["target.rank1"]["rss_mib"] == 300.0
     assert got["replica"]["rss_mib"] == 300.0 and got["coordinator"]["timeline_mib"] == 2.0
+    assert got["replica"]["held_mib"] == 198.0  # anonymous RSS less glibc's free-held bytes
+    assert processes({**mine, "rss_anon_bytes": None, "engine": {}})["replica"]["held_mib"] == 298.0  # no RssAnon: RSS less free-held
     assert got["target"]["kv_used"] == 4 and got["target"]["pid"] == 9
     resources["engine"] = {"coordinator": None, "workers": None}  # an engine that did not answer in time
     assert set(processes(resources)) == {"replica"}
@@ -150,7 +167,7 @@ def test_short_soak_samples_every_process_and_gives_a_verdict(soak_report):
     for s in samples:
         assert {"replica", "coordinator", "target"} <= set(s["processes"]) and any(n.startswith("draft") for n in s["processes"]), s
         for p in s["processes"].values():
-            assert p["rss_mib"] > 0 and p["threads"] > 0 and p["python_blocks"] > 0
+            assert p["rss_mib"] > p["held_mib"] > 0 and p["threads"] > 0 and p["python_blocks"] > 0
     # the memory each process read itself: distinct pids, the workers' KV pools
     assert len({p["pid"] for p in samples[-1]["processes"].values()}) == len(samples[-1]["processes"])
     assert samples[-1]["processes"]["coordinator"]["timeline_mib"] > 0

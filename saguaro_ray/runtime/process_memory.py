@@ -6,8 +6,10 @@ coordinator in its ``metrics()``, the Serve replica in ``/v1/saguaro/metrics``
 — so nothing is guessed from outside from a pid that may belong to a
 restarted actor by then.
 
-Three readings tell allocator caching from a leak: the resident set (what
-the OS charges the process); glibc's own account of its heap (``mallinfo2``):
+Four readings tell allocator caching from a leak: the resident set (what
+the OS charges the process) and its anonymous part (``rss_anon_bytes``: less
+the file-backed pages — shared libraries, mapped files — that the kernel drops
+and reads back as other processes need memory); glibc's own account of its heap (``mallinfo2``):
 bytes handed out and not yet freed (``heap_in_use_bytes``: a native leak or
 a growing native cache shows here — torch's CPU tensors and oneDNN's caches
 are malloc'd) and bytes freed but kept in the arenas (``heap_free_bytes``:
@@ -27,7 +29,7 @@ import sys
 from functools import cache
 from typing import Any
 
-MEMORY_FIELDS = ("rss_bytes", "heap_in_use_bytes", "heap_free_bytes", "python_blocks")  # what memory() reads, besides the pid
+MEMORY_FIELDS = ("rss_bytes", "rss_anon_bytes", "heap_in_use_bytes", "heap_free_bytes", "python_blocks")  # what memory() reads, besides the pid
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -59,11 +61,25 @@ def rss_bytes() -> int:
         return int(psutil.Process().memory_info().rss)
 
 
+def rss_anon_bytes() -> int | None:
+    """This process's anonymous resident memory (``RssAnon`` of
+    ``/proc/self/status``, Linux 4.5+), or None where it cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def memory() -> dict[str, Any]:
-    """``pid``, ``rss_bytes``, glibc's heap: ``heap_in_use_bytes`` (allocated,
-    small and mmapped chunks) and ``heap_free_bytes`` (freed, held by the
-    arenas), and ``python_blocks`` (pymalloc's blocks in use)."""
-    out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": rss_bytes(), "heap_in_use_bytes": None, "heap_free_bytes": None}
+    """``pid``, ``rss_bytes`` and ``rss_anon_bytes``, glibc's heap:
+    ``heap_in_use_bytes`` (allocated, small and mmapped chunks) and
+    ``heap_free_bytes`` (freed, held by the arenas), and ``python_blocks``
+    (pymalloc's blocks in use)."""
+    out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": rss_bytes(), "rss_anon_bytes": rss_anon_bytes(), "heap_in_use_bytes": None, "heap_free_bytes": None}
     out["python_blocks"] = sys.getallocatedblocks()
     libc = _libc()
     if libc is not None:
