@@ -949,7 +949,10 @@ def test_what_an_ssd_entry_took_is_charged_when_switching(temps):
     assert choice == ("ssd", 1) and best > 1.4 * truth.rate(temps, [("ar", 0)] * 8)
     policy, history, tokens, times = simulate(truth, temps, rounds=100, policy=seeded(truth))
     assert achieved(tokens, times, last=100) >= 0.85 * best, (achieved(tokens, times, last=100) / best, policy.snapshot()["guard_held"])
-    assert policy.snapshot()["rebuild_ratio"] > 1.0  # what it learned: a rebuild round takes more than a whole build beyond a steady one
+    # what it learned at the first entries: a rebuild round takes more than a whole build beyond a
+    # steady one (after 100 steady rounds that evidence has aged)
+    early, *_ = simulate(truth, temps, rounds=5, policy=seeded(truth))
+    assert early.snapshot()["rebuild_ratio"] > 1.0
 
 
 def test_a_seeded_policy_spends_no_ar_round_to_learn_ars_rate():

@@ -73,9 +73,10 @@ _COLD_START = (("ar", 0.0), ("sd", 0.25), ("sd", 0.5), ("ssd", 0.5), ("ssd", 0.5
 _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
 # a round that enters SSD or changes an SSD sequence's K builds afresh (no plan ahead for it, and
 # after any stale one): what it takes beyond the steady round's prediction, as a multiple of the
-# predicted build, weighs the last ~5 such rounds; before one is measured, nothing beyond its
-# forced miss (a prior of one whole build exposed kept a fresh engine out of SSD in simulation
-# where it won by 1.2x and entries cost no more than their misses)
+# predicted build, weighs the last ~5 such rounds and ages by COST_DECAY a round besides (a stall
+# measured once, with no rebuild after it, would otherwise keep SSD dear for good); before one is
+# measured, nothing beyond its forced miss (a prior of one whole build exposed kept a fresh engine
+# out of SSD in simulation where it won by 1.2x and entries cost no more than their misses)
 _REBUILD_DECAY = 0.8
 _REBUILD_PRIOR = 0.0
 
@@ -179,6 +180,7 @@ class AutoPolicy:
         chosen to speculate ran AR (its drafts catching up) and a rebuild round
         are not what a choice runs at steadily: the AR guard judges by the others."""
         rebuild = self._rebuilt(costs.seqs)
+        self._rebuild = [COST_DECAY * x for x in self._rebuild]
         caught_up = any(r.seq_id in self._speculating and r.mode == "ar" for r in costs.seqs)
         if rebuild:
             self._observe_rebuild(costs)
