@@ -234,14 +234,16 @@ def rounds_to_reach(tokens: list[float], times: list[float], target: float, wind
 
 def test_cheap_draft_high_acceptance_converges_to_speculation_with_k_above_one():
     truth = Truth(alpha={0.0: 0.9, 0.7: 0.5})
-    _, history, tokens, times = simulate(truth, [0.0] * 4)
-    final = history[-1]
-    assert all(m in ("sd", "ssd") and k > 1 for m, k in final), final
-    assert achieved(tokens, times) > 1.5 * truth.rate([0.0] * 4, [("ar", 0)] * 4)
-    reached = rounds_to_reach(tokens, times, 0.95 * truth.best_fixed([0.0] * 4)[0])
-    # (59 rounds until session 23; 61 since the SSD entry and the K change of rounds 3-6 no longer
-    # count as SSD's measured rate, which moves the AR guard's measurements of AR two rounds later)
-    assert reached is not None and reached <= 64, reached
+    reached = []
+    for seed in range(5):
+        _, history, tokens, times = simulate(truth, [0.0] * 4, seed=seed)
+        final = history[-1]
+        assert all(m in ("sd", "ssd") and k > 1 for m, k in final), final
+        assert achieved(tokens, times) > 1.5 * truth.rate([0.0] * 4, [("ar", 0)] * 4)
+        reached.append(rounds_to_reach(tokens, times, 0.95 * truth.best_fixed([0.0] * 4)[0]))
+    # the rounds to reach 0.95 of the best, over seeds (one seed's path alone moves by 15 rounds
+    # with any change to when the AR guard measures AR): 58-74 since session 23, 61-63 before
+    assert all(r is not None for r in reached) and sorted(reached)[2] <= 62, reached
 
 
 @pytest.mark.parametrize(
@@ -387,7 +389,7 @@ def test_rounds_of_a_slow_fixed_mode_do_not_hold_autos_choice_of_another(monkeyp
         chosen = policy.choose([SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), "sd") for i in range(4)])
         assert [c.mode for c in chosen] == ["sd"] * 4 and policy.snapshot()["guard_held"] == held
     context = strategy_guard.ARGuard.context(4, temps)
-    assert policy._guard.hold(context, ("pyramid",), budget_s=0.0)  # the pyramid rounds did measure below AR (no re-test: no budget)
+    assert policy._guard.hold(context, strategy_guard.ARGuard.arm([("pyramid", 4)]), budget_s=0.0)  # the pyramid rounds did measure below AR (no re-test: no budget)
 
 
 def test_exploration_stays_within_its_bound_and_is_counted():
@@ -968,3 +970,23 @@ def test_a_seeded_policy_spends_no_ar_round_to_learn_ars_rate():
     policy, history, tokens, times = simulate(truth, temps, rounds=100, policy=seeded(truth))
     assert [h[0] for h in history].count(("ar", 0)) == 0 and policy.snapshot()["guard_held"] == 0
     assert achieved(tokens, times, last=100) >= 0.9 * best
+
+
+def test_rounds_of_fixed_ssd_at_another_k_do_not_hold_autos_ssd(monkeypatch):
+    """The bench's engine runs each cell's fixed requests before its auto ones: at batch 8,
+    T = 0.7 its requests fixed to SSD at K = 4 measured 0.82x AR, and the guard, judging by
+    mode alone, held auto's SSD at K = 1 from its first round. By mode and K, those rounds
+    judge SSD at K = 4 only: auto's choice (the search forced to SSD at K = 1, 1.45x AR
+    here) runs."""
+    truth, temps = replace(SMOL_B8_ENTRY, entry_s=0.0), [0.7] * 8
+    assert truth.rate(temps, [("ssd", 1)] * 8) > 1.4 * truth.rate(temps, [("ar", 0)] * 8)
+    policy = seeded(truth)
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", 1) for _ in auto])
+    ar_round = truth.expected_time(temps, [("ar", 0)] * 8, [False] * 8)
+    for i in range(12):  # eight requests fixed to AR, then eight fixed to SSD at K = 4 (2 tokens each in 3 AR rounds' time)
+        policy.observe(RoundCosts(8, 8, ar_round, 0, 0, 0.0, 0, 0.0, ar_round, tuple(SeqResult(200 + j, 0.7, "ar", 0, 0, None) for j in range(8))))
+    for i in range(12):
+        seqs = tuple(SeqResult(300 + j, 0.7, "ssd", 4, 1, True) for j in range(8))
+        policy.observe(RoundCosts(8, 40, truth.verify(40, 8), 0, 0, 0.0, 8, ar_round, 3 * ar_round, seqs, 2 * ar_round))
+    _, history, tokens, times = simulate(truth, temps, rounds=40, policy=policy)
+    assert policy.snapshot()["guard_held"] == 0 and all(m == "ssd" for h in history for m, _ in h), history[:5]

@@ -5,7 +5,7 @@ rounds measured, per context, and nothing else (see the guard's paragraph in
 :mod:`saguaro_ray.algorithms.strategy_model`).
 
 A speculating round is measured under its *arm*: the modes its sequences speculated with
-(:meth:`ARGuard.arm`), so a choice is judged by rounds that ran the same modes. With one arm for
+(:meth:`ARGuard.arm`), so a choice is judged by rounds that ran the same modes and K. With one arm for
 every kind of speculation, rounds of requests that fixed a slow strategy judged ``auto``'s: on
 the demo's engine (real model, batch 4), four requests fixed to PyramidSD (0.88x AR) ran just
 before four ``auto`` ones, and the guard held these at AR for 52 of their 54 rounds although SSD,
@@ -32,13 +32,13 @@ class ARGuard:
     """Measured tokens/s of speculating rounds against AR rounds, per context (module docstring)."""
 
     def __init__(self) -> None:
-        self._arms: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
+        self._arms: dict[tuple[tuple[int, tuple[int, ...]], tuple[tuple[str, int], ...]], tuple[float, float, float]] = {}  # -> (tokens, seconds, weight)
         self._holds: dict[tuple[int, tuple[int, ...]], int] = {}
         # AR's rate measured by the engine's start-up probe, per batch size's power of two: what
         # speculation must beat before AR rounds were run (they then replace it)
         self._ar_prior: dict[int, float] = {}
         # re-tests in progress: the arm's weight when it was let through (unchanged: nothing measured yet), rounds left
-        self._retesting: dict[tuple[tuple[int, tuple[int, ...]], tuple[str, ...]], tuple[float, int]] = {}
+        self._retesting: dict[tuple[tuple[int, tuple[int, ...]], tuple[tuple[str, int], ...]], tuple[float, int]] = {}
         self.held = 0  # rounds whose speculating choice gave way to AR (to measure it, or because it is faster)
         self.retest_rate: float | None = None  # set by a hold() that let a re-test through: AR's measured rate
         self.measuring = False  # set by a hold() that runs AR to measure its rate
@@ -48,11 +48,13 @@ class ARGuard:
         return (max(0, batch).bit_length(), tuple(sorted({temperature_bucket(t) for t in temperatures})))
 
     @staticmethod
-    def arm(modes: Iterable[str]) -> tuple[str, ...]:
-        """A round's arm: the modes its sequences speculated with (``()``: an AR round)."""
-        return tuple(sorted({m for m in modes if m != "ar"}))
+    def arm(choices: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+        """A round's arm: the (mode, K) its sequences speculated with (``()``: an AR round).
+        K is part of it: on the bench's engine, requests fixed to SSD at K = 4 (0.82x AR at
+        batch 8, T = 0.7) made ``auto``'s SSD at K = 1 give way to AR from its first round."""
+        return tuple(sorted({(m, k) for m, k in choices if m != "ar" and k > 0}))
 
-    def add(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], tokens: float, seconds: float) -> None:
+    def add(self, context: tuple[int, tuple[int, ...]], arm: tuple[tuple[str, int], ...], tokens: float, seconds: float) -> None:
         if not seconds > 0 or not math.isfinite(seconds):
             return
         tok, sec, w = self._arms.get((context, arm), (0.0, 0.0, 0.0))
@@ -66,7 +68,7 @@ class ARGuard:
         if batch > 0 and seconds > 0 and math.isfinite(seconds):
             self._ar_prior[batch.bit_length()] = batch / seconds
 
-    def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[str, ...], budget_s: float = math.inf, leave_s: float = 0.0) -> bool:
+    def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[tuple[str, int], ...], budget_s: float = math.inf, leave_s: float = 0.0) -> bool:
         """Should a speculating choice in ``context``, whose round would run ``arm``, give way to AR this round?
         Yes while AR measures faster — but for a re-test: at most every
         :data:`GUARD_RETEST`-th round, and only when ``budget_s`` (the policy's
@@ -81,24 +83,28 @@ class ARGuard:
         plain, spec = self._arms.get((context, ())), self._arms.get((context, arm))
         if (plain is None or plain[2] < GUARD_EVIDENCE) and context[0] in self._ar_prior:
             plain = (self._ar_prior[context[0]], 1.0, GUARD_EVIDENCE)  # the probe's AR until rounds measure it
+        if plain is None or plain[2] < GUARD_EVIDENCE:
+            # AR's rate unknown: measured every GUARD_RETEST-th speculating round, whatever the arm
+            # (counted per arm, a choice that moved K would put it off)
+            n = self._holds[context] = self._holds.get(context, 0) + 1
+            hold = self.measuring = n >= GUARD_RETEST and leave_s <= budget_s
+            if hold:
+                self._holds[context] = 0
+                self.held += 1
+            return hold
         if spec is None or spec[2] < GUARD_EVIDENCE:
             return False
         pending = self._retesting.pop((context, arm), None)
-        if pending is not None and pending[0] == spec[2] and pending[1] > 0 and plain is not None:
+        if pending is not None and pending[0] == spec[2] and pending[1] > 0:
             # the re-test measured no steady round yet (a round the guard does not count): it runs again
             self._retesting[context, arm] = (pending[0], pending[1] - 1)
             self.retest_rate = plain[0] / plain[1]
             return False
         n = self._holds[context] = self._holds.get(context, 0) + 1
-        if plain is None or plain[2] < GUARD_EVIDENCE:
-            hold = self.measuring = n >= GUARD_RETEST and leave_s <= budget_s
-            if hold:
-                self._holds[context] = 0
-        else:
-            ar_rate = plain[0] / plain[1]
-            hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * ar_rate
-            if hold and n >= GUARD_RETEST and spec[1] / spec[2] - spec[0] / spec[2] / ar_rate <= budget_s:
-                hold, self._holds[context], self.retest_rate = False, 0, ar_rate
-                self._retesting[context, arm] = (spec[2], RETEST_PENDING)
+        ar_rate = plain[0] / plain[1]
+        hold = spec[0] / spec[1] < (1.0 - GUARD_MARGIN) * ar_rate
+        if hold and n >= GUARD_RETEST and spec[1] / spec[2] - spec[0] / spec[2] / ar_rate <= budget_s:
+            hold, self._holds[context], self.retest_rate = False, 0, ar_rate
+            self._retesting[context, arm] = (spec[2], RETEST_PENDING)
         self.held += hold
         return hold

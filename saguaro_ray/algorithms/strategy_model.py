@@ -187,7 +187,7 @@ class AutoPolicy:
         if costs.seqs and not rebuild and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
-                ARGuard.arm(r.mode for r in costs.seqs),
+                ARGuard.arm((r.mode, r.proposed) for r in costs.seqs),
                 float(sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)),
                 costs.wall_s,
             )
@@ -340,7 +340,7 @@ class AutoPolicy:
             choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
-                arm = ARGuard.arm([c.mode for c in choices] + [c.mode for _, c in fixed])
+                arm = ARGuard.arm([(c.mode, c.k) for c in choices] + [(c.mode, c.k) for _, c in fixed])
                 context = ARGuard.context(len(temps), temps)
                 # a re-test is paid from the budget, rebuild included
                 if self._guard.hold(context, arm, self._trials.budget_s - self._switch_full_s, self._leave_full_s):
