@@ -39,16 +39,20 @@ def test_packed_linear_matches_linear(bias: bool) -> None:
         assert packed(one).shape == (1, 1, 80)
 
 
+def _packed(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> PackedLinear:
+    """A seeded random linear layer, packed (the test skips where oneDNN cannot pack ``dtype``)."""
+    if not packing_available(CPU, dtype):
+        pytest.skip(f"oneDNN packing not available for {dtype}")
+    torch.manual_seed(0)
+    return PackedLinear.from_linear(nn.Linear(in_features, out_features, bias=bias).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_is_row_invariant(dtype: torch.dtype) -> None:
     """A row's product has the same bits whether it comes alone (a decode step)
     or among others (a verification, a batch): oneDNN alone sums one row in
     another order (off by ~2e-6 in fp32 at this shape before the fix)."""
-    if not packing_available(CPU, dtype):
-        pytest.skip(f"oneDNN packing not available for {dtype}")
-    torch.manual_seed(0)
-    lin = nn.Linear(1536, 1536, bias=False).to(dtype)
-    packed = PackedLinear.from_linear(lin)
+    packed = _packed(1536, 1536, False, dtype)
     x = torch.randn(17, 1536, dtype=dtype)
     with torch.inference_mode():
         every = packed(x)
@@ -71,11 +75,7 @@ def test_padding_rows_to_a_bucket_changes_no_bit(dtype: torch.dtype) -> None:
     """The bucketed product of each row equals oneDNN's product at the exact row
     count (what ran before bucketing), for counts inside and at the edge of buckets
     and a 3-D input (a prefill's [1, T, D])."""
-    if not packing_available(CPU, dtype):
-        pytest.skip(f"oneDNN packing not available for {dtype}")
-    torch.manual_seed(0)
-    lin = nn.Linear(576, 1536, bias=True).to(dtype)
-    packed = PackedLinear.from_linear(lin)
+    packed = _packed(576, 1536, True, dtype)
     x = torch.randn(700, 576, dtype=dtype)
     with torch.inference_mode():
         for rows in (17, 19, 33, 100, 257, 699):
