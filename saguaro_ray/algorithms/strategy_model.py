@@ -20,7 +20,11 @@ linearises exactly the model it evaluates), the trials and their budget
 :mod:`~saguaro_ray.algorithms.strategy_explore`, the estimators
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
 :mod:`~saguaro_ray.algorithms.strategy_guard`, and the data the engine and
-the policy exchange :mod:`~saguaro_ray.algorithms.strategy_views`.
+the policy exchange :mod:`~saguaro_ray.algorithms.strategy_views`. What is
+left here (~515 lines) is one concept, the policy's state and its use: every
+fit, the per-sequence statistics, the sequences entering or rebuilding SSD and
+the rebuild's cost are read by the choice and written by the observation of
+the round it made; split apart, each half would reach into the other's state.
 """
 
 from __future__ import annotations
@@ -274,7 +278,7 @@ class AutoPolicy:
         for r in costs.seqs:
             hit = 0.0 if self._missed(r) else 1.0
             load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit)
-        build = _build_s(c, load.n_ssd, load.ssd_k)
+        build = c.build_s(load.n_ssd, load.ssd_k) if load.n_ssd and load.ssd_k else 0.0
         if build <= 0.0 or not math.isfinite(costs.wall_s):
             return
         excess = costs.wall_s - c.round_time(load)  # noise both ways: unclamped, so its mean is not biased up
@@ -438,7 +442,7 @@ class AutoPolicy:
             # a rebuild's fixed part is shared by every sequence that rebuilds in the round: per
             # member, the batch's (charged to a group alone, it kept small groups out of SSD)
             n = len(auto)
-            return [ratio * _build_s(costs, n, k) / n for k in range(g.cap + 1)]
+            return [0.0] + [ratio * costs.build_s(n, k) / n for k in range(1, g.cap + 1)]
 
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
@@ -555,12 +559,6 @@ class AutoPolicy:
             "rebuild_ratio": self.rebuild_ratio,  # a rebuild round's time beyond a steady one, in predicted builds
             "guard_held": self._guard.held,  # rounds whose speculating choice gave way to AR (measuring it, or faster)
         }
-
-
-def _build_s(costs: Costs, n: int, k: int) -> float:
-    """The model's build over ``n`` SSD sequences at K = ``k``, from verification's start."""
-    b = costs.build
-    return b[0] + b[1] * n + k * (b[2] + b[3] * n) if n and k else 0.0
 
 
 def _clamp_time(seconds: float) -> float:

@@ -83,6 +83,11 @@ class Costs:
     # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
     ctl: tuple[float, float, float, float, float, float, float]
 
+    def build_s(self, n_ssd: int, k: int) -> float:
+        """The SSD build over ``n_ssd`` sequences at K = ``k``: when it ends, from verification's start."""
+        b = self.build
+        return b[0] + b[1] * n_ssd + k * (b[2] + b[3] * n_ssd)
+
     def round_time(self, load: Load) -> float:
         sequential = bool(load.n_sd and load.steps)
         c = self.ctl
@@ -95,8 +100,8 @@ class Costs:
             d = self.draft
             t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
         if load.n_ssd:
-            b, a = self.build, self.after
-            t += max(0.0, b[0] + b[1] * load.n_ssd + load.ssd_k * (b[2] + b[3] * load.n_ssd) - verify)
+            a = self.after
+            t += max(0.0, self.build_s(load.n_ssd, load.ssd_k) - verify)
             p_any = 1.0 - math.exp(load.log_hit)
             t += max(0.0, a[0] + a[1] * load.n_ssd + a[2] * load.ssd_k * p_any + a[3] * load.miss_k)
         return t

@@ -262,8 +262,12 @@ class RoundLoop:
     def lagging(self, s: SequenceState) -> bool:
         """Would ``s``, picked to speculate now, run AR while its drafts catch up
         (:meth:`drafts_ready`)? What ``auto`` charges a switch out of AR."""
-        pending = self._catching_up.get(s.seq_id)
-        return s.unseen_by_drafts >= CATCH_UP_TOKENS or (pending is not None and not all(f.done() for f in pending))
+        return s.unseen_by_drafts >= CATCH_UP_TOKENS or self._catch_up_pending(s.seq_id)
+
+    def _catch_up_pending(self, seq_id: int) -> bool:
+        """Is a catch-up sent to ``seq_id``'s drafts still running?"""
+        pending = self._catching_up.get(seq_id)
+        return pending is not None and not all(f.done() for f in pending)
 
     def drafts_ready(self, seqs: Sequence[SequenceState]) -> set[int]:
         """The ids among ``seqs`` (``auto`` sequences picked to speculate this
@@ -284,8 +288,7 @@ class RoundLoop:
         ready: set[int] = set()
         lagging: list[SequenceState] = []
         for s in seqs:
-            pending = self._catching_up.get(s.seq_id)
-            if pending is not None and not all(f.done() for f in pending):
+            if self._catch_up_pending(s.seq_id):
                 continue
             self._catching_up.pop(s.seq_id, None)
             if s.unseen_by_drafts < CATCH_UP_TOKENS:
