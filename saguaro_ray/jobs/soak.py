@@ -11,7 +11,7 @@ The verdict asks whether memory keeps growing once warmed up, in the memory
 a process *holds*: its anonymous resident memory less the bytes glibc keeps
 freed for reuse (``held``). RSS itself moves with two things no leak grows:
 the arenas keep freed chunks after a large batch (the real soak's target
-held 27-99 MiB so, up and down with the largest recent batches), and the
+kept 27-159 MiB freed, up and down with the largest recent batches), and the
 kernel drops and reads back file-backed pages — libraries, mapped weights —
 when other processes need memory (a draft's RSS fell 105 MiB in a minute
 with its heap flat). A leak — a native cache filling, a tensor or a Python

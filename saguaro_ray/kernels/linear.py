@@ -82,7 +82,8 @@ def row_bucket(rows: int) -> int:
     steps of 2, 33..64 in steps of 4, ...), so at most 1/8 more rows.
 
     Why: oneDNN builds (JIT-compiles) a primitive per input shape and keeps it in
-    two caches of up to 1,024 entries each (its own and ideep's), ~0.3 MB apiece;
+    two caches of up to 1,024 entries each (its own and ideep's; a few hundred KB
+apiece, judged from the soak's growth, not measured per entry);
     a server's prefills and ragged batches bring a new row count nearly every
     round, so a worker's memory kept growing for the 20 minutes of a soak (issue
     36: +6.9 MiB/min on SmolLM2-135M) and each new count paid a compilation.
