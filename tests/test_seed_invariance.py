@@ -255,7 +255,7 @@ def test_a_lossy_fuzzy_stage2_verifies_with_the_qualifiers_rows(zoo_tiny, monkey
     real = TargetLogic.verify
 
     def recording(self, items):
-        seen.extend(it.proposal.q is not None for it in items if it.rule == "fuzzy")
+        seen.extend(it.proposal.q is not None for it in items if it.rule == "fuzzy" and it.proposal.tokens)  # an empty block (at the length limit) has no rows
         return real(self, items)
 
     monkeypatch.setattr(TargetLogic, "verify", recording)
