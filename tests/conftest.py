@@ -15,6 +15,23 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def give_memory_back():
+    """After each module, hand the memory its models freed back to the OS. The
+    suite's two workers each live through every module they are given, and
+    glibc keeps what a process frees: a worker that had loaded the coder pair
+    and transformers' copies held 9 GB it no longer used when the next real
+    model came, and in CI (stop 40) a worker died as the coder pair loaded, most likely
+    killed for memory."""
+    yield
+    import gc
+
+    from saguaro_ray.runtime.process_memory import trim
+
+    gc.collect()
+    trim()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's tests (``pytestmark =

@@ -32,6 +32,7 @@ from saguaro_ray.kernels.attention import FlashAttnBackend, PagedBatch, TreeBatc
 from saguaro_ray.kernels.linear import linear_kernel, pack_linears
 from saguaro_ray.kernels.quantized import SCHEMES, quantize_decoder, scheme
 from saguaro_ray.kernels.subset_head import SubsetHead, check_draft_vocab, subset_ids
+from saguaro_ray.runtime.process_memory import trim
 from saguaro_ray.workers.checkpoint import Checkpoint, load_decoder, open_checkpoint
 from saguaro_ray.workers.decoder import AttentionStep
 from saguaro_ray.workers.graphs import StepGraphs
@@ -122,6 +123,9 @@ class ModelRunner:
             quantize_decoder(self.model, quantize, self.dtype, kernel)
         else:
             pack_linears(self.model, self.device, self.dtype, kernel, release_dense=True)
+        # loading, casting, quantising and packing freed as much again as the model keeps
+        # (the coder pair's three workers in one process: 1.2 GB); glibc would hold it for good
+        trim()
         cfg = self.config
         if max_kv_tokens is None:
             max_kv_tokens = 8 * min(cfg.max_position_embeddings, 4096)

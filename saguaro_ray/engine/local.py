@@ -9,6 +9,7 @@ through the paged runner).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from saguaro_ray.engine.transport import InProcessWorker
 from saguaro_ray.errors import ConfigError
 from saguaro_ray.model_set import ModelSet, role_kind
 from saguaro_ray.runtime.engine_config import EngineConfig
+from saguaro_ray.runtime.process_memory import trim
 from saguaro_ray.workers.draft import DraftLogic
 from saguaro_ray.workers.qualifier import QualifierLogic
 from saguaro_ray.workers.runner import ModelRunner
@@ -98,9 +100,15 @@ class LocalEngine:
         return list(self.loop.timeline)
 
     def close(self) -> None:
+        """Stop the scheduler and the workers, and give their memory back to the
+        OS: the models are freed as the workers let go of them, and glibc would
+        otherwise keep the freed gigabytes in its arenas for the rest of the
+        process (a 1.5B pair: 3.5 GB held after close, 0.3 GB trimmed)."""
         self.scheduler.shutdown()
         for w in self.workers.values():
             w.close()
+        gc.collect()  # cycles through a model's modules would keep it alive until the next collection
+        trim()
 
     # ------------------------------------------------------------ requests
     def encode(self, prompt: Prompt) -> list[int]:

@@ -54,6 +54,8 @@ class InProcessWorker:
         self._turn: ContextManager[Any] = turns if turns is not None else contextlib.nullcontext()
 
     def submit(self, method: str, *args: Any) -> "Future[Timed]":
+        if self.logic is None:
+            raise RuntimeError(f"the {self.name} worker is closed")
         fn = getattr(self.logic, method)
 
         def run() -> Timed:
@@ -82,4 +84,7 @@ class InProcessWorker:
         """An in-process worker cannot be lost."""
 
     def close(self) -> None:
+        """Finish the calls in flight, then let go of the logic: its model and
+        KV cache are freed with the last reference, not when the engine object is."""
         self._pool.shutdown(wait=True)
+        self.logic = self._after_reply = None
