@@ -194,7 +194,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     where = "in process" if args.in_process else "Ray actors"
     at_once = "each alone" if batch == 1 else f"{batch} at a time"
     print(f"saguaro-ray demo: target {models['target']}, draft {models['draft']}, qualifier {models['qualifier']}; "
-          f"{prompts} prompts x {max_tokens} tokens ({at_once}), temperature 0, one engine for every mode, {where}")
+          f"{prompts} prompts x {max_tokens} tokens ({at_once}), temperature 0, one engine for every mode (the modes take turns), {where}")
     print(f"\n--- prompt 1 ---\n{prompt.strip()}\n--- its answer (every mode gives these tokens) ---\n{answer.strip()}\n")
     print(format_rows(rows))
     print(f"\n(demo took {time.perf_counter() - t0:.0f} s, model loading included)")

@@ -78,11 +78,11 @@ _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more 
 # a round that enters SSD or changes an SSD sequence's K builds afresh (no plan ahead for it, and
 # after any stale one): what it takes beyond the steady round's prediction, as a multiple of the
 # predicted build, weighs the last ~5 such rounds and ages by COST_DECAY a round besides (a stall
-# measured once, with no rebuild after it, would otherwise keep SSD dear for good); before one is
-# measured, nothing beyond its forced miss (a prior of one whole build exposed kept a fresh engine
-# out of SSD in simulation where it won by 1.2x and entries cost no more than their misses)
+# measured once, with no rebuild after it, would otherwise keep SSD dear for good); the prior is
+# one pseudo-round of no excess: before one is measured, nothing beyond its forced miss (a prior of
+# one whole build exposed kept a fresh engine out of SSD in simulation where it won by 1.2x and
+# entries cost no more than their misses)
 _REBUILD_DECAY = 0.8
-_REBUILD_PRIOR = 0.0
 
 
 @dataclass
@@ -287,7 +287,7 @@ class AutoPolicy:
     @property
     def rebuild_ratio(self) -> float:
         """What a rebuild round costs beyond a steady one, in predicted builds."""
-        return max(0.0, (self._rebuild[0] + _REBUILD_PRIOR) / (self._rebuild[1] + 1.0))
+        return max(0.0, self._rebuild[0] / (self._rebuild[1] + 1.0))  # + 1: the prior's pseudo-round
 
     def _missed(self, r: SeqResult) -> bool:
         """An SSD sequence's proposal came from the backup: its lookup missed, or it
