@@ -88,8 +88,10 @@ apiece, judged from the soak's growth, not measured per entry);
     round, so a worker's memory kept growing for the 20 minutes of a soak (issue
     36: +6.9 MiB/min on SmolLM2-135M) and each new count paid a compilation.
     Bucketed, every weight sees at most 16 + 8 per octave shapes (72 up to 2,048
-    rows), all kept. Padding is exact: oneDNN's product of a row does not depend
-    on how many rows come with it from two up (tests/test_fast_paths.py)."""
+    rows), all kept. Padding is exact where a row's product does not depend on
+    how many rows come with it: from two up in fp32, 2-32 in bf16 (past 32 a
+    bf16 call's bits depend on its row count anyway; docs/models.md;
+    tests/test_fast_paths.py)."""
     if rows <= EXACT_ROWS:
         return rows
     step = 1 << ((rows - 1).bit_length() - 4)
@@ -121,7 +123,9 @@ class PackedLinear(nn.Module):
     rows), so a 1-token decode would not equal that position inside a
     verification; a single row is computed as two, which costs what one does
     (streaming the weight is the cost). From two rows up every row count
-    gives the same bits (measured 2–48 rows on the coder pair's shapes).
+    gives the same bits in fp32 (2-160 rows measured); in bf16 only up to 32
+    rows: a call of more sums a row in another order, which depends on the row
+    count (docs/models.md: a known defect, what fixing it costs).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
