@@ -24,12 +24,9 @@ def give_memory_back():
     model came, and in CI (stop 40) a worker died as the coder pair loaded, most likely
     killed for memory."""
     yield
-    import gc
+    from saguaro_ray.runtime.process_memory import give_back
 
-    from saguaro_ray.runtime.process_memory import trim
-
-    gc.collect()
-    trim()
+    give_back()
 
 
 @pytest.fixture(scope="module")

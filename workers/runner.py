@@ -123,8 +123,8 @@ class ModelRunner:
             quantize_decoder(self.model, quantize, self.dtype, kernel)
         else:
             pack_linears(self.model, self.device, self.dtype, kernel, release_dense=True)
-        # loading, casting, quantising and packing freed as much again as the model keeps
-        # (the coder pair's three workers in one process: 1.2 GB); glibc would hold it for good
+        # what loading, casting, quantising and packing allocated and freed, glibc would hold for
+        # good (the coder pair's three workers in one process: 1.2 GB beside the 9.8 GB kept)
         trim()
         cfg = self.config
         if max_kv_tokens is None:

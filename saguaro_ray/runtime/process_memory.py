@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 from functools import cache
@@ -87,6 +88,14 @@ def memory() -> dict[str, Any]:
         out["heap_in_use_bytes"] = int(m.uordblks + m.hblkhd)
         out["heap_free_bytes"] = int(m.fordblks)
     return out
+
+
+def give_back() -> bool:
+    """Free what only reference cycles still hold (a closed model's modules
+    refer to each other), then :func:`trim`: what an engine or a test module
+    that is done with its models calls."""
+    gc.collect()
+    return trim()
 
 
 def trim() -> bool:
