@@ -62,11 +62,11 @@ def test_packed_linear_is_row_invariant(dtype: torch.dtype) -> None:
             assert torch.equal(packed(x[i]), every[i])
 
 
-@pytest.mark.parametrize("rows", [32, pytest.param(96, marks=pytest.mark.xfail(strict=True, reason="bf16 past 32 rows a call: docs/models.md"))])
+@pytest.mark.parametrize("rows", [32, 96])
 def test_a_bf16_row_has_the_same_bits_among_any_number_of_rows(rows: int) -> None:
-    """A bf16 row's product is the same among 2-32 rows; past 32 rows a oneDNN
-    bf16 call sums a row in another order (here from 33 rows up): a known
-    defect, strict xfail until calls are made invariant there too."""
+    """A bf16 row's product is the same among any number of rows: one oneDNN call
+    of 2-32 rows sums a row in one order, and larger inputs are split into such
+    calls (one call of 33+ rows sums in another order, which depends on the count)."""
     packed = _packed(896, 4864, False, torch.bfloat16)
     x = torch.randn(rows, 896, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
@@ -86,8 +86,8 @@ def test_row_buckets_bound_the_shapes_and_the_padding() -> None:
 def test_padding_rows_to_a_bucket_changes_no_bit(dtype: torch.dtype, counts: tuple[int, ...]) -> None:
     """The bucketed product of each row equals oneDNN's product at the exact row
     count (what ran before bucketing), for counts inside and at the edge of buckets
-    and a 3-D input (a prefill's [1, T, D]). bf16 only up to 32 rows: past them a
-    row's bits depend on the call's row count anyway (docs/models.md)."""
+    and a 3-D input (a prefill's [1, T, D]). bf16 only up to 32 rows: larger
+    inputs are split into calls of at most 32 (the test above)."""
     packed = _packed(576, 1536, True, dtype)
     x = torch.randn(700, 576, dtype=dtype)
     with torch.inference_mode():

@@ -71,20 +71,12 @@ def test_decode_verify_and_batch_give_the_same_bits(wide_model, dtype: str) -> N
     assert torch.equal(r.forward(["sd"], [cont[3:9]], all_logits=True), decoded[3:9])
 
 
-BF16_PAST_32 = pytest.mark.xfail(
-    strict=True,
-    reason="known (session 24): a oneDNN bf16 call of 33+ rows sums a row in another order than 2-32 rows do; "
-    "capping calls at 32 rows fixes it but costs 2x on those calls and 2.6x on a prefill's (docs/models.md)",
-)
-
-
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16_PAST_32)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_of_eight_verifies_the_bits_it_decodes(wide_model, dtype: str) -> None:
     """Eight sequences verifying 5 tokens each (40 rows a linear call) give the
-    logits their decodes give (8 rows). fp32 does; bf16 does not yet: 47 of these
-    80 rows differ by a bf16 step, so a seeded T > 0 request's tokens can depend
-    on its strategy at batch x (K + 1) > 32 (strict xfail: it fails the suite
-    the day it passes, so the marker goes with the defect)."""
+    logits their decodes give (8 rows). In bf16 only because no call exceeds 32
+    rows (``BF16_CALL_ROWS``): one call of 40 rows made 47 of these 80 rows differ
+    by a bf16 step, and a seeded T > 0 request's tokens depend on its strategy."""
     if not packing_available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"oneDNN packing not available for {dtype}")
     r = ModelRunner(wide_model, dtype=dtype)

@@ -89,8 +89,8 @@ apiece, judged from the soak's growth, not measured per entry);
     36: +6.9 MiB/min on SmolLM2-135M) and each new count paid a compilation.
     Bucketed, every weight sees at most 16 + 8 per octave shapes (72 up to 2,048
     rows), all kept. Padding is exact where a row's product does not depend on
-    how many rows come with it: from two up in fp32, 2-32 in bf16 (past 32 a
-    bf16 call's bits depend on its row count anyway; docs/models.md;
+    how many rows come with it: from two up in fp32, and in bf16, whose calls
+    never exceed 32 rows (:data:`BF16_CALL_ROWS`; docs/models.md;
     tests/test_fast_paths.py)."""
     if rows <= EXACT_ROWS:
         return rows
@@ -98,16 +98,42 @@ apiece, judged from the soak's growth, not measured per entry);
     return -(-rows // step) * step
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with a weight from :func:`pack_weight` (``x`` in the weight's
-    dtype), run on :func:`row_bucket` rows (zero rows added, their outputs dropped)."""
-    flat = x.reshape(-1, x.shape[-1])
+BF16_CALL_ROWS = 32
+"""A bf16 call runs at most this many rows; :func:`packed_linear` splits larger inputs.
+
+Why: from 33 rows up a oneDNN bf16 call sums a row in another order than 2-32
+rows do, and which order depends on the call's row count (the 1.5B coder's
+weights: first rows off by a bf16 step at 33-160 rows). A bf16 target would
+then verify other bits than it decodes once batch x (K + 1) > 32, and a seeded
+request's tokens would depend on its strategy and its neighbours. Calls of
+2-32 rows share one order, so splitting keeps every row's bits whatever came
+with it; it costs one more pass over the weights per 32 rows (a 40-row call
+~2x, a 256-row prefill ~2.6x on the 1.5B; docs/models.md). fp32 needs no cap
+(2-160 rows measured invariant)."""
+
+
+def _call(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN call on :func:`row_bucket` rows (zero rows added, their outputs dropped)."""
     rows = flat.shape[0]
     bucket = row_bucket(rows)
     if bucket != rows:
         flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
     y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return (y if bucket == rows else y[:rows]).view(*x.shape[:-1], y.shape[-1])
+    return y if bucket == rows else y[:rows]
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with a weight from :func:`pack_weight` (``x`` in the weight's
+    dtype); bf16 inputs of more than :data:`BF16_CALL_ROWS` rows run as calls of
+    near-equal size (17-32 rows each, never the lone row oneDNN sums otherwise)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if flat.dtype == torch.bfloat16 and rows > BF16_CALL_ROWS:
+        calls = -(-rows // BF16_CALL_ROWS)
+        y = torch.cat([_call(part, packed, bias) for part in flat.tensor_split(calls)])
+    else:
+        y = _call(flat, packed, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class PackedLinear(nn.Module):
@@ -123,9 +149,9 @@ class PackedLinear(nn.Module):
     rows), so a 1-token decode would not equal that position inside a
     verification; a single row is computed as two, which costs what one does
     (streaming the weight is the cost). From two rows up every row count
-    gives the same bits in fp32 (2-160 rows measured); in bf16 only up to 32
-    rows: a call of more sums a row in another order, which depends on the row
-    count (docs/models.md: a known defect, what fixing it costs).
+    gives the same bits in fp32 (2-160 rows measured), and in bf16 because no
+    call exceeds 32 rows (:data:`BF16_CALL_ROWS`: past them oneDNN sums a row
+    in another order, which depends on the row count).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -198,6 +224,7 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, ke
 __all__ = [
     "KERNEL_ENV",
     "LINEAR_KERNELS",
+    "BF16_CALL_ROWS",
     "EXACT_ROWS",
     "PackedLinear",
     "linear_kernel",
