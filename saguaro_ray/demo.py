@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from saguaro_ray.bench.plan import in_turn
 from saguaro_ray.config import SamplingParams, SpeculationConfig
 from saguaro_ray.errors import ConfigError
 
@@ -194,7 +195,7 @@ def run_demo(
             # of that size is not charged to whichever mode happens to run first
             engine.generate(batches[0], SamplingParams(temperature=0.0, max_tokens=4, speculation=mode))
         for j, chunk in enumerate(batches):
-            for mode in DEMO_MODES[j % len(DEMO_MODES) :] + DEMO_MODES[: j % len(DEMO_MODES)]:
+            for mode in in_turn(list(DEMO_MODES), j):
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculation=mode)
                 t0 = time.perf_counter()
                 results[mode] += engine.generate(chunk, params)

@@ -79,16 +79,18 @@ class PeerRunner:
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).eval()
         self.assistant = AutoModelForCausalLM.from_pretrained(models["draft"].path, dtype=torch_dtype).eval() if mode == "hf-assisted" else None
 
-    def run(self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None) -> RunResult:
-        """Generate every prompt one at a time, prompt i at ``temperatures.for_request(i)``
-        (``batch_size`` is ignored: see the module's docstring)."""
+    def run(
+        self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None, first: int = 0
+    ) -> RunResult:
+        """Generate every prompt one at a time, prompt i at ``temperatures.for_request(first + i)``
+        (``first``: the index of ``prompts[0]`` in its run; ``batch_size`` is ignored: see the module's docstring)."""
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         tokens = decode_tokens = rounds = 0
         seconds = decode_seconds = 0.0
         outputs: list[tuple[int, ...]] = []
         try:
-            for i, prompt in enumerate(prompts):
+            for i, prompt in enumerate(prompts, first):
                 ids = torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False)])
                 clock = _RoundClock()
                 torch.manual_seed(seed * 100_003 + i)

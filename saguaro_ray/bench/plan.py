@@ -45,6 +45,14 @@ def base_mode(label: str) -> str:
     return label.split(":", 1)[0]
 
 
+def in_turn(items: list[Any], turn: int) -> list[Any]:
+    """``items`` rotated to start at ``turn`` (mod their number): the order in
+    which the compared modes generate their ``turn``-th batch, so none always
+    goes first or last (the bench's cells and the demo)."""
+    start = turn % len(items) if items else 0
+    return items[start:] + items[:start]
+
+
 def parse_mode(label: str) -> BenchMode:
     """A ``--modes`` label as a :class:`BenchMode`; :class:`ConfigError` names the bad label."""
     if label in PEER_MODES:

@@ -18,7 +18,7 @@ ratio to it and to AR, with what ``auto`` chose (the requests' own stats).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from saguaro_ray.bench.plan import PEER_MODES, base_mode
@@ -64,6 +64,28 @@ class RunResult:
     sampling: str | None = None  # the sampling setting's label (``--sampling``; None: plain)
     seed: int = 0  # every request's seed (the repeat's index)
     outputs: list[tuple[int, ...]] = field(repr=False, default_factory=list)  # each request's token ids, in prompt order
+
+
+def merge_runs(parts: Sequence[RunResult]) -> RunResult:
+    """One runner's batches of a cell as one run: counts, seconds, rounds and
+    outputs added up in order (the bench generates a cell batch by batch, the
+    modes taking turns)."""
+    first, *rest = parts
+    if not rest:
+        return first
+    strategy: dict[str, int] = {}
+    for p in parts:
+        for m, n in p.strategy.items():
+            strategy[m] = strategy.get(m, 0) + n
+    added = ("seconds", "tokens", "decode_tokens", "decode_seconds", "accepted", "spec_rounds", "hits", "lookups", "k_total", "k_rounds")
+    return replace(
+        first,
+        **{k: sum(getattr(p, k) for p in parts) for k in added},
+        breakdown={k: sum(p.breakdown[k] for p in parts) for k in first.breakdown},
+        rounds=[rd for p in parts for rd in p.rounds],
+        strategy=strategy,
+        outputs=[o for p in parts for o in p.outputs],
+    )
 
 
 def _median_min_max(xs: list[float]) -> tuple[float, float, float]:

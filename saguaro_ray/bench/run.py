@@ -16,8 +16,8 @@ from typing import Any, Callable
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
 from saguaro_ray.bench.peers import PeerRunner
-from saguaro_ray.bench.plan import BenchMode, SamplingSetting, TemperatureSetting, parse_modes, sampling_settings, temperature_settings
-from saguaro_ray.bench.report import RunResult, round_breakdown, summarise, timeline_sample
+from saguaro_ray.bench.plan import BenchMode, SamplingSetting, TemperatureSetting, in_turn, parse_modes, sampling_settings, temperature_settings
+from saguaro_ray.bench.report import RunResult, merge_runs, round_breakdown, summarise, timeline_sample
 from saguaro_ray.model_set import needed_specs
 from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine.sequence import strategy_totals
@@ -144,11 +144,13 @@ class _Runner:
 
     def run(
         self, prompts: list[str], temperatures: TemperatureSetting, max_tokens: int, seed: int, batch_size: int | None = None,
-        sampling: SamplingSetting = SamplingSetting(),
+        sampling: SamplingSetting = SamplingSetting(), first: int = 0,
     ) -> RunResult:
         """Generate every prompt, ``batch_size`` at a time (default: all at once),
-        request j at ``temperatures.for_request(j)``, each with ``sampling``'s fields."""
-        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, sampling)
+        request j at ``temperatures.for_request(first + j)`` (``first``: the
+        index of ``prompts[0]`` in its run, which a cell runs batch by batch),
+        each with ``sampling``'s fields."""
+        params = request_params(len(prompts), temperatures, max_tokens, seed, self.bench_mode.strategy, sampling, first)
         b = batch_size or len(prompts)
         seen = self.engine.timeline()
         after = seen[-1]["index"] if seen else -1  # rounds are numbered; the byte-bounded timeline drops old ones
@@ -192,10 +194,11 @@ def request_params(
     seed: int,
     strategy: Strategy | None,
     sampling: SamplingSetting = SamplingSetting(),
+    first: int = 0,
 ) -> list[SamplingParams]:
-    """The sampling parameters of a run's ``n`` requests: each ``max_tokens``
-    long (end-of-sequence ignored, so every mode decodes as many tokens),
-    request j at ``temperatures.for_request(j)``, carrying ``strategy`` and
+    """The sampling parameters of ``n`` requests of a run from its request
+    ``first`` on: each ``max_tokens`` long (end-of-sequence ignored, so every
+    mode decodes as many tokens), request j at ``temperatures.for_request(j)``, carrying ``strategy`` and
     ``sampling``'s fields (penalties, logprobs, a response format, ...).
     Under a ``response_format`` EOS ends a request: past a complete document
     the grammar allows nothing else, and decoding those forced rows would
@@ -206,7 +209,7 @@ def request_params(
             **{"top_k": 0, **sampling.params},
             temperature=temperatures.for_request(j), max_tokens=max_tokens, seed=seed, ignore_eos=not structured, speculation=strategy,
         )
-        for j in range(n)
+        for j in range(first, first + n)
     ]
 
 
@@ -284,9 +287,10 @@ def _run_group(
     strategies: dict[str, dict[str, Any]],
 ) -> list[RunResult]:
     """Every setting (temperature × sampling) over one runtime's engines'
-    modes (and the peers, plain sampling only: transformers has no presence
-    or frequency penalty), interleaved (A B C A B C …); ``strategies`` gets each engine's choices
-    once its runs are done (``runtime/dN``)."""
+    modes (and the peers at batch 1, plain sampling only: transformers has no
+    presence or frequency penalty), interleaved batch by batch
+    (:func:`_run_cell`); ``strategies`` gets each engine's choices once its
+    runs are done (``runtime/dN``)."""
     closers: list[Callable[[], None]] = []
     engines: list[_Engine] = []
     runners: list[Any] = []
@@ -306,20 +310,36 @@ def _run_group(
             for t in settings:
                 for rep in range(args.repeats):
                     for s in samplings:
-                        for r in runners:
-                            # every batch size sees the same prompts: ceil(P / b) generate calls of b
-                            if r.runtime != "hf":
-                                runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b, sampling=s))
-                            elif b == 1 and not s.params:  # transformers decodes one request at a time (see bench.peers), plainly
-                                runs.append(r.run(prompts, t, args.max_tokens, seed=rep, batch_size=b))
-                            else:
-                                continue
-                            bar.update(1)
+                        cell = [r for r in runners if r.runtime != "hf" or (b == 1 and not s.params)]
+                        runs += _run_cell(cell, prompts, t, s, args.max_tokens, rep, b)
+                        bar.update(len(cell))
         strategies.update({f"{e.runtime}/d{e.num_drafts}": e.strategies() for e in engines})
     finally:
         for close in closers:
             close()
     return runs
+
+
+def _run_cell(
+    runners: list[Any], prompts: list[str], t: TemperatureSetting, s: SamplingSetting, max_tokens: int, rep: int, b: int
+) -> list[RunResult]:
+    """One cell (batch size × setting × repeat): every batch of ``b`` prompts
+    is generated by each runner in a rotating order before the next batch
+    starts, and each runner's batches make its one run of the cell. Run one
+    runner's batches after another's, the last row also carried how far a
+    shared machine had drifted by then (±7-15 % within a cell here) and
+    whatever the runner before it left behind; taking turns charges both to
+    every row alike, as the demo does."""
+    parts: dict[int, list[RunResult]] = {i: [] for i in range(len(runners))}
+    for j, first in enumerate(range(0, len(prompts), b)):
+        chunk = prompts[first : first + b]
+        for i in in_turn(list(range(len(runners))), j):
+            r = runners[i]
+            if r.runtime == "hf":  # transformers decodes one request at a time (see bench.peers), plainly
+                parts[i].append(r.run(chunk, t, max_tokens, seed=rep, batch_size=b, first=first))
+            else:
+                parts[i].append(r.run(chunk, t, max_tokens, seed=rep, batch_size=b, sampling=s, first=first))
+    return [merge_runs(parts[i]) for i in range(len(runners))]
 
 
 def _start_ray_for(args: BenchArgs, engines: list[tuple[int, list[BenchMode]]]) -> None:
