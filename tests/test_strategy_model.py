@@ -30,6 +30,7 @@ from saguaro_ray.algorithms.strategy_model import (
 )
 from saguaro_ray.algorithms import strategy_guard
 from saguaro_ray.algorithms.strategy_fits import HitRates
+from saguaro_ray.algorithms.strategy_search import SWITCH_HORIZON, Group
 from saguaro_ray.errors import ConfigError
 
 MAX_K = 8
@@ -64,6 +65,9 @@ class Truth:
     # a round where a sequence enters SSD or an SSD sequence changes K has no plan built ahead for
     # it: its build starts afresh (after any stale one) and takes this much longer
     entry_s: float = 0.0
+    # a round where a sequence leaves SSD for SD waits this long (the build started ahead for it)
+    # before its drafts run
+    leave_s: float = 0.0
     # drafts this many tokens behind a sequence (it ran AR) catch up before it speculates: it runs
     # AR that round while they do, and the catch-up slows that round's verification by catch_up_s
     catch_up: int = 0
@@ -109,13 +113,15 @@ class Truth:
         return self.draft_r + max(sd) * self.step(len(sd)) if sd else 0.0
 
     def expected_time(
-        self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool], rebuild: bool = False, catch_ups: int = 0
+        self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool], rebuild: bool = False, catch_ups: int = 0,
+        leaving: bool = False,
     ) -> float:
         """``rebuild``: a sequence enters SSD or changes K in it (:attr:`entry_s`);
-        ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`)."""
+        ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`);
+        ``leaving``: a sequence left SSD for SD (:attr:`leave_s`)."""
         tokens = sum(k + 1 for _, k in choices)
         verify = self.verify(tokens, len(choices)) + (self.catch_up_s if catch_ups else 0.0)
-        t = self.control(choices) + verify + self.drafting(choices)
+        t = self.control(choices) + verify + self.drafting(choices) + (self.leave_s if leaving else 0.0)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
             build = self.build(len(ssd), max(k for _, k, _ in ssd)) + (self.entry_s if rebuild else 0.0)
@@ -137,9 +143,11 @@ class Truth:
         return max((self.rate(temps, [o] * len(temps)), o) for o in options)
 
 
-def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0) -> RoundCosts:
+def _round(
+    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False
+) -> RoundCosts:
     """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
-    ``catch_ups``: see :meth:`Truth.expected_time`)."""
+    ``catch_ups``, ``leaving``: see :meth:`Truth.expected_time`)."""
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
@@ -167,7 +175,7 @@ def _round(truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, 
         exposed = truth.ssd_base * noise() + max(0.0, build - verify)
         if truth.backup == "neural" and misses:
             exposed += ssd_k * truth.step(misses) * noise()
-    wall = verify + draft + exposed + truth.control(choices) * noise()
+    wall = verify + draft + exposed + truth.control(choices) * noise() + (truth.leave_s * noise() if leaving else 0.0)
     return RoundCosts(len(choices), tokens, verify, max(sd, default=0), len(sd), draft, n_ssd, exposed, wall, tuple(seqs), build)
 
 
@@ -205,10 +213,11 @@ def simulate(
         picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
         rebuild = any(en or (m == "ssd" and k != lk) for en, (m, k), lk in zip(entering, picked, last_k))
+        leaving = any(m == "sd" and c == "ssd" for (m, _), c in zip(picked, current))
         history.append(picked)
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, picked, entering)))
-        times.append(truth.expected_time(temps, picked, entering, rebuild, sum(caught)))
-        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught)))
+        times.append(truth.expected_time(temps, picked, entering, rebuild, sum(caught), leaving))
+        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught), leaving))
         current = [m for m, _ in picked]
         last_k = [k if m == "ssd" else 0 for m, k in picked]
         lag = [0 if cu or m != "ar" else n + 1 for cu, (m, _), n in zip(caught, picked, lag)]
@@ -955,6 +964,30 @@ def test_what_an_ssd_entry_took_is_charged_when_switching(temps):
     # steady one (after 100 steady rounds that evidence has aged)
     early, *_ = simulate(truth, temps, rounds=5, policy=seeded(truth))
     assert early.snapshot()["rebuild_ratio"] > 1.0
+
+
+def test_a_round_leaving_ssd_for_sd_teaches_the_wait_for_the_build_in_flight(monkeypatch):
+    """With builds started ahead, a round where a sequence leaves SSD for SD first waits
+    for the build in flight (the coder pair at batch 1: its drafting started 212 ms into
+    the round, a whole build). The policy learns that wait as a multiple of the build
+    (``leave_ratio``) and charges it to leaving for SD — not to the control plane (which
+    the wait lands in: wall minus verification, drafting and exposure), not to AR, whose
+    round drafts nothing."""
+    truth, temps = replace(SMOL_CPU, build_k=0.05, leave_s=0.2), [0.0]
+    build = truth.build(1, 4)
+    plan = ([Choice("ssd", 4)] * 7 + [Choice("sd", 4)]) * 8
+    policy = seeded(truth, explore=0.0)
+    calm = seeded(replace(truth, leave_s=0.0), explore=0.0)
+    for p in (policy, calm):
+        monkeypatch.setattr(p, "_search", lambda auto, fixed, turns=iter(plan): [next(turns) for _ in auto])
+    simulate(truth, temps, rounds=len(plan), policy=policy)
+    simulate(replace(truth, leave_s=0.0), temps, rounds=len(plan), policy=calm)
+    assert truth.leave_s / build * 0.6 < policy.leave_ratio < truth.leave_s / build * 1.2, (policy.leave_ratio, truth.leave_s / build)
+    assert calm.leave_ratio < 0.2 * policy.leave_ratio
+    assert policy.snapshot()["control_s"]["a"] < calm.snapshot()["control_s"]["a"] + 0.01  # the wait is not the control plane's
+    g = Group(0, 1.0, MAX_K, frozenset({"ar", "sd", "ssd"}), True, 4)
+    g.leave_s = policy.leave_ratio * build
+    assert g.switch_s(("sd", 4)) * SWITCH_HORIZON == pytest.approx(g.leave_s) and g.switch_s(("ar", 0)) == 0.0
 
 
 def test_a_seeded_policy_spends_no_ar_round_to_learn_ars_rate():

@@ -223,6 +223,31 @@ class Acceptance:
         return [min(ALPHA_MAX, upper_bound(a, t)) for a, t in zip(self.alphas(), self.tested)]
 
 
+class ExcessRatio:
+    """What one kind of switching round takes beyond the steady round predicted for
+    its load, in predicted builds: decayed over the last few such rounds
+    (``decay`` each) and aged a little every round (:meth:`age`), with a prior of
+    one pseudo-round of no excess (unclamped: timing noise both ways leaves the
+    mean unbiased)."""
+
+    def __init__(self, decay: float, age_decay: float) -> None:
+        self.decay, self.age_decay = decay, age_decay
+        self.total = 0.0  # decayed Σ excess / predicted build
+        self.count = 0.0
+
+    def age(self) -> None:
+        self.total *= self.age_decay
+        self.count *= self.age_decay
+
+    def add(self, excess_s: float, build_s: float) -> None:
+        self.total = self.decay * self.total + excess_s / build_s
+        self.count = self.decay * self.count + 1.0
+
+    @property
+    def value(self) -> float:
+        return max(0.0, self.total / (self.count + 1.0))  # + 1: the prior's pseudo-round
+
+
 class DecayedRate:
     """A decayed Bernoulli rate whose prior pseudo-count ages with the data (as :class:`Acceptance`)."""
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, HitRates, KneeFit
+from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, ExcessRatio, HitRates, KneeFit
 from saguaro_ray.algorithms.strategy_explore import Trials
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_search import (
@@ -81,7 +81,9 @@ _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more 
 # measured once, with no rebuild after it, would otherwise keep SSD dear for good); the prior is
 # one pseudo-round of no excess: before one is measured, nothing beyond its forced miss (a prior of
 # one whole build exposed kept a fresh engine out of SSD in simulation where it won by 1.2x and
-# entries cost no more than their misses)
+# entries cost no more than their misses). A round where an SSD sequence leaves for SD waits, with
+# builds started ahead, for the build in flight before its drafts can run (the coder pair at batch 1:
+# its drafting started 212 ms into the round): learned the same way, as the leave ratio
 _REBUILD_DECAY = 0.8
 
 
@@ -133,7 +135,8 @@ class AutoPolicy:
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
         self._speculating: set[int] = set()  # auto sequences the round just chosen speculates with
-        self._rebuild = [0.0, 0.0]  # decayed Σ (excess / predicted build) and count over rebuild rounds
+        self._rebuild = ExcessRatio(_REBUILD_DECAY, COST_DECAY)  # a rebuild round's excess, in predicted builds
+        self._leave = ExcessRatio(_REBUILD_DECAY, COST_DECAY)  # a round leaving SSD for SD: the same
         self._observed = 0
         self._switch_full_s = 0.0  # seconds of rebuild the last choice pays in its round (a re-test's budget covers it)
         self._leave_full_s = 0.0  # ... and that a round of AR instead would cost (SSD's rebuild on return)
@@ -180,15 +183,21 @@ class AutoPolicy:
         """Fit the model to one finished round (fixed-strategy sequences included).
 
         A *rebuild* round (a sequence entered SSD or changed its K there) teaches
-        the rebuild's cost and not the steady fits; a round where a sequence
-        chosen to speculate ran AR (its drafts catching up) and a rebuild round
-        are not what a choice runs at steadily: the AR guard judges by the others."""
+        the rebuild's cost and not the steady fits, a *leave* round (a sequence
+        left SSD for SD) the wait for the build in flight and not the control
+        plane's; a round where a sequence chosen to speculate ran AR (its drafts
+        catching up), a rebuild round and a leave round are not what a choice runs
+        at steadily: the AR guard judges by the others."""
         rebuild = self._rebuilt(costs.seqs)
-        self._rebuild = [COST_DECAY * x for x in self._rebuild]
+        leave = self._left(costs.seqs)
+        self._rebuild.age()
+        self._leave.age()
         caught_up = any(r.seq_id in self._speculating and r.mode == "ar" for r in costs.seqs)
         if rebuild:
-            self._observe_rebuild(costs)
-        if costs.seqs and not rebuild and not caught_up:
+            self._observe_switch(costs, self._rebuild)
+        elif leave:
+            self._observe_switch(costs, self._leave, leave)
+        if costs.seqs and not rebuild and not leave and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
                 ARGuard.arm((r.mode, r.proposed) for r in costs.seqs),
@@ -211,7 +220,7 @@ class AutoPolicy:
             self._after.decay_only()
             self._build.decay_only()
         control = costs.wall_s - costs.verify_s - costs.draft_s - costs.ssd_exposed_s
-        if costs.batch > 0:
+        if costs.batch > 0 and not leave:
             plain = costs.batch - costs.draft_batch - costs.ssd_batch
             x_ctl = (
                 1.0, float(plain), float(costs.draft_batch), float(costs.ssd_batch), float(steps > 0), float(steps), float(costs.ssd_batch > 0)
@@ -268,9 +277,16 @@ class AutoPolicy:
                     return True
         return False
 
-    def _observe_rebuild(self, costs: RoundCosts) -> None:
-        """What a rebuild round took beyond the steady round the model predicts for its
-        load (its forced misses as misses), as a multiple of its predicted build."""
+    def _left(self, seqs: Sequence[SeqResult]) -> int:
+        """The K of the builds a round waited for: the largest K among the sequences
+        that ran SSD last round and SD in this one (0: none left)."""
+        return max((st.ssd_k for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None), default=0)
+
+    def _observe_switch(self, costs: RoundCosts, ratio: ExcessRatio, left_k: int = 0) -> None:
+        """What a switching round took beyond the steady round the model predicts for
+        its load (its forced misses as misses), as a multiple of the build it switched:
+        a rebuild's (this round's SSD sequences at their K), or a leave's (the build in
+        flight for the ``left_k`` of the sequences that left)."""
         if self._verify.theta is None:
             return
         c = self._costs()
@@ -278,16 +294,24 @@ class AutoPolicy:
         for r in costs.seqs:
             hit = 0.0 if self._missed(r) else 1.0
             load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit)
-        build = c.build_s(load.n_ssd, load.ssd_k) if load.n_ssd and load.ssd_k else 0.0
+        if left_k:
+            n = sum(1 for r in costs.seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k)
+            build = c.build_s(n, left_k)
+        else:
+            build = c.build_s(load.n_ssd, load.ssd_k) if load.n_ssd and load.ssd_k else 0.0
         if build <= 0.0 or not math.isfinite(costs.wall_s):
             return
-        excess = costs.wall_s - c.round_time(load)  # noise both ways: unclamped, so its mean is not biased up
-        self._rebuild = [_REBUILD_DECAY * self._rebuild[0] + excess / build, _REBUILD_DECAY * self._rebuild[1] + 1.0]
+        ratio.add(costs.wall_s - c.round_time(load), build)
 
     @property
     def rebuild_ratio(self) -> float:
         """What a rebuild round costs beyond a steady one, in predicted builds."""
-        return max(0.0, self._rebuild[0] / (self._rebuild[1] + 1.0))  # + 1: the prior's pseudo-round
+        return self._rebuild.value
+
+    @property
+    def leave_ratio(self) -> float:
+        """What a round leaving SSD for SD costs beyond a steady one, in predicted builds."""
+        return self._leave.value
 
     def _missed(self, r: SeqResult) -> bool:
         """An SSD sequence's proposal came from the backup: its lookup missed, or it
@@ -436,25 +460,28 @@ class AutoPolicy:
         fixed_all = (*fixed, *held)
         glist = list(groups.values())
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
-        costs, ratio = self._costs(), self.rebuild_ratio
+        costs, rebuild, leave = self._costs(), self.rebuild_ratio, self.leave_ratio
 
-        def rebuild_s(g: Group) -> list[float]:
+        def price_switches(g: Group) -> None:
             # a rebuild's fixed part is shared by every sequence that rebuilds in the round: per
-            # member, the batch's (charged to a group alone, it kept small groups out of SSD)
+            # member, the batch's (charged to a group alone, it kept small groups out of SSD); so
+            # is the wait for the build in flight when the group leaves SSD for SD
             n = len(auto)
-            return [0.0] + [ratio * costs.build_s(n, k) / n for k in range(1, g.cap + 1)]
+            g.rebuild_s = [0.0] + [rebuild * costs.build_s(n, k) / n for k in range(1, g.cap + 1)]
+            g.leave_s = leave * costs.build_s(n, g.ssd_k) / n if g.in_ssd and g.ssd_k else 0.0
 
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
             self._reuse = (shape, self._reuse[1] - 1, self._reuse[2], self._reuse[3])
             for g, opt in zip(glist, self._reuse[2]):
-                g.opt, g.rebuild_s = opt, rebuild_s(g)
+                g.opt = opt
+                price_switches(g)
             self.prediction = self._reuse[3]
         else:
             for g in glist:
                 alphas, miss, _, hits = curve(g.bucket)
                 fill_values(g, alphas, miss, hits.values, hits.pooled.value)
-                g.rebuild_s = rebuild_s(g)
+                price_switches(g)
             base = self._fixed_load(fixed_all, curve)
             best = self._last_rate = optimise(glist, base, costs, self._last_rate)
             searched = [g.opt for g in glist]
@@ -557,6 +584,7 @@ class AutoPolicy:
             "last_choice": dict(self._last_counts),
             "predicted_tokens_per_s": self._last_rate,  # what the last search expected of its choice
             "rebuild_ratio": self.rebuild_ratio,  # a rebuild round's time beyond a steady one, in predicted builds
+            "leave_ratio": self.leave_ratio,  # a round leaving SSD for SD: the same
             "guard_held": self._guard.held,  # rounds whose speculating choice gave way to AR (measuring it, or faster)
         }
 

@@ -112,7 +112,7 @@ class Group:
 
     __slots__ = (
         "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "lagging", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd",
-        "entry", "leave", "rebuild_s", "opt",
+        "entry", "leave", "rebuild_s", "leave_s", "opt",
     )
 
     def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False) -> None:
@@ -133,6 +133,7 @@ class Group:
         self.leave = 0.0  # a sequence in SSD choosing AR or SD pays this (the hysteresis band)
         # seconds per member of a round that enters SSD at K, or rebuilds at K (no plan built ahead for it)
         self.rebuild_s: list[float] = [0.0] * (cap + 1)
+        self.leave_s = 0.0  # seconds per member of a round that leaves SSD for SD (the build in flight)
         self.opt: tuple[str, int] = ("ar", 0)
 
     def value(self, opt: tuple[str, int]) -> float:
@@ -145,11 +146,14 @@ class Group:
         """Seconds per member that choosing ``opt`` costs in switching, amortised over
         :data:`SWITCH_HORIZON` rounds: entering SSD or changing its K (the build
         starts afresh, after any stale one: the round's time, not only its forced
-        miss), or leaving it (coming back pays the entry again)."""
+        miss), or leaving it (coming back pays the entry again; for SD, its drafts
+        first wait for the build in flight)."""
         mode, k = opt
         if mode == "ssd":
             return self.rebuild_s[k] / SWITCH_HORIZON if not self.in_ssd or k != self.ssd_k else 0.0
-        return self.rebuild_s[min(self.ssd_k, self.cap)] / SWITCH_HORIZON if self.in_ssd else 0.0
+        if not self.in_ssd:
+            return 0.0
+        return (self.rebuild_s[min(self.ssd_k, self.cap)] + (self.leave_s if mode == "sd" else 0.0)) / SWITCH_HORIZON
 
     def excursion(self, opt: tuple[str, int]) -> tuple[float, float]:
         """Tokens and seconds per member that trying ``opt`` for one round costs
