@@ -683,13 +683,29 @@ def test_temperature_buckets():
 
 def step_costs(truth: Truth, batches: tuple[int, ...] = (1, 2, 4, 8), scale: dict[str, float] | None = None) -> StepCosts:
     """What the engine's start-up probe would measure on ``truth``'s workers: target calls
-    of K + 1 tokens per sequence, one draft step and one tree-build step per batch size
-    (``scale``: one kind of measurement multiplied, to mutate the table)."""
+    of K + 1 tokens per sequence, one draft step, a draft call's own part and one tree-build
+    step per batch size (``scale``: one kind of measurement multiplied, to mutate the table)."""
     scale = scale or {}
     ver = tuple((b * (k + 1), b, truth.verify(b * (k + 1), b) * scale.get("verify", 1.0)) for b in batches for k in (0, 1, 3, 7))
     draft = tuple((n, truth.step(n) * scale.get("draft", 1.0)) for n in batches)
     build = tuple((n, (truth.build_k + truth.build_nk * n) * scale.get("build", 1.0)) for n in batches)
-    return StepCosts(ver, draft, build)
+    return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches))
+
+
+def test_the_seed_prices_an_sd_rounds_drafting_with_the_calls_own_part():
+    """An SD round's drafting is one draft call: its own part (feeding what was accepted,
+    the first draw: ~30-60 ms on the coder pair's 0.5B at batch 1) and K steps. Seeded
+    without that part, a fresh engine predicted SD at K = 7 ~10 % short and chose it over a
+    faster SSD; seeded with it, the fit starts from the truth's drafting."""
+    truth = replace(SMOL_CPU, draft_r=0.04)
+    policy = seeded(truth)
+    fit = policy.snapshot()["draft_s"]
+    assert fit["a"] == pytest.approx(truth.draft_r, rel=0.05) and fit["per_step"] == pytest.approx(truth.step_c, rel=0.05)
+    table = step_costs(truth)
+    assert StepCosts.from_json(json.loads(json.dumps(table.to_json()))) == table
+    blind = AutoPolicy(max_k=MAX_K, seed=0)
+    blind.seed(replace(table, draft_call=()))  # a table cached before the probe measured it: 0, as before
+    assert blind.snapshot()["draft_s"]["a"] == pytest.approx(0.0, abs=1e-4)
 
 
 def seeded(truth: Truth, explore: float = 0.05, **scale: float) -> AutoPolicy:

@@ -158,18 +158,21 @@ class AutoPolicy:
 
         Each measurement is one observation of its fit, as a round is: the rounds
         run afterwards outweigh them within ~1 / (1 − COST_DECAY) rounds, so the
-        fits are refreshed by what the engine then measures. A draft step over n
-        sequences is observed at 1 and at ``max_k`` steps (the per-step cost told
-        from the round's own part, which a probe does not have); a build step over
+        fits are refreshed by what the engine then measures. A draft call over n
+        sequences is observed at 1 and at ``max_k`` steps, its own part (what an
+        SD round's drafting pays beyond its steps: on the coder pair's 0.5B ~30-60
+        ms at batch 1, ~10 % of an SD round at K = 7, which left out had SD
+        predicted that much short on a fresh engine) and its steps; a build step over
         n SSD sequences is fitted as what it costs beyond a draft step over as many
         sequences (the build's model, :meth:`_observe_ssd`)."""
         for tokens, batch, seconds in costs.verify:
             self._verify.add(tokens, batch, seconds)
             if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
                 self._guard.seed_ar(batch, seconds)
+        own = dict(costs.draft_call)
         for n, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
-                self._drafting.add((1.0, float(steps), float(steps * n)), steps * seconds)
+                self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * seconds)
         draft = self._drafting.theta
         for n, seconds in costs.build:
             beyond = max(0.0, seconds - (draft[1] + draft[2] * n if draft is not None else 0.0))

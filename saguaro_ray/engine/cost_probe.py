@@ -44,6 +44,7 @@ PROBE_BATCHES = (1, 2, 4, 8)  # batch sizes measured (those up to the engine's m
 PROBE_REPEATS = 2  # each measurement's minimum over this many calls (a busy machine only adds time)
 PROBE_PROMPT = 16  # tokens of each throwaway sequence's prompt
 PROBE_SEQ_BASE = 1 << 62  # throwaway sequence ids: far above any request's
+PROBE_VERSION = 2  # what a cached table measured: 2 added the draft call's own part (an older table is measured afresh)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -73,6 +74,7 @@ def cost_identity(config: Any, runtime: str) -> dict[str, Any]:
         "target_tp": config.target_tp,
         "max_k": config.spec.k_max,
         "max_batch": config.max_batch_size,
+        "probe": PROBE_VERSION,
     }
 
 
@@ -215,13 +217,15 @@ def measure(loop: "RoundLoop", max_batch: int, max_k: int, kv_tokens: int) -> St
         verify = tuple(
             (b * (k + 1), b, min(target.verify(target.ids[:b], k) for _ in range(PROBE_REPEATS))) for b in batches for k in ks
         )
-        steps = []
+        steps, calls = [], []
         for b in batches:
             one = min(draft.propose(draft.ids[:b], 1) for _ in range(PROBE_REPEATS))
             many = min(draft.propose(draft.ids[:b], max_k) for _ in range(PROBE_REPEATS))
             # the call's own part (feeding the pending token, the first draw) is in both; a step is the rest
-            steps.append((b, max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one))
-        return StepCosts(verify, tuple(steps), _build_steps(loop, draft, batches, max_k, dict(steps)))
+            step = max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one
+            steps.append((b, step))
+            calls.append((b, max(0.0, one - step)))
+        return StepCosts(verify, tuple(steps), _build_steps(loop, draft, batches, max_k, dict(steps)), tuple(calls))
     finally:
         target.release()
         draft.release()
