@@ -21,9 +21,9 @@ linearises exactly the model it evaluates), the trials and their budget
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
 :mod:`~saguaro_ray.algorithms.strategy_guard`, and the data the engine and
 the policy exchange :mod:`~saguaro_ray.algorithms.strategy_views`. What is
-left here (~515 lines) is one concept, the policy's state and its use: every
-fit, the per-sequence statistics, the sequences entering or rebuilding SSD and
-the rebuild's cost are read by the choice and written by the observation of
+left here (~550 lines) is one concept, the policy's state and its use: every
+fit, the per-sequence statistics, the sequences entering, rebuilding or leaving SSD and
+what switching costs are read by the choice and written by the observation of
 the round it made; split apart, each half would reach into the other's state.
 """
 
@@ -192,14 +192,15 @@ class AutoPolicy:
         catching up), a rebuild round and a leave round are not what a choice runs
         at steadily: the AR guard judges by the others."""
         rebuild = self._rebuilt(costs.seqs)
-        leave = self._left(costs.seqs)
+        left = self._left(costs.seqs)
+        leave = left[0] > 0
         self._rebuild.age()
         self._leave.age()
         caught_up = any(r.seq_id in self._speculating and r.mode == "ar" for r in costs.seqs)
         if rebuild:
             self._observe_switch(costs, self._rebuild)
         elif leave:
-            self._observe_switch(costs, self._leave, leave)
+            self._observe_switch(costs, self._leave, left)
         if costs.seqs and not rebuild and not leave and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
@@ -280,16 +281,17 @@ class AutoPolicy:
                     return True
         return False
 
-    def _left(self, seqs: Sequence[SeqResult]) -> int:
-        """The K of the builds a round waited for: the largest K among the sequences
-        that ran SSD last round and SD in this one (0: none left)."""
-        return max((st.ssd_k for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None), default=0)
+    def _left(self, seqs: Sequence[SeqResult]) -> tuple[int, int]:
+        """The sequences that ran SSD last round and SD in this one, and the largest K
+        of the builds the round waited for for them ((0, 0): none left)."""
+        ks = [st.ssd_k for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k]
+        return len(ks), max(ks, default=0)
 
-    def _observe_switch(self, costs: RoundCosts, ratio: ExcessRatio, left_k: int = 0) -> None:
+    def _observe_switch(self, costs: RoundCosts, ratio: ExcessRatio, left: tuple[int, int] = (0, 0)) -> None:
         """What a switching round took beyond the steady round the model predicts for
         its load (its forced misses as misses), as a multiple of the build it switched:
         a rebuild's (this round's SSD sequences at their K), or a leave's (the build in
-        flight for the ``left_k`` of the sequences that left)."""
+        flight for the ``left`` sequences, at their largest K)."""
         if self._verify.theta is None:
             return
         c = self._costs()
@@ -297,9 +299,8 @@ class AutoPolicy:
         for r in costs.seqs:
             hit = 0.0 if self._missed(r) else 1.0
             load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit)
-        if left_k:
-            n = sum(1 for r in costs.seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k)
-            build = c.build_s(n, left_k)
+        if left[0]:
+            build = c.build_s(*left)
         else:
             build = c.build_s(load.n_ssd, load.ssd_k) if load.n_ssd and load.ssd_k else 0.0
         if build <= 0.0 or not math.isfinite(costs.wall_s):
