@@ -107,8 +107,8 @@ weights: first rows off by a bf16 step at 33-160 rows). A bf16 target would
 then verify other bits than it decodes once batch x (K + 1) > 32, and a seeded
 request's tokens would depend on its strategy and its neighbours. Calls of
 2-32 rows share one order, so splitting keeps every row's bits whatever came
-with it; it costs one more pass over the weights per 32 rows (a 40-row call
-~2x, a 256-row prefill ~2.6x on the 1.5B; docs/models.md). fp32 needs no cap
+with it; it costs one more pass over the weights per 32 rows (the 1.5B's
+forward: 1.7x at 40 rows, 2x at 72-160; docs/models.md). fp32 needs no cap
 (2-160 rows measured invariant)."""
 
 
@@ -125,7 +125,7 @@ def _call(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` with a weight from :func:`pack_weight` (``x`` in the weight's
     dtype); bf16 inputs of more than :data:`BF16_CALL_ROWS` rows run as calls of
-    near-equal size (17-32 rows each, never the lone row oneDNN sums otherwise)."""
+    near-equal size (16-32 rows each, never the lone row oneDNN sums otherwise)."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     if flat.dtype == torch.bfloat16 and rows > BF16_CALL_ROWS:
