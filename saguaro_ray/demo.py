@@ -24,6 +24,7 @@ from typing import Any
 
 from saguaro_ray.bench.plan import in_turn
 from saguaro_ray.config import SamplingParams, SpeculationConfig
+from saguaro_ray.engine.sequence import strategy_totals
 from saguaro_ray.errors import ConfigError
 
 # Requests the demo runs at once. One: each request alone, the latency regime
@@ -211,10 +212,7 @@ def _row(mode: str, results: list[Any], seconds: float, reference: list[list[int
     tokens = [r.token_ids for r in results]
     acc = [r.stats["mean_accepted"] for r in results if r.stats["mean_accepted"] is not None]
     hits = [r.stats["cache_hit_rate"] for r in results if r.stats["cache_hit_rate"] is not None]
-    strategy: dict[str, int] = {}
-    for r in results:
-        for m, n in r.stats["strategy"].items():
-            strategy[m] = strategy.get(m, 0) + n
+    strategy = strategy_totals([r.stats for r in results])[0]
     return DemoRow(
         mode=mode,
         tokens=sum(len(t) for t in tokens),

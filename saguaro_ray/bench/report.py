@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from saguaro_ray.bench.plan import PEER_MODES, base_mode
 from saguaro_ray.engine.timeline import prediction_error, round_components
@@ -66,6 +66,15 @@ class RunResult:
     outputs: list[tuple[int, ...]] = field(repr=False, default_factory=list)  # each request's token ids, in prompt order
 
 
+def _added(counts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts by key (a run's rounds per mode, its per-round breakdown) added up."""
+    out: dict[str, Any] = {}
+    for c in counts:
+        for key, n in c.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 def merge_runs(parts: Sequence[RunResult]) -> RunResult:
     """One runner's batches of a cell as one run: counts, seconds, rounds and
     outputs added up in order (the bench generates a cell batch by batch, the
@@ -73,17 +82,13 @@ def merge_runs(parts: Sequence[RunResult]) -> RunResult:
     first, *rest = parts
     if not rest:
         return first
-    strategy: dict[str, int] = {}
-    for p in parts:
-        for m, n in p.strategy.items():
-            strategy[m] = strategy.get(m, 0) + n
     added = ("seconds", "tokens", "decode_tokens", "decode_seconds", "accepted", "spec_rounds", "hits", "lookups", "k_total", "k_rounds")
     return replace(
         first,
         **{k: sum(getattr(p, k) for p in parts) for k in added},
-        breakdown={k: sum(p.breakdown[k] for p in parts) for k in first.breakdown},
+        breakdown=_added(p.breakdown for p in parts),
         rounds=[rd for p in parts for rd in p.rounds],
-        strategy=strategy,
+        strategy=_added(p.strategy for p in parts),
         outputs=[o for p in parts for o in p.outputs],
     )
 
@@ -105,7 +110,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         spec_rounds = sum(r.spec_rounds for r in rs)
         accepted = sum(r.accepted for r in rs)
         lookups = sum(r.lookups for r in rs)
-        bd = {k: sum(r.breakdown[k] for r in rs) for k in rs[0].breakdown}
+        bd = _added(r.breakdown for r in rs)
         n_rounds = max(bd["rounds"], 1)
         per_round_ms = {k: 1000 * bd[k] / n_rounds for k in ("wall", "verify", "draft_busy", "draft_exposed", "lookup", "control")}
         # ideal: every sequence-round emits its accepted tokens and one more in
@@ -114,10 +119,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         seq_rounds = sum(rd["batch"] for r in rs for rd in r.rounds if not rd.get("prefill"))
         ideal = (accepted + seq_rounds) / bd["verify"] if bd["verify"] > 0 else None
         k_rounds = sum(r.k_rounds for r in rs)
-        strategy: dict[str, int] = {}
-        for r in rs:
-            for m, n in r.strategy.items():
-                strategy[m] = strategy.get(m, 0) + n
+        strategy = _added(r.strategy for r in rs)
         entries.append(
             {
                 "mode": mode,
