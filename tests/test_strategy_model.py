@@ -50,6 +50,8 @@ class Truth:
     ssd_base: float = 0.0003  # exposed whenever any sequence is in SSD (the lookup)
     build_k: float = 0.0  # the tree build: K_max sequential draft steps of this, from verification's
     build_nk: float = 0.0  # start (and this per SSD sequence and step); what outlasts verification is exposed
+    build_a: float = 0.0  # the build's own part (feeding the verified tokens to every branch): per build,
+    build_an: float = 0.0  # and per SSD sequence
     backup: str = "neural"  # what serves a miss: neural (K draft steps, exposed) or fast (a point mass)
     ctl_c0: float = 0.002
     ctl_c1: float = 0.00002
@@ -84,7 +86,7 @@ class Truth:
         return max(0.05, self.hit[t] - self.hit_drop * max(0, k - self.hit_knee))
 
     def build(self, n_ssd: int, k_max: int) -> float:
-        return k_max * (self.build_k + self.build_nk * n_ssd)
+        return self.build_a + self.build_an * n_ssd + k_max * (self.build_k + self.build_nk * n_ssd)
 
     def tokens_of(self, t: float, mode: str, k: int, entering: bool) -> float:
         """Expected emitted tokens of one sequence (an SSD entry is a forced miss)."""
@@ -689,7 +691,8 @@ def step_costs(truth: Truth, batches: tuple[int, ...] = (1, 2, 4, 8), scale: dic
     ver = tuple((b * (k + 1), b, truth.verify(b * (k + 1), b) * scale.get("verify", 1.0)) for b in batches for k in (0, 1, 3, 7))
     draft = tuple((n, truth.step(n) * scale.get("draft", 1.0)) for n in batches)
     build = tuple((n, (truth.build_k + truth.build_nk * n) * scale.get("build", 1.0)) for n in batches)
-    return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches))
+    build_call = tuple((n, (truth.build_a + truth.build_an * n) * scale.get("build", 1.0)) for n in batches)
+    return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches), build_call)
 
 
 def test_the_seed_prices_an_sd_rounds_drafting_with_the_calls_own_part():
@@ -1039,3 +1042,31 @@ def test_rounds_of_fixed_ssd_at_another_k_do_not_hold_autos_ssd(monkeypatch):
         policy.observe(RoundCosts(8, 40, truth.verify(40, 8), 0, 0, 0.0, 8, ar_round, 3 * ar_round, seqs, 2 * ar_round))
     _, history, tokens, times = simulate(truth, temps, rounds=40, policy=policy)
     assert policy.snapshot()["guard_held"] == 0 and all(m == "ssd" for h in history for m, _ in h), history[:5]
+
+
+# SmolLM2-135M with its int4 copy at batch 4, T = 0.7, as its rounds measured (docs/auto.md, session
+# 27): a build's own part ~150 ms and ~55 ms a K, SD's drafting ~80 ms a step, verification
+# ~180-250 ms; SSD at K = 4-5 is the best fixed choice, ~1.3x SSD at K = 1
+TREE_STEP_BELOW_DRAFT_STEP = Truth(
+    ver_a=0.1, ver_b=0.004, ver_seq=0.011, step_c=0.052, step_d=0.0076, build_an=0.0375, build_k=0.025, build_nk=0.0075,
+    ssd_base=0.005, alpha={0.0: 0.95, 0.7: 0.95}, hit={0.0: 0.93, 0.7: 0.93},
+)
+
+
+@pytest.mark.parametrize("start", ["seeded", "ssd-k1"])
+def test_a_tree_step_cheaper_than_a_draft_step_lets_ssd_run_its_best_k(start):
+    """The build is fitted as measured (its own part, its K-slope), not as K draft steps plus
+    what it costs beyond them: a tree step may cost less than SD's draft step, and a model
+    that cannot see it prices a longer K dearer than it is. Started from the probe's table,
+    or after rounds that all ran SSD at K = 1 (as auto left a cell that ran there), the
+    policy runs SSD at the truth's best K within 0.95 of the best fixed choice."""
+    truth, temps = TREE_STEP_BELOW_DRAFT_STEP, [0.7] * 4
+    best, (mode, k_best) = truth.best_fixed(temps)
+    assert mode == "ssd" and k_best >= 4 and best > 1.2 * truth.rate(temps, [("ssd", 1)] * 4)  # the case is what its name says
+    policy = seeded(truth)
+    if start == "ssd-k1":
+        rng = random.Random(5)
+        for _ in range(60):
+            policy.observe(_round(truth, rng, temps, [("ssd", 1)] * 4, [False] * 4, list(range(4))))
+    _, history, tokens, times = simulate(truth, temps, rounds=200, policy=policy)
+    assert achieved(tokens, times) >= 0.95 * best, (history[-1], achieved(tokens, times), best)

@@ -162,9 +162,10 @@ class AutoPolicy:
         sequences is observed at 1 and at ``max_k`` steps, its own part (what an
         SD round's drafting pays beyond its steps: on the coder pair's 0.5B ~30-60
         ms at batch 1, ~10 % of an SD round at K = 7, which left out had SD
-        predicted that much short on a fresh engine) and its steps; a build step over
-        n SSD sequences is fitted as what it costs beyond a draft step over as many
-        sequences (the build's model, :meth:`_observe_ssd`)."""
+        predicted that much short on a fresh engine) and its steps; so is a tree build
+        over n SSD sequences, with its own part and steps (the build's model,
+        :meth:`_observe_ssd`): the two K give the build its K-slope, which rounds that
+        all run one K leave open."""
         for tokens, batch, seconds in costs.verify:
             self._verify.add(tokens, batch, seconds)
             if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
@@ -173,11 +174,10 @@ class AutoPolicy:
         for n, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
                 self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * seconds)
-        draft = self._drafting.theta
+        own = dict(costs.build_call)
         for n, seconds in costs.build:
-            beyond = max(0.0, seconds - (draft[1] + draft[2] * n if draft is not None else 0.0))
             for k in dict.fromkeys((1, self.max_k)):
-                self._build.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
+                self._build.add((1.0, float(n), float(k), float(n * k)), own.get(n, 0.0) + k * seconds)
         self._seeded = True
 
     # ------------------------------------------------------------------ learning
@@ -324,9 +324,9 @@ class AutoPolicy:
 
     def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], rebuild: bool = False) -> None:
         """Fit SSD's two exposed parts: when the build ended (where it ran this
-        round) and the rest of the exposure, the lookup and backups. Both start
-        from the draft's measured step costs: a build is K sequential steps of
-        the draft SD measures, and so is a neural backup. A ``rebuild`` round's
+        round) and the rest of the exposure, the lookup and backups. Before they
+        were measured (no seed), both start from the draft's step costs: a build is
+        K sequential tree steps of the draft, a neural backup K draft steps. A ``rebuild`` round's
         build (afresh, after any stale one) is not the steady build's: its end
         teaches nothing, its overrun is still not the lookup's."""
         n, k_max = float(costs.ssd_batch), max(r.proposed for r in ssd)
@@ -337,13 +337,15 @@ class AutoPolicy:
             self._build.decay_only()
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         elif math.isfinite(costs.ssd_build_s):
-            # fitted beyond K sequential draft steps over the SSD sequences (a tree step costs at
-            # least a draft step over as many sequences), so a K-slope the recent rounds leave
-            # open, every one at one K, is the draft's measured step and not 0
+            # a K-slope the recent rounds leave open (every one at one K) stays what the seed's
+            # builds at 1 and max_k steps measured, or before any build, the draft's step. Fitted
+            # beyond K draft steps instead (a tree step as at least a draft step), the slope could
+            # not come out below SD's step: on SmolLM2's int4 draft at batch 4, builds took
+            # ~205 ms at K = 1, ~380 at K = 4, SD's drafting ~80 ms a step, and auto, running
+            # K = 1-2, priced K = 4 at ~510 ms and stayed (0.81 of SSD at K = 4)
             x_b = (1.0, n, float(k_max), n * k_max)
-            steps = k_max * (draft[1] + draft[2] * n) if draft is not None else 0.0
-            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
-            self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
+            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, draft[1], draft[2]]
+            self._build.add(x_b, _clamp_time(costs.ssd_build_s), prior_b)
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -418,10 +420,9 @@ class AutoPolicy:
         return Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
 
     def _build_coefficients(self, draft: Sequence[float]) -> list[float]:
-        """The build's end: K draft steps (``draft``: the drafting fit or its prior) and what was
-        fitted beyond them (:meth:`_observe_ssd`)."""
-        b = self._build.theta or [0.0, 0.0, 0.0, 0.0]
-        return [b[0], b[1], b[2] + draft[1], b[3] + draft[2]]
+        """The build's end (:meth:`_observe_ssd`'s fit); before any build was measured, K
+        draft steps (``draft``: the drafting fit or its prior)."""
+        return list(self._build.theta or [0.0, 0.0, draft[1], draft[2]])
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
