@@ -895,6 +895,33 @@ def test_the_verify_fit_finds_a_flat_part_and_its_knee():
         assert predict(tokens, n) == pytest.approx(SMOL_CPU.verify(tokens, n), rel=0.1)
 
 
+@pytest.mark.parametrize("seed_anchor", [1.0, 0.0], ids=["anchored", "not-anchored"])
+def test_rounds_of_one_kind_after_a_slowdown_leave_the_other_kinds_priced_at_the_new_speed(seed_anchor):
+    """Seeded from the probe, then 300 rounds that all run SSD (one load) on a machine 1.4x
+    slower: what SSD adds to a verification is the one term those rounds tell apart from
+    the rest, so unanchored it took the whole slowdown (AR's decode at batch 4 predicted 27 %
+    short: auto left SSD for modes that only looked cheap). Anchored to the seed, the
+    slowdown is shared by every term and AR's round is predicted within 10 %."""
+    from saguaro_ray.algorithms.strategy_fits import KneeFit
+
+    ver = lambda t, b: 0.06 + 0.004 * t + 0.008 * b  # noqa: E731
+    fit = KneeFit(0.98)
+    for b in (1, 2, 4, 8):
+        for k in (0, 1, 4, 8):
+            fit.add(b * (k + 1), b, ver(b * (k + 1), b))
+    fit.anchor(seed_anchor)
+    rng = random.Random(0)
+    for _ in range(300):
+        fit.add(20, 4, 1.4 * ver(20, 4) * (1.0 + 0.05 * rng.gauss(0.0, 1.0)), ssd=True)
+    a, slope, per_seq, knee, with_ssd = fit.theta  # type: ignore[misc]
+    assert a + with_ssd + slope * max(0, 20 - knee) + per_seq * 4 == pytest.approx(1.4 * ver(20, 4), rel=0.03)  # what ran
+    ar = a + slope * max(0, 4 - knee) + per_seq * 4
+    if seed_anchor:
+        assert ar == pytest.approx(1.4 * ver(4, 4), rel=0.1)
+    else:  # the reference: what the anchor is for
+        assert ar < 0.8 * 1.4 * ver(4, 4)
+
+
 @pytest.mark.parametrize("temps", [[0.0] * 4, [0.0, 0.7] * 2], ids=["b4-t0", "b4-mixed"])
 def test_speculation_under_the_knee_is_picked_from_the_first_rounds_at_batch_4(temps):
     """Batch 4 on the flat-then-steep target: SSD wins by over 1.3x over AR, and a
@@ -1070,3 +1097,20 @@ def test_a_tree_step_cheaper_than_a_draft_step_lets_ssd_run_its_best_k(start):
             policy.observe(_round(truth, rng, temps, [("ssd", 1)] * 4, [False] * 4, list(range(4))))
     _, history, tokens, times = simulate(truth, temps, rounds=200, policy=policy)
     assert achieved(tokens, times) >= 0.95 * best, (history[-1], achieved(tokens, times), best)
+
+
+def test_the_guard_holds_autos_speculation_whose_k_keeps_moving(monkeypatch):
+    """The search forced to SSD at a K that changes every round (4, 5, 6, ...), all slower
+    than AR: judged by mode and K over steady rounds only, such a choice never gave the guard
+    a round to judge (every round a K change's rebuild), and ran (the bench's batch 8,
+    T = 0.7: SSD at K 4-6, 0.69x AR). auto's own speculation is judged by its modes, its K
+    changes' rounds included: the guard holds AR for most rounds."""
+    truth, temps = replace(SMOL_CPU, step_c=0.04, step_d=0.01, build_k=0.04, build_nk=0.012, ssd_base=0.015), [0.7] * 8
+    ar = truth.rate(temps, [("ar", 0)] * 8)
+    assert all(truth.rate(temps, [("ssd", k)] * 8) < 0.75 * ar for k in (4, 5, 6))  # 0.53-0.73x AR
+    policy = seeded(truth)
+    ks = iter(4 + i % 3 for i in range(10**6))
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", k) for k in [next(ks)] for _ in auto])
+    _, history, tokens, times = simulate(truth, temps, rounds=120, policy=policy)
+    assert sum(all(m == "ar" for m, _ in h) for h in history) >= 100, policy.snapshot()["guard_held"]
+    assert achieved(tokens, times, last=120) >= 0.8 * ar  # its re-tests' rounds included (unheld: ~0.6)

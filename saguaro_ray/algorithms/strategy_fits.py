@@ -52,6 +52,22 @@ class EwLeastSquares:
     def has_prior(self) -> bool:
         return self._prior is not None
 
+    def anchor(self, weight: float) -> None:
+        """Make the fit so far the prior, held as firmly as ``weight`` observations of its
+        features' size (their mean square so far, at least 1: a 0/1 feature the data never
+        set is held at its prior, 0, by ``weight`` rounds). Called once a fit was seeded from
+        the engine's measured step costs: the rounds then refresh what they measure (the
+        decayed data outweigh the anchor ~1 / (1 − decay) to ``weight``), and what they leave
+        open — a build's K-slope while every round runs one K, what SSD adds to a
+        verification while no other kind of round runs — stays as measured on this machine
+        instead of drifting wherever the noise takes it."""
+        theta = self.theta
+        if theta is None or self.weight <= 0.0 or weight <= 0.0:
+            return
+        self._prior = list(theta)
+        self._ridge = [weight * max(1.0, self._xtx[i][i] / self.weight) for i in range(self.n)]
+        self._theta = None
+
     def add(self, x: Sequence[float], y: float, prior: Sequence[float] | None = None) -> None:
         """One observation; ``prior``: θ0, used only if this is the first."""
         if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
@@ -138,6 +154,11 @@ class KneeFit:
     @staticmethod
     def features(tokens: float, batch: float, knee: int, ssd: bool) -> tuple[float, float, float, float]:
         return (1.0, float(batch), max(0.0, tokens - knee), float(ssd))
+
+    def anchor(self, weight: float) -> None:
+        """:meth:`EwLeastSquares.anchor` for every knee's fit."""
+        for fit in self._fits.values():
+            fit.anchor(weight)
 
     def add(self, tokens: float, batch: float, seconds: float, ssd: bool = False) -> None:
         for knee, fit in self._fits.items():

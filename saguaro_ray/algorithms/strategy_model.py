@@ -63,6 +63,12 @@ from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy
 from saguaro_ray.errors import ConfigError
 
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
+# what the seed measured is each seeded fit's prior, as firm as this many rounds (EwLeastSquares.anchor):
+# the rounds refresh what they measure and leave what they cannot tell apart as measured. Without it
+# the seed faded with COST_DECAY: on the bench's shared engine, after thousands of SSD rounds at K = 4,
+# a build's split between its own part and its K-slope was the noise's, and auto at batch 8 priced
+# SSD at K = 1 at 296 ms (the probe: ~190) and ran K = 4-6 at 0.56-0.78 of the best fixed mode
+SEED_ANCHOR = 1.0
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 
 # the acceptance prior (a moderately good draft) and the hit rate's
@@ -158,7 +164,8 @@ class AutoPolicy:
 
         Each measurement is one observation of its fit, as a round is: the rounds
         run afterwards outweigh them within ~1 / (1 − COST_DECAY) rounds, so the
-        fits are refreshed by what the engine then measures. A draft call over n
+        fits are refreshed by what the engine then measures; what the rounds leave
+        open stays the seed's (:data:`SEED_ANCHOR`). A draft call over n
         sequences is observed at 1 and at ``max_k`` steps, its own part (what an
         SD round's drafting pays beyond its steps: on the coder pair's 0.5B ~30-60
         ms at batch 1, ~10 % of an SD round at K = 7, which left out had SD
@@ -178,6 +185,8 @@ class AutoPolicy:
         for n, seconds in costs.build:
             for k in dict.fromkeys((1, self.max_k)):
                 self._build.add((1.0, float(n), float(k), float(n * k)), own.get(n, 0.0) + k * seconds)
+        for fit in (self._verify, self._drafting, self._build):
+            fit.anchor(SEED_ANCHOR)
         self._seeded = True
 
     # ------------------------------------------------------------------ learning
@@ -201,10 +210,16 @@ class AutoPolicy:
             self._observe_switch(costs, self._rebuild)
         elif leave:
             self._observe_switch(costs, self._leave, left)
-        if costs.seqs and not rebuild and not leave and not caught_up:
+        # auto's own speculation is judged by its modes, its K changes' rebuilds included (not
+        # its entries: a re-test after the guard's AR rounds enters afresh); beside fixed-strategy
+        # speculation, by modes and K and steady rounds only (strategy_guard)
+        auto_only = all(r.seq_id in self._speculating for r in costs.seqs if r.mode != "ar" and r.proposed > 0)
+        entered = any(r.seq_id in self._entering for r in costs.seqs if r.mode == "ssd")
+        steady = not rebuild or (auto_only and not entered)
+        if costs.seqs and steady and not leave and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
-                ARGuard.arm((r.mode, r.proposed) for r in costs.seqs),
+                ARGuard.arm(((r.mode, r.proposed) for r in costs.seqs), any_k=auto_only),
                 float(sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)),
                 costs.wall_s,
             )
@@ -374,7 +389,8 @@ class AutoPolicy:
             choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
-                arm = ARGuard.arm([(c.mode, c.k) for c in choices] + [(c.mode, c.k) for _, c in fixed])
+                fixed_spec = [(c.mode, c.k) for _, c in fixed if c.mode != "ar" and c.k > 0]
+                arm = ARGuard.arm([(c.mode, c.k) for c in choices] + fixed_spec, any_k=not fixed_spec)
                 context = ARGuard.context(len(temps), temps)
                 # a re-test is paid from the budget, rebuild included
                 if self._guard.hold(context, arm, self._trials.budget_s - self._switch_full_s, self._leave_full_s):
