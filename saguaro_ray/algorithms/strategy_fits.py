@@ -123,6 +123,37 @@ class EwLeastSquares:
             free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
 
 
+class ScaleFit:
+    """``y ≈ λ·x`` through the origin, exponentially weighted, with a prior λ0 held as firmly as
+    ``weight`` observations of x's size: a measured shape (``x``: what it predicts) scaled to
+    the level the rounds measure. The level moves with the machine's speed and the context;
+    the shape — how a cost splits into its own part and its steps — is what one K's rounds
+    cannot tell."""
+
+    def __init__(self, decay: float, prior: float = 1.0, weight: float = 1.0) -> None:
+        self.decay, self.prior, self.prior_weight = decay, prior, weight
+        self._sxy = self._sxx = self._count = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)) or x <= 0.0:
+            return
+        g = self.decay
+        self._sxy = g * self._sxy + x * y
+        self._sxx = g * self._sxx + x * x
+        self._count = g * self._count + 1.0
+
+    @property
+    def weight(self) -> float:
+        return self._count
+
+    @property
+    def value(self) -> float:
+        if self._count <= 0.0:
+            return self.prior
+        ridge = self.prior_weight * self._sxx / self._count
+        return max(0.0, (self._sxy + ridge * self.prior) / (self._sxx + ridge))
+
+
 VERIFY_KNEES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # token counts a verification may be flat up to
 KNEE_TOLERANCE = 0.1  # a knee must fit this much better than every lower one to be chosen
 KNEE_RESELECT = 8  # observations between two choices of the knee (it moves slowly; each choice solves every knee's fit)

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, ExcessRatio, HitRates, KneeFit
+from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, ExcessRatio, HitRates, KneeFit, ScaleFit
 from saguaro_ray.algorithms.strategy_explore import Trials
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_search import (
@@ -124,6 +124,10 @@ class AutoPolicy:
         self._verify = KneeFit(COST_DECAY)
         self._drafting = EwLeastSquares(3, COST_DECAY)
         self._build = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
+        # seeded: the build's shape as the probe measured it (its own part and steps, by n and K),
+        # scaled to the level the rounds measure (docs/auto.md: a free fit's split drifted)
+        self._build_shape: list[float] | None = None
+        self._build_scale = ScaleFit(COST_DECAY, 1.0, SEED_ANCHOR)
         self._after = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
@@ -185,8 +189,10 @@ class AutoPolicy:
         for n, seconds in costs.build:
             for k in dict.fromkeys((1, self.max_k)):
                 self._build.add((1.0, float(n), float(k), float(n * k)), own.get(n, 0.0) + k * seconds)
-        for fit in (self._verify, self._drafting, self._build):
+        for fit in (self._verify, self._drafting):
             fit.anchor(SEED_ANCHOR)
+        if costs.build:
+            self._build_shape = self._build.theta
         self._seeded = True
 
     # ------------------------------------------------------------------ learning
@@ -359,8 +365,11 @@ class AutoPolicy:
             # ~205 ms at K = 1, ~380 at K = 4, SD's drafting ~80 ms a step, and auto, running
             # K = 1-2, priced K = 4 at ~510 ms and stayed (0.81 of SSD at K = 4)
             x_b = (1.0, n, float(k_max), n * k_max)
-            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, draft[1], draft[2]]
-            self._build.add(x_b, _clamp_time(costs.ssd_build_s), prior_b)
+            if self._build_shape is not None:
+                self._build_scale.add(sum(c * x for c, x in zip(self._build_shape, x_b)), _clamp_time(costs.ssd_build_s))
+            else:
+                prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, draft[1], draft[2]]
+                self._build.add(x_b, _clamp_time(costs.ssd_build_s), prior_b)
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -436,8 +445,12 @@ class AutoPolicy:
         return Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
 
     def _build_coefficients(self, draft: Sequence[float]) -> list[float]:
-        """The build's end (:meth:`_observe_ssd`'s fit); before any build was measured, K
-        draft steps (``draft``: the drafting fit or its prior)."""
+        """The build's end (:meth:`_observe_ssd`'s fit): seeded, the probe's shape at the measured
+        level; else the free fit, and before any build was measured, K draft steps (``draft``:
+        the drafting fit or its prior)."""
+        if self._build_shape is not None:
+            scale = self._build_scale.value
+            return [scale * c for c in self._build_shape]
         return list(self._build.theta or [0.0, 0.0, draft[1], draft[2]])
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
@@ -589,6 +602,7 @@ class AutoPolicy:
                 if self._build.theta is not None
                 else None
             ),
+            "ssd_build_scale": self._build_scale.value if self._build_shape is not None else None,  # measured / probed build
             "ssd_after_s": coef(self._after, ("a", "per_seq", "per_backup_step", "per_missed_k")),  # lookup and backups
             "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {
