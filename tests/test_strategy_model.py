@@ -1114,3 +1114,21 @@ def test_the_guard_holds_autos_speculation_whose_k_keeps_moving(monkeypatch):
     _, history, tokens, times = simulate(truth, temps, rounds=120, policy=policy)
     assert sum(all(m == "ar" for m, _ in h) for h in history) >= 100, policy.snapshot()["guard_held"]
     assert achieved(tokens, times, last=120) >= 0.8 * ar  # its re-tests' rounds included (unheld: ~0.6)
+
+
+def test_a_seeded_build_keeps_the_probes_shape_at_the_level_the_rounds_measure():
+    """The probe measured builds of 1 and max_k steps (own part 0.05 s + 0.01 s a sequence,
+    steps 0.02 s + 0.01 s a sequence); then 300 rounds of requests fixed to SSD at K = 4 on
+    a machine whose builds take 1.4x that. Those rounds cannot tell a build's own part from
+    its steps; the policy's build is the probe's shape at their level, so SSD at K = 1 and at
+    K = 8 (never run) are priced within 5 % of what they now take."""
+    probed = replace(SMOL_CPU, build_a=0.05, build_an=0.01, build_k=0.02, build_nk=0.01)
+    now = replace(probed, build_a=0.07, build_an=0.014, build_k=0.028, build_nk=0.014)
+    policy = seeded(probed)
+    rng, temps = random.Random(3), [0.0] * 8
+    for _ in range(300):
+        policy.observe(_round(now, rng, temps, [("ssd", 4)] * 8, [False] * 8, list(range(100, 108))))
+    build = policy.snapshot()["ssd_build_s"]
+    predict = lambda n, k: build["a"] + build["per_seq"] * n + k * (build["per_k"] + build["per_seq_k"] * n)  # noqa: E731
+    for k in (1, 4, 8):
+        assert predict(8, k) == pytest.approx(now.build(8, k), rel=0.05), (k, predict(8, k), now.build(8, k))

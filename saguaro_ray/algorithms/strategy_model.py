@@ -63,11 +63,11 @@ from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy
 from saguaro_ray.errors import ConfigError
 
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
-# what the seed measured is each seeded fit's prior, as firm as this many rounds (EwLeastSquares.anchor):
-# the rounds refresh what they measure and leave what they cannot tell apart as measured. Without it
-# the seed faded with COST_DECAY: on the bench's shared engine, after thousands of SSD rounds at K = 4,
-# a build's split between its own part and its K-slope was the noise's, and auto at batch 8 priced
-# SSD at K = 1 at 296 ms (the probe: ~190) and ran K = 4-6 at 0.56-0.78 of the best fixed mode
+# what the seed measured is the verification's and drafting's prior, as firm as this many rounds
+# (EwLeastSquares.anchor), and the build's scale's (ScaleFit): the rounds refresh what they measure
+# and leave what they cannot tell apart as measured. Without it the seed faded with COST_DECAY: after
+# rounds that all ran SSD on a machine 1.4x slower, what SSD adds to a verification took the whole
+# slowdown and AR looked 27 % cheaper than it was
 SEED_ANCHOR = 1.0
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 
@@ -358,8 +358,9 @@ class AutoPolicy:
             self._build.decay_only()
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         elif math.isfinite(costs.ssd_build_s):
-            # a K-slope the recent rounds leave open (every one at one K) stays what the seed's
-            # builds at 1 and max_k steps measured, or before any build, the draft's step. Fitted
+            # seeded: the probe's shape (builds of 1 and max_k steps at each n) scaled to what the
+            # rounds measure, since rounds at one K cannot split a build into its own part and its
+            # steps; unseeded: a free fit whose open K-slope starts at the draft's step. Fitted
             # beyond K draft steps instead (a tree step as at least a draft step), the slope could
             # not come out below SD's step: on SmolLM2's int4 draft at batch 4, builds took
             # ~205 ms at K = 1, ~380 at K = 4, SD's drafting ~80 ms a step, and auto, running
