@@ -2,7 +2,7 @@
 
 What is checked: the probe measures the target's calls at every batch up to the engine's and K + 1
 tokens, and the draft's steps; the table is cached per models and runner options and read back by
-the next engine of the same kind, and measured afresh when the machine no longer matches it; the policy is seeded, so the first request's first decode round is
+the next engine of the same kind; the policy is seeded, so the first request's first decode round is
 a search with a prediction (no cold-start schedule); the probe's throwaway sequences change no
 request's tokens; and a failed probe only leaves the policy unseeded. No time is asserted.
 """
@@ -44,10 +44,8 @@ def test_the_probe_seeds_auto_and_its_first_round_is_a_search(zoo_tiny, costs_di
         costs = saved["costs"]
         assert {(b, t) for t, b, _ in costs["verify"]} == {(b, b * (k + 1)) for b in (1, 2, 4) for k in (0, 1, 4, 8)}  # max_k 8, batch <= 4
         assert [n for n, _ in costs["draft"]] == [1, 2, 4] and all(s >= 0.0 for _, s in costs["draft"])
-        # a tree build's steps and its own part, as measured (a step is not floored at a draft step)
-        assert [n for n, _ in costs["build"]] == [1, 2, 4] and all(s >= 0.0 for _, s in costs["build"])
-        assert [n for n, _ in costs["build_call"]] == [1, 2, 4] and all(s >= 0.0 for _, s in costs["build_call"])
-        assert sum(s for _, s in costs["build"]) + sum(s for _, s in costs["build_call"]) > 0.0
+        # a tree step over a sequence's branches costs at least a draft step over the sequence
+        assert [n for n, _ in costs["build"]] == [1, 2, 4] and all(b >= d for (_, b), (_, d) in zip(costs["build"], costs["draft"]))
         policy = eng.loop.assigner.policy
         assert isinstance(policy, AutoPolicy) and policy.snapshot()["verify_s"] is not None  # fitted before any round
         before = len(eng.timeline)
@@ -73,7 +71,6 @@ def test_a_second_engine_of_the_same_kind_reads_the_table_and_another_dtype_meas
         raise AssertionError("measured again although the table is cached")
 
     monkeypatch.setattr(cost_probe, "measure", no_probe)
-    monkeypatch.setattr(cost_probe, "RECHECK_TOLERANCE", 1e9)  # the tiny zoo's sub-millisecond calls jitter by more than 20 %
     eng = _engine(zoo_tiny)
     try:
         assert eng.loop.assigner.policy.snapshot()["verify_s"] is not None  # seeded from the cache
@@ -107,26 +104,3 @@ def test_no_draft_no_probe_and_a_failed_probe_leaves_the_cold_start(zoo_tiny, co
         assert not costs_dir.exists()
     finally:
         eng.close()
-
-
-def test_a_cached_table_the_machine_no_longer_matches_is_measured_afresh(zoo_tiny, costs_dir, monkeypatch, caplog):
-    """A table cached in another hour (here every time 50x what the workers take now) fails
-    the re-timing of its cheapest rows and is measured again and re-cached; one that still
-    holds is read as it is."""
-    _engine(zoo_tiny).close()
-    [path] = list(costs_dir.glob("*.json"))
-    saved = json.loads(path.read_text())
-    slow = {name: [[*row[:-1], 50.0 * row[-1]] for row in rows] for name, rows in saved["costs"].items()}
-    path.write_text(json.dumps({**saved, "costs": slow}))
-    measured = []
-    real = cost_probe.measure
-    monkeypatch.setattr(cost_probe, "measure", lambda *a, **kw: measured.append(1) or real(*a, **kw))
-    caplog.set_level("INFO", logger=cost_probe.__name__)
-    _engine(zoo_tiny).close()
-    assert measured == [1] and "measuring them afresh" in caplog.text
-    fresh = json.loads(path.read_text())["costs"]
-    decode = lambda costs: [s for t, b, s in costs["verify"] if t == b == 1][0]  # noqa: E731
-    assert decode(fresh) < decode(slow) / 5  # re-cached as measured now
-    monkeypatch.setattr(cost_probe, "RECHECK_TOLERANCE", 1e9)  # within any tolerance: the table stands
-    _engine(zoo_tiny).close()
-    assert measured == [1] and json.loads(path.read_text())["costs"] == fresh

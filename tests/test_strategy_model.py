@@ -50,8 +50,6 @@ class Truth:
     ssd_base: float = 0.0003  # exposed whenever any sequence is in SSD (the lookup)
     build_k: float = 0.0  # the tree build: K_max sequential draft steps of this, from verification's
     build_nk: float = 0.0  # start (and this per SSD sequence and step); what outlasts verification is exposed
-    build_a: float = 0.0  # the build's own part (feeding the verified tokens to every branch): per build,
-    build_an: float = 0.0  # and per SSD sequence
     backup: str = "neural"  # what serves a miss: neural (K draft steps, exposed) or fast (a point mass)
     ctl_c0: float = 0.002
     ctl_c1: float = 0.00002
@@ -86,7 +84,7 @@ class Truth:
         return max(0.05, self.hit[t] - self.hit_drop * max(0, k - self.hit_knee))
 
     def build(self, n_ssd: int, k_max: int) -> float:
-        return self.build_a + self.build_an * n_ssd + k_max * (self.build_k + self.build_nk * n_ssd)
+        return k_max * (self.build_k + self.build_nk * n_ssd)
 
     def tokens_of(self, t: float, mode: str, k: int, entering: bool) -> float:
         """Expected emitted tokens of one sequence (an SSD entry is a forced miss)."""
@@ -691,8 +689,7 @@ def step_costs(truth: Truth, batches: tuple[int, ...] = (1, 2, 4, 8), scale: dic
     ver = tuple((b * (k + 1), b, truth.verify(b * (k + 1), b) * scale.get("verify", 1.0)) for b in batches for k in (0, 1, 3, 7))
     draft = tuple((n, truth.step(n) * scale.get("draft", 1.0)) for n in batches)
     build = tuple((n, (truth.build_k + truth.build_nk * n) * scale.get("build", 1.0)) for n in batches)
-    build_call = tuple((n, (truth.build_a + truth.build_an * n) * scale.get("build", 1.0)) for n in batches)
-    return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches), build_call)
+    return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches))
 
 
 def test_the_seed_prices_an_sd_rounds_drafting_with_the_calls_own_part():
@@ -895,33 +892,6 @@ def test_the_verify_fit_finds_a_flat_part_and_its_knee():
         assert predict(tokens, n) == pytest.approx(SMOL_CPU.verify(tokens, n), rel=0.1)
 
 
-@pytest.mark.parametrize("seed_anchor", [1.0, 0.0], ids=["anchored", "not-anchored"])
-def test_rounds_of_one_kind_after_a_slowdown_leave_the_other_kinds_priced_at_the_new_speed(seed_anchor):
-    """Seeded from the probe, then 300 rounds that all run SSD (one load) on a machine 1.4x
-    slower: what SSD adds to a verification is the one term those rounds tell apart from
-    the rest, so unanchored it took the whole slowdown (AR's decode at batch 4 predicted 27 %
-    short: auto left SSD for modes that only looked cheap). Anchored to the seed, the
-    slowdown is shared by every term and AR's round is predicted within 10 %."""
-    from saguaro_ray.algorithms.strategy_fits import KneeFit
-
-    ver = lambda t, b: 0.06 + 0.004 * t + 0.008 * b  # noqa: E731
-    fit = KneeFit(0.98)
-    for b in (1, 2, 4, 8):
-        for k in (0, 1, 4, 8):
-            fit.add(b * (k + 1), b, ver(b * (k + 1), b))
-    fit.anchor(seed_anchor)
-    rng = random.Random(0)
-    for _ in range(300):
-        fit.add(20, 4, 1.4 * ver(20, 4) * (1.0 + 0.05 * rng.gauss(0.0, 1.0)), ssd=True)
-    a, slope, per_seq, knee, with_ssd = fit.theta  # type: ignore[misc]
-    assert a + with_ssd + slope * max(0, 20 - knee) + per_seq * 4 == pytest.approx(1.4 * ver(20, 4), rel=0.03)  # what ran
-    ar = a + slope * max(0, 4 - knee) + per_seq * 4
-    if seed_anchor:
-        assert ar == pytest.approx(1.4 * ver(4, 4), rel=0.1)
-    else:  # the reference: what the anchor is for
-        assert ar < 0.8 * 1.4 * ver(4, 4)
-
-
 @pytest.mark.parametrize("temps", [[0.0] * 4, [0.0, 0.7] * 2], ids=["b4-t0", "b4-mixed"])
 def test_speculation_under_the_knee_is_picked_from_the_first_rounds_at_batch_4(temps):
     """Batch 4 on the flat-then-steep target: SSD wins by over 1.3x over AR, and a
@@ -1069,66 +1039,3 @@ def test_rounds_of_fixed_ssd_at_another_k_do_not_hold_autos_ssd(monkeypatch):
         policy.observe(RoundCosts(8, 40, truth.verify(40, 8), 0, 0, 0.0, 8, ar_round, 3 * ar_round, seqs, 2 * ar_round))
     _, history, tokens, times = simulate(truth, temps, rounds=40, policy=policy)
     assert policy.snapshot()["guard_held"] == 0 and all(m == "ssd" for h in history for m, _ in h), history[:5]
-
-
-# SmolLM2-135M with its int4 copy at batch 4, T = 0.7, as its rounds measured (docs/auto.md, session
-# 27): a build's own part ~150 ms and ~55 ms a K, SD's drafting ~80 ms a step, verification
-# ~180-250 ms; SSD at K = 4-5 is the best fixed choice, ~1.3x SSD at K = 1
-TREE_STEP_BELOW_DRAFT_STEP = Truth(
-    ver_a=0.1, ver_b=0.004, ver_seq=0.011, step_c=0.052, step_d=0.0076, build_an=0.0375, build_k=0.025, build_nk=0.0075,
-    ssd_base=0.005, alpha={0.0: 0.95, 0.7: 0.95}, hit={0.0: 0.93, 0.7: 0.93},
-)
-
-
-@pytest.mark.parametrize("start", ["seeded", "ssd-k1"])
-def test_a_tree_step_cheaper_than_a_draft_step_lets_ssd_run_its_best_k(start):
-    """The build is fitted as measured (its own part, its K-slope), not as K draft steps plus
-    what it costs beyond them: a tree step may cost less than SD's draft step, and a model
-    that cannot see it prices a longer K dearer than it is. Started from the probe's table,
-    or after rounds that all ran SSD at K = 1 (as auto left a cell that ran there), the
-    policy runs SSD at the truth's best K within 0.95 of the best fixed choice."""
-    truth, temps = TREE_STEP_BELOW_DRAFT_STEP, [0.7] * 4
-    best, (mode, k_best) = truth.best_fixed(temps)
-    assert mode == "ssd" and k_best >= 4 and best > 1.2 * truth.rate(temps, [("ssd", 1)] * 4)  # the case is what its name says
-    policy = seeded(truth)
-    if start == "ssd-k1":
-        rng = random.Random(5)
-        for _ in range(60):
-            policy.observe(_round(truth, rng, temps, [("ssd", 1)] * 4, [False] * 4, list(range(4))))
-    _, history, tokens, times = simulate(truth, temps, rounds=200, policy=policy)
-    assert achieved(tokens, times) >= 0.95 * best, (history[-1], achieved(tokens, times), best)
-
-
-def test_the_guard_holds_autos_speculation_whose_k_keeps_moving(monkeypatch):
-    """The search forced to SSD at a K that changes every round (4, 5, 6, ...), all slower
-    than AR: judged by mode and K over steady rounds only, such a choice never gave the guard
-    a round to judge (every round a K change's rebuild), and ran (the bench's batch 8,
-    T = 0.7: SSD at K 4-6, 0.69x AR). auto's own speculation is judged by its modes, its K
-    changes' rounds included: the guard holds AR for most rounds."""
-    truth, temps = replace(SMOL_CPU, step_c=0.04, step_d=0.01, build_k=0.04, build_nk=0.012, ssd_base=0.015), [0.7] * 8
-    ar = truth.rate(temps, [("ar", 0)] * 8)
-    assert all(truth.rate(temps, [("ssd", k)] * 8) < 0.75 * ar for k in (4, 5, 6))  # 0.53-0.73x AR
-    policy = seeded(truth)
-    ks = iter(4 + i % 3 for i in range(10**6))
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", k) for k in [next(ks)] for _ in auto])
-    _, history, tokens, times = simulate(truth, temps, rounds=120, policy=policy)
-    assert sum(all(m == "ar" for m, _ in h) for h in history) >= 100, policy.snapshot()["guard_held"]
-    assert achieved(tokens, times, last=120) >= 0.8 * ar  # its re-tests' rounds included (unheld: ~0.6)
-
-
-def test_a_seeded_build_keeps_the_probes_shape_at_the_level_the_rounds_measure():
-    """The probe measured builds of 1 and max_k steps (own part 0.05 s + 0.01 s a sequence,
-    steps 0.02 s + 0.01 s a sequence); then 300 rounds of requests fixed to SSD at K = 4 on
-    a machine whose builds take 1.4x that. Those rounds cannot tell a build's own part from
-    its steps; the policy's build is the probe's shape at their level, so SSD at K = 1 and at
-    K = 8 (never run) are priced within 5 % of what they now take."""
-    probed = replace(SMOL_CPU, build_a=0.05, build_an=0.01, build_k=0.02, build_nk=0.01)
-    now = replace(probed, build_a=0.07, build_an=0.014, build_k=0.028, build_nk=0.014)
-    policy = seeded(probed)
-    rng, temps = random.Random(3), [0.0] * 8
-    for _ in range(300):
-        policy.observe(_round(now, rng, temps, [("ssd", 4)] * 8, [False] * 8, list(range(100, 108))))
-    build = policy.snapshot()["ssd_build_s"]
-    predict = lambda n, k: build["a"] + build["per_seq"] * n + k * (build["per_k"] + build["per_seq_k"] * n)  # noqa: E731
-    for k in (1, 4, 8):
-        assert predict(8, k) == pytest.approx(now.build(8, k), rel=0.05), (k, predict(8, k), now.build(8, k))

@@ -52,22 +52,6 @@ class EwLeastSquares:
     def has_prior(self) -> bool:
         return self._prior is not None
 
-    def anchor(self, weight: float) -> None:
-        """Make the fit so far the prior, held as firmly as ``weight`` observations of its
-        features' size (their mean square so far, at least 1: a 0/1 feature the data never
-        set is held at its prior, 0, by ``weight`` rounds). Called once a fit was seeded from
-        the engine's measured step costs: the rounds then refresh what they measure (the
-        decayed data outweigh the anchor ~1 / (1 − decay) to ``weight``), and what they leave
-        open — a build's K-slope while every round runs one K, what SSD adds to a
-        verification while no other kind of round runs — stays as measured on this machine
-        instead of drifting wherever the noise takes it."""
-        theta = self.theta
-        if theta is None or self.weight <= 0.0 or weight <= 0.0:
-            return
-        self._prior = list(theta)
-        self._ridge = [weight * max(1.0, self._xtx[i][i] / self.weight) for i in range(self.n)]
-        self._theta = None
-
     def add(self, x: Sequence[float], y: float, prior: Sequence[float] | None = None) -> None:
         """One observation; ``prior``: θ0, used only if this is the first."""
         if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
@@ -123,37 +107,6 @@ class EwLeastSquares:
             free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
 
 
-class ScaleFit:
-    """``y ≈ λ·x`` through the origin, exponentially weighted, with a prior λ0 held as firmly as
-    ``weight`` observations of x's size: a measured shape (``x``: what it predicts) scaled to
-    the level the rounds measure. The level moves with the machine's speed and the context;
-    the shape — how a cost splits into its own part and its steps — is what one K's rounds
-    cannot tell."""
-
-    def __init__(self, decay: float, prior: float = 1.0, weight: float = 1.0) -> None:
-        self.decay, self.prior, self.prior_weight = decay, prior, weight
-        self._sxy = self._sxx = self._count = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        if not (math.isfinite(x) and math.isfinite(y)) or x <= 0.0:
-            return
-        g = self.decay
-        self._sxy = g * self._sxy + x * y
-        self._sxx = g * self._sxx + x * x
-        self._count = g * self._count + 1.0
-
-    @property
-    def weight(self) -> float:
-        return self._count
-
-    @property
-    def value(self) -> float:
-        if self._count <= 0.0:
-            return self.prior
-        ridge = self.prior_weight * self._sxx / self._count
-        return max(0.0, (self._sxy + ridge * self.prior) / (self._sxx + ridge))
-
-
 VERIFY_KNEES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # token counts a verification may be flat up to
 KNEE_TOLERANCE = 0.1  # a knee must fit this much better than every lower one to be chosen
 KNEE_RESELECT = 8  # observations between two choices of the knee (it moves slowly; each choice solves every knee's fit)
@@ -185,11 +138,6 @@ class KneeFit:
     @staticmethod
     def features(tokens: float, batch: float, knee: int, ssd: bool) -> tuple[float, float, float, float]:
         return (1.0, float(batch), max(0.0, tokens - knee), float(ssd))
-
-    def anchor(self, weight: float) -> None:
-        """:meth:`EwLeastSquares.anchor` for every knee's fit."""
-        for fit in self._fits.values():
-            fit.anchor(weight)
 
     def add(self, tokens: float, batch: float, seconds: float, ssd: bool = False) -> None:
         for knee, fit in self._fits.items():

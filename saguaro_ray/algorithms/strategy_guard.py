@@ -5,16 +5,11 @@ rounds measured, per context, and nothing else (see the guard's paragraph in
 :mod:`saguaro_ray.algorithms.strategy_model`).
 
 A speculating round is measured under its *arm*: the modes its sequences speculated with
-(:meth:`ARGuard.arm`), so a choice is judged by rounds that ran the same modes. With one arm for
+(:meth:`ARGuard.arm`), so a choice is judged by rounds that ran the same modes and K. With one arm for
 every kind of speculation, rounds of requests that fixed a slow strategy judged ``auto``'s: on
 the demo's engine (real model, batch 4), four requests fixed to PyramidSD (0.88x AR) ran just
 before four ``auto`` ones, and the guard held these at AR for 52 of their 54 rounds although SSD,
-what the model chose for them, had just measured 1.10x AR. A round where fixed-strategy
-sequences speculate beside auto's is judged by its modes *and K* (requests fixed to SSD at K = 4
-must not judge auto's SSD at K = 1); a round whose speculation is all auto's by its modes alone,
-K-changing rounds included: judged by (mode, K), a choice whose K kept moving never gathered
-the evidence to be compared (the bench's batch 8, T = 0.7 at 64 tokens: SSD at K 4-6, 0.69x AR,
-never held), and its rebuilds are what that choice costs.
+what the model chose for them, had just measured 1.10x AR.
 """
 
 from __future__ import annotations
@@ -53,12 +48,11 @@ class ARGuard:
         return (max(0, batch).bit_length(), tuple(sorted({temperature_bucket(t) for t in temperatures})))
 
     @staticmethod
-    def arm(choices: Iterable[tuple[str, int]], any_k: bool = False) -> tuple[tuple[str, int], ...]:
-        """A round's arm: the (mode, K) its sequences speculated with (``()``: an AR round);
-        ``any_k`` (every speculating sequence is auto's): the modes alone, K written as 0.
-        K is part of it otherwise: on the bench's engine, requests fixed to SSD at K = 4 (0.82x
-        AR at batch 8, T = 0.7) made ``auto``'s SSD at K = 1 give way to AR from its first round."""
-        return tuple(sorted({(m, 0 if any_k else k) for m, k in choices if m != "ar" and k > 0}))
+    def arm(choices: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+        """A round's arm: the (mode, K) its sequences speculated with (``()``: an AR round).
+        K is part of it: on the bench's engine, requests fixed to SSD at K = 4 (0.82x AR at
+        batch 8, T = 0.7) made ``auto``'s SSD at K = 1 give way to AR from its first round."""
+        return tuple(sorted({(m, k) for m, k in choices if m != "ar" and k > 0}))
 
     def add(self, context: tuple[int, tuple[int, ...]], arm: tuple[tuple[str, int], ...], tokens: float, seconds: float) -> None:
         if not seconds > 0 or not math.isfinite(seconds):

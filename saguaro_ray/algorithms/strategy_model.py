@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, ExcessRatio, HitRates, KneeFit, ScaleFit
+from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, ExcessRatio, HitRates, KneeFit
 from saguaro_ray.algorithms.strategy_explore import Trials
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_search import (
@@ -63,12 +63,6 @@ from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy
 from saguaro_ray.errors import ConfigError
 
 COST_DECAY = 0.98  # per round: cost fits weigh the last ~50 rounds
-# what the seed measured is the verification's and drafting's prior, as firm as this many rounds
-# (EwLeastSquares.anchor), and the build's scale's (ScaleFit): the rounds refresh what they measure
-# and leave what they cannot tell apart as measured. Without it the seed faded with COST_DECAY: after
-# rounds that all ran SSD on a machine 1.4x slower, what SSD adds to a verification took the whole
-# slowdown and AR looked 27 % cheaper than it was
-SEED_ANCHOR = 1.0
 SEQ_STALE_ROUNDS = 256  # a sequence unseen this long is gone: its statistics are dropped
 
 # the acceptance prior (a moderately good draft) and the hit rate's
@@ -124,10 +118,6 @@ class AutoPolicy:
         self._verify = KneeFit(COST_DECAY)
         self._drafting = EwLeastSquares(3, COST_DECAY)
         self._build = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
-        # seeded: the build's shape as the probe measured it (its own part and steps, by n and K),
-        # scaled to the level the rounds measure (docs/auto.md: a free fit's split drifted)
-        self._build_shape: list[float] | None = None
-        self._build_scale = ScaleFit(COST_DECAY, 1.0, SEED_ANCHOR)
         self._after = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
@@ -168,15 +158,13 @@ class AutoPolicy:
 
         Each measurement is one observation of its fit, as a round is: the rounds
         run afterwards outweigh them within ~1 / (1 − COST_DECAY) rounds, so the
-        fits are refreshed by what the engine then measures; what the rounds leave
-        open stays the seed's (:data:`SEED_ANCHOR`). A draft call over n
+        fits are refreshed by what the engine then measures. A draft call over n
         sequences is observed at 1 and at ``max_k`` steps, its own part (what an
         SD round's drafting pays beyond its steps: on the coder pair's 0.5B ~30-60
         ms at batch 1, ~10 % of an SD round at K = 7, which left out had SD
-        predicted that much short on a fresh engine) and its steps; so is a tree build
-        over n SSD sequences, with its own part and steps (the build's model,
-        :meth:`_observe_ssd`): the two K give the build its K-slope, which rounds that
-        all run one K leave open."""
+        predicted that much short on a fresh engine) and its steps; a build step over
+        n SSD sequences is fitted as what it costs beyond a draft step over as many
+        sequences (the build's model, :meth:`_observe_ssd`)."""
         for tokens, batch, seconds in costs.verify:
             self._verify.add(tokens, batch, seconds)
             if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
@@ -185,14 +173,11 @@ class AutoPolicy:
         for n, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
                 self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * seconds)
-        own = dict(costs.build_call)
+        draft = self._drafting.theta
         for n, seconds in costs.build:
+            beyond = max(0.0, seconds - (draft[1] + draft[2] * n if draft is not None else 0.0))
             for k in dict.fromkeys((1, self.max_k)):
-                self._build.add((1.0, float(n), float(k), float(n * k)), own.get(n, 0.0) + k * seconds)
-        for fit in (self._verify, self._drafting):
-            fit.anchor(SEED_ANCHOR)
-        if costs.build:
-            self._build_shape = self._build.theta
+                self._build.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
         self._seeded = True
 
     # ------------------------------------------------------------------ learning
@@ -216,16 +201,10 @@ class AutoPolicy:
             self._observe_switch(costs, self._rebuild)
         elif leave:
             self._observe_switch(costs, self._leave, left)
-        # auto's own speculation is judged by its modes, its K changes' rebuilds included (not
-        # its entries: a re-test after the guard's AR rounds enters afresh); beside fixed-strategy
-        # speculation, by modes and K and steady rounds only (strategy_guard)
-        auto_only = all(r.seq_id in self._speculating for r in costs.seqs if r.mode != "ar" and r.proposed > 0)
-        entered = any(r.seq_id in self._entering for r in costs.seqs if r.mode == "ssd")
-        steady = not rebuild or (auto_only and not entered)
-        if costs.seqs and steady and not leave and not caught_up:
+        if costs.seqs and not rebuild and not leave and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
-                ARGuard.arm(((r.mode, r.proposed) for r in costs.seqs), any_k=auto_only),
+                ARGuard.arm((r.mode, r.proposed) for r in costs.seqs),
                 float(sum(min(r.accepted, r.proposed) + 1 for r in costs.seqs)),
                 costs.wall_s,
             )
@@ -345,9 +324,9 @@ class AutoPolicy:
 
     def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], rebuild: bool = False) -> None:
         """Fit SSD's two exposed parts: when the build ended (where it ran this
-        round) and the rest of the exposure, the lookup and backups. Before they
-        were measured (no seed), both start from the draft's step costs: a build is
-        K sequential tree steps of the draft, a neural backup K draft steps. A ``rebuild`` round's
+        round) and the rest of the exposure, the lookup and backups. Both start
+        from the draft's measured step costs: a build is K sequential steps of
+        the draft SD measures, and so is a neural backup. A ``rebuild`` round's
         build (afresh, after any stale one) is not the steady build's: its end
         teaches nothing, its overrun is still not the lookup's."""
         n, k_max = float(costs.ssd_batch), max(r.proposed for r in ssd)
@@ -358,19 +337,13 @@ class AutoPolicy:
             self._build.decay_only()
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         elif math.isfinite(costs.ssd_build_s):
-            # seeded: the probe's shape (builds of 1 and max_k steps at each n) scaled to what the
-            # rounds measure, since rounds at one K cannot split a build into its own part and its
-            # steps; unseeded: a free fit whose open K-slope starts at the draft's step. Fitted
-            # beyond K draft steps instead (a tree step as at least a draft step), the slope could
-            # not come out below SD's step: on SmolLM2's int4 draft at batch 4, builds took
-            # ~205 ms at K = 1, ~380 at K = 4, SD's drafting ~80 ms a step, and auto, running
-            # K = 1-2, priced K = 4 at ~510 ms and stayed (0.81 of SSD at K = 4)
+            # fitted beyond K sequential draft steps over the SSD sequences (a tree step costs at
+            # least a draft step over as many sequences), so a K-slope the recent rounds leave
+            # open, every one at one K, is the draft's measured step and not 0
             x_b = (1.0, n, float(k_max), n * k_max)
-            if self._build_shape is not None:
-                self._build_scale.add(sum(c * x for c, x in zip(self._build_shape, x_b)), _clamp_time(costs.ssd_build_s))
-            else:
-                prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, draft[1], draft[2]]
-                self._build.add(x_b, _clamp_time(costs.ssd_build_s), prior_b)
+            steps = k_max * (draft[1] + draft[2] * n) if draft is not None else 0.0
+            prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
+            self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -399,8 +372,7 @@ class AutoPolicy:
             choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
-                fixed_spec = [(c.mode, c.k) for _, c in fixed if c.mode != "ar" and c.k > 0]
-                arm = ARGuard.arm([(c.mode, c.k) for c in choices] + fixed_spec, any_k=not fixed_spec)
+                arm = ARGuard.arm([(c.mode, c.k) for c in choices] + [(c.mode, c.k) for _, c in fixed])
                 context = ARGuard.context(len(temps), temps)
                 # a re-test is paid from the budget, rebuild included
                 if self._guard.hold(context, arm, self._trials.budget_s - self._switch_full_s, self._leave_full_s):
@@ -446,13 +418,10 @@ class AutoPolicy:
         return Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
 
     def _build_coefficients(self, draft: Sequence[float]) -> list[float]:
-        """The build's end (:meth:`_observe_ssd`'s fit): seeded, the probe's shape at the measured
-        level; else the free fit, and before any build was measured, K draft steps (``draft``:
-        the drafting fit or its prior)."""
-        if self._build_shape is not None:
-            scale = self._build_scale.value
-            return [scale * c for c in self._build_shape]
-        return list(self._build.theta or [0.0, 0.0, draft[1], draft[2]])
+        """The build's end: K draft steps (``draft``: the drafting fit or its prior) and what was
+        fitted beyond them (:meth:`_observe_ssd`)."""
+        b = self._build.theta or [0.0, 0.0, 0.0, 0.0]
+        return [b[0], b[1], b[2] + draft[1], b[3] + draft[2]]
 
     def _seq_scale(self, seq_id: int, pooled: float) -> float:
         """The sequence's own pooled acceptance over its bucket's, shrunk and quantised."""
@@ -603,7 +572,6 @@ class AutoPolicy:
                 if self._build.theta is not None
                 else None
             ),
-            "ssd_build_scale": self._build_scale.value if self._build_shape is not None else None,  # measured / probed build
             "ssd_after_s": coef(self._after, ("a", "per_seq", "per_backup_step", "per_missed_k")),  # lookup and backups
             "control_s": coef(self._ctl, ("a", "per_plain_seq", "per_drafting_seq", "per_ssd_seq", "drafting", "per_draft_step", "ssd")),
             "acceptance": {

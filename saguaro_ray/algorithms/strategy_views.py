@@ -108,30 +108,25 @@ class StepCosts:
     their branches (empty: not measured; the build is then priced as draft
     steps); ``draft_call``: (sequences, seconds) of a draft call's own part
     beyond its steps (feeding what the last round accepted, the first draw),
-    which an SD round's drafting pays once (empty: not measured, taken as 0);
-    ``build_call``: the same of a tree build (feeding the verified tokens
-    to every branch; empty: taken as 0)."""
+    which an SD round's drafting pays once (empty: not measured, taken as 0)."""
 
     verify: tuple[tuple[int, int, float], ...]
     draft: tuple[tuple[int, float], ...] = ()
     build: tuple[tuple[int, float], ...] = ()
     draft_call: tuple[tuple[int, float], ...] = ()
-    build_call: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.verify:
             raise ConfigError("StepCosts.verify needs at least one measured target call")
-        for name, rows in self._tables().items():
+        for name, rows in (("verify", self.verify), ("draft", self.draft), ("build", self.build), ("draft_call", self.draft_call)):
             for row in rows:
                 *counts, seconds = row
                 if any(not isinstance(c, int) or c < 1 for c in counts) or not (math.isfinite(seconds) and seconds >= 0.0):
                     raise ConfigError(f"StepCosts.{name} rows need positive integer counts and seconds >= 0; got {row!r}")
 
     def to_json(self) -> dict[str, list[list[float]]]:
-        return {name: [list(r) for r in table] for name, table in self._tables().items()}
-
-    def _tables(self) -> dict[str, tuple[tuple, ...]]:
-        return {"verify": self.verify, "draft": self.draft, "build": self.build, "draft_call": self.draft_call, "build_call": self.build_call}
+        rows = {"verify": self.verify, "draft": self.draft, "build": self.build, "draft_call": self.draft_call}
+        return {name: [list(r) for r in table] for name, table in rows.items()}
 
     @classmethod
     def from_json(cls, d: dict[str, list[list[float]]]) -> "StepCosts":
@@ -142,7 +137,6 @@ class StepCosts:
                 tuple((int(a), float(s)) for a, s in d.get("draft", ())),
                 tuple((int(a), float(s)) for a, s in d.get("build", ())),
                 tuple((int(a), float(s)) for a, s in d.get("draft_call", ())),
-                tuple((int(a), float(s)) for a, s in d.get("build_call", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"a step-cost table is malformed: {e!r}") from e

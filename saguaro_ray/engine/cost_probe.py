@@ -8,8 +8,7 @@ span, as a round's are. :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy
 cost fits from them, so the first round of the first request is already a search instead of a
 schedule of trial rounds. The table is cached per machine, models, dtype and runner options (under
 ``$SAGUARO_COSTS_DIR`` or ``~/.cache/saguaro-ray/costs``): a second engine of the same kind reads it
-instead of measuring — once two of its rows, re-timed, show the machine still runs at its speed
-(:func:`_still_true`) — and one of another model or dtype measures its own. The rounds run
+instead of measuring, and one of another model or dtype measures its own. The rounds run
 afterwards refresh the fits (they outweigh the table within ~50 rounds).
 
 The probe only uses the worker calls the round loop makes (``verify``, ``prefill``, ``propose``,
@@ -22,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -46,10 +44,7 @@ PROBE_BATCHES = (1, 2, 4, 8)  # batch sizes measured (those up to the engine's m
 PROBE_REPEATS = 2  # each measurement's minimum over this many calls (a busy machine only adds time)
 PROBE_PROMPT = 16  # tokens of each throwaway sequence's prompt
 PROBE_SEQ_BASE = 1 << 62  # throwaway sequence ids: far above any request's
-# what a cached table measured (an older table is measured afresh): 2 added the draft call's own
-# part, 3 the tree build's own part (and its step no longer floored at a draft step)
-PROBE_VERSION = 3
-RECHECK_TOLERANCE = 0.2  # a cached table stands while its re-timed rows are within this share of it
+PROBE_VERSION = 2  # what a cached table measured: 2 added the draft call's own part (an older table is measured afresh)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -98,8 +93,6 @@ def seed_auto(loop: "RoundLoop", identity: Mapping[str, Any], max_batch: int, kv
         return None
     path = cost_path(identity)
     costs = _read(path)
-    if costs is not None and not _still_true(loop, costs, kv_tokens):
-        costs = None  # the machine's speed moved since it was measured: measured afresh
     if costs is None:
         try:
             started = time.perf_counter()
@@ -114,40 +107,6 @@ def seed_auto(loop: "RoundLoop", identity: Mapping[str, Any], max_batch: int, kv
         _write(path, costs, identity)
     policy.seed(costs)
     return costs
-
-
-def _still_true(loop: "RoundLoop", costs: StepCosts, kv_tokens: int) -> bool:
-    """Does a cached table still hold on this machine now? Its two cheapest rows — the
-    target's decode of one sequence and a one-step draft call — re-timed (best of
-    :data:`PROBE_REPEATS`, after a warm-up) within :data:`RECHECK_TOLERANCE` of the table.
-    A shared machine's speed moves by the hour (2x here); a table cached in a faster hour
-    priced the modes that did not run at its speed until they ran (on SmolLM2 at batch 4, SD's
-    drafting at ~51 ms a step where it took ~85, and auto ran SD at K = 8 at 0.7x SSD's
-    rate). The check costs a few calls; a table that fails it is measured afresh."""
-    decode = [s for t, b, s in costs.verify if t == b == 1]
-    call = dict(costs.draft_call).get(1, 0.0) + dict(costs.draft).get(1, math.nan)
-    if not decode or not math.isfinite(call) or 4 * (PROBE_PROMPT + 2 * PROBE_REPEATS + 2) > kv_tokens:
-        return True  # nothing to compare with (or no room): the table stands
-    target = _Probe(loop, PROBE_SEQ_BASE, 1)
-    draft = _Probe(loop, PROBE_SEQ_BASE + 1, 1)
-    try:
-        target.verify(target.ids, 0)  # admission: the whole prompt
-        draft.timed(loop.drafts.primary, "prefill", lambda full: ([draft.step(s, full) for s in draft.ids],))
-        draft.rounds[draft.ids[0]] = 1
-        draft.propose(draft.ids, 1)  # warm-up
-        now_decode = min(target.verify(target.ids, 0) for _ in range(PROBE_REPEATS))
-        now_call = min(draft.propose(draft.ids, 1) for _ in range(PROBE_REPEATS))
-    except Exception as e:  # noqa: BLE001 — best effort, as the probe: the table stands
-        log.debug("auto: re-timing the cached step costs failed (%r)", e)
-        return True
-    finally:
-        target.release()
-        draft.release()
-    ratios = (now_decode / max(decode[0], 1e-9), now_call / max(call, 1e-9))
-    moved = any(abs(math.log(max(r, 1e-9))) > math.log(1.0 + RECHECK_TOLERANCE) for r in ratios)
-    if moved:
-        log.info("auto: the cached step costs are off by %.2fx (target) and %.2fx (draft) now; measuring them afresh", *ratios)
-    return not moved
 
 
 def _read(path: Path) -> StepCosts | None:
@@ -212,14 +171,12 @@ class _Probe:
                 log.debug("auto: releasing the probe's sequences on %s failed: %r", getattr(w, "name", w), e)
 
 
-def _build_steps(loop: "RoundLoop", probe: _Probe, batches: Sequence[int], max_k: int) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
-    """SSD's tree build over n sequences' branches (the engine's ``budget`` each), for n in
-    ``batches``: builds of 1 and ``max_k`` steps from the same state (every call rolls the
-    draft back to the step's start, so the same items can be built again). Returns
-    (n, one step: their difference per step) and (n, the build's own part: a 1-step build
-    less its step). A tree step is not a draft step: on SmolLM2's int4 draft at batch 4 a
-    build's K-th step cost ~55 ms against an SD round's ~80, its own part ~150 ms — priced
-    as draft steps, a longer K looked dearer to SSD than it was."""
+def _build_steps(loop: "RoundLoop", probe: _Probe, batches: Sequence[int], max_k: int, draft_step: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    """One step of SSD's tree build over n sequences' branches (the engine's ``budget`` each),
+    for n in ``batches``: builds of 1 and ``max_k`` steps from the same state (every call rolls
+    the draft back to the step's start, so the same items can be built again), their
+    difference per step — at least a draft step over as many sequences, as the policy's
+    build model has it."""
     budget = max(1, loop.spec.budget)
     fanout = [budget // 2, budget - budget // 2]  # after a rejection of the one proposed token, after its acceptance
 
@@ -230,15 +187,14 @@ def _build_steps(loop: "RoundLoop", probe: _Probe, batches: Sequence[int], max_k
 
         return probe.timed(loop.drafts.primary, "build", args)[1]
 
-    steps, calls = [], []
+    out = []
     build(probe.ids[:1], 1)  # warm-up
     for b in batches:
         one = min(build(probe.ids[:b], 1) for _ in range(PROBE_REPEATS))
         many = min(build(probe.ids[:b], max_k) for _ in range(PROBE_REPEATS))
-        step = max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one
-        steps.append((b, step))
-        calls.append((b, max(0.0, one - step)))
-    return tuple(steps), tuple(calls)
+        step = (many - one) / (max_k - 1) if max_k > 1 else one
+        out.append((b, max(step, draft_step.get(b, 0.0))))
+    return tuple(out)
 
 
 def measure(loop: "RoundLoop", max_batch: int, max_k: int, kv_tokens: int) -> StepCosts:
@@ -269,8 +225,7 @@ def measure(loop: "RoundLoop", max_batch: int, max_k: int, kv_tokens: int) -> St
             step = max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one
             steps.append((b, step))
             calls.append((b, max(0.0, one - step)))
-        build_steps, build_calls = _build_steps(loop, draft, batches, max_k)
-        return StepCosts(verify, tuple(steps), build_steps, tuple(calls), build_calls)
+        return StepCosts(verify, tuple(steps), _build_steps(loop, draft, batches, max_k, dict(steps)), tuple(calls))
     finally:
         target.release()
         draft.release()
