@@ -15,6 +15,26 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_costs_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Every engine this suite starts caches its workers' probed step costs
+    (``engine/cost_probe.py``) in a directory of the session's own, not in the
+    user's ``~/.cache/saguaro-ray/costs``: the suite's throwaway models (a
+    tiny zoo, a test's own checkpoint) would otherwise leave tables there for
+    good, and a user's real tables must not steer a test. Set before any
+    engine or Ray instance starts, so Ray's workers inherit it."""
+    import os
+
+    path = tmp_path_factory.mktemp("costs")
+    old = os.environ.get("SAGUARO_COSTS_DIR")
+    os.environ["SAGUARO_COSTS_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("SAGUARO_COSTS_DIR", None)
+    else:
+        os.environ["SAGUARO_COSTS_DIR"] = old
+
+
 @pytest.fixture(scope="module", autouse=True)
 def give_memory_back():
     """After each module, hand the memory its models freed back to the OS. The

@@ -317,7 +317,8 @@ def test_a_cell_runs_batch_by_batch_with_the_modes_taking_turns():
     rotates from batch to batch (no mode always first or last on a drifting
     machine), each batch knowing its first request's index (the mix's
     temperatures and the peers' seeds follow it); a runner's batches add up to
-    its one run of the cell."""
+    its one run of the cell; the turns go on across repeats, so a batch of every
+    prompt does not always put the same runner first."""
     from saguaro_ray.bench.plan import SamplingSetting, temperature_settings
     from saguaro_ray.bench.run import _run_cell
 
@@ -343,6 +344,11 @@ def test_a_cell_runs_batch_by_batch_with_the_modes_taking_turns():
     for r in runs:
         assert r.outputs == [(i,) for i in range(7)] and r.tokens == 300 and r.accepted == 7 and r.spec_rounds == 3
         assert r.breakdown["rounds"] == 7 and len(r.rounds) == 7 and r.strategy == {"sd": 3} and (r.k_total, r.k_rounds) == (12.0, 3)
+    # one batch of every prompt: each repeat is one turn, and the turns go on across repeats
+    calls.clear()
+    for rep in range(3):
+        _run_cell(runners, [f"p{i}" for i in range(3)], mix, SamplingSetting(), 16, rep, 3)
+    assert [c[0] for c in calls] == ["ar", "sd", "auto", "sd", "auto", "ar", "auto", "ar", "sd"]
 
 
 def test_what_requests_ran_is_summed_from_their_stats():

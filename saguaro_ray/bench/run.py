@@ -329,11 +329,13 @@ def _run_cell(
     runner's batches after another's, the last row also carried how far a
     shared machine had drifted by then (±7-15 % within a cell here) and
     whatever the runner before it left behind; taking turns charges both to
-    every row alike, as the demo does."""
+    every row alike, as the demo does. The turns go on counting across
+    repeats: where one batch is every prompt (batch 8 of 8), a repeat is the
+    only turn, and each repeat puts another runner first."""
     parts: dict[int, list[RunResult]] = {i: [] for i in range(len(runners))}
     for j, first in enumerate(range(0, len(prompts), b)):
         chunk = prompts[first : first + b]
-        for i in in_turn(list(range(len(runners))), j):
+        for i in in_turn(list(range(len(runners))), rep * -(-len(prompts) // b) + j):
             r = runners[i]
             if r.runtime == "hf":  # transformers decodes one request at a time (see bench.peers), plainly
                 parts[i].append(r.run(chunk, t, max_tokens, seed=rep, batch_size=b, first=first))
