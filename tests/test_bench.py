@@ -351,6 +351,28 @@ def test_a_cell_runs_batch_by_batch_with_the_modes_taking_turns():
     assert [c[0] for c in calls] == ["ar", "sd", "auto", "sd", "auto", "ar", "auto", "ar", "sd"]
 
 
+def test_ratios_are_taken_repeat_by_repeat_so_the_machines_drift_cancels():
+    """Auto's and every mode's ratios pair the rows of one repeat (they ran
+    interleaved): a machine at half speed for a whole repeat moves no ratio,
+    while the ratio of the rows' medians would mix repeats. The spread over
+    the repeats is kept, and the markdown table shows it."""
+    from saguaro_ray.bench.report import markdown_table, summarise
+
+    runs = []
+    for seed, speeds in enumerate([{"ar": 300, "sd": 360, "auto": 330}, {"ar": 150, "sd": 180, "auto": 165}, {"ar": 200, "sd": 240, "auto": 100}]):
+        for mode, tps in speeds.items():
+            r = _run(mode, "ray", _rounds(2, 0.004, 0.003), 0, 0, tps, strategy={"ar": 2})
+            r.decode_tokens, r.seed = tps, seed
+            runs.append(r)
+    entries = summarise(runs)
+    auto, sd = (next(e for e in entries if e["mode"] == m) for m in ("auto", "sd"))
+    assert auto["tokens_per_s"] == 165 and sd["tokens_per_s"] == 240  # medians: 165 / 240 would be 0.69
+    assert (auto["auto_vs_best"], auto["auto_vs_best_min"], auto["auto_vs_best_max"]) == pytest.approx((330 / 360, 100 / 240, 330 / 360))
+    assert (auto["auto_vs_ar"], auto["auto_vs_ar_min"], auto["auto_vs_ar_max"]) == pytest.approx((1.1, 0.5, 1.1))
+    assert sd["speedup_vs_ar"] == pytest.approx(1.2) and sd["auto_vs_best"] is None
+    assert "| 0.92 [0.42–0.92] (sd) | 1.10 [0.50–1.10] |" in markdown_table(entries)
+
+
 def test_what_requests_ran_is_summed_from_their_stats():
     from saguaro_ray.bench.run import chosen_strategies
 

@@ -5,12 +5,13 @@ and the runs' token counts; the control plane costs what the timeline shows
 it cost (``control_plane_fraction``, ``control_us_*``, and ``hops_ms`` per
 hop), with no model of its hops. Conventions (Spec-Bench style): medians and
 min–max over repeats, speedups taken against ``ar`` and ``sd`` *from the same
-run*. Per setting it reports decode tokens/s, mean accepted length, the SSD
-cache hit rate, and a per-round breakdown from the engine's timeline — verify
-time, draft busy time, drafting exposed on the critical path, control plane
-(everything in a round that is neither verification, exposed drafting nor the
-cache lookup), and SSD's ideal (mean accepted + 1 tokens per verify time per
-sequence) with efficiency = achieved / ideal. Every cell (batch size × sampling ×
+run*, repeat by repeat (the median of the paired ratios). Per setting it
+reports decode tokens/s, mean accepted length, the SSD cache hit rate, and a
+per-round breakdown from the engine's timeline — verify time, draft busy time,
+drafting exposed on the critical path, control plane (everything in a round
+that is neither verification, exposed drafting nor the cache lookup), and
+SSD's ideal (mean accepted + 1 tokens per verify time per sequence) with
+efficiency = achieved / ideal. Every cell (batch size × sampling ×
 temperature × runtime) names its best fixed mode, and ``auto`` rows their
 ratio to it and to AR, with what ``auto`` chose (the requests' own stats).
 """
@@ -131,6 +132,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "tokens_per_s": med,
                 "tokens_per_s_min": lo,
                 "tokens_per_s_max": hi,
+                "tokens_per_s_by_repeat": {r.seed: x for r, x in zip(rs, tps)},
                 "mean_accepted": accepted / spec_rounds if spec_rounds else None,
                 "cache_hit_rate": sum(r.hits for r in rs) / lookups if lookups else None,
                 "hit_by_outcome": _hit_by_outcome(rs) if lookups else None,
@@ -227,7 +229,7 @@ def _compare(entries: list[dict[str, Any]]) -> None:
         cell = dict(e, runtime=e["runtime"] if e["runtime"] != "hf" or not ours else ours[0])
         ref = {base: next((x for x in entries if x["mode"] == base and _same_cell(x, cell)), None) for base in ("ar", "sd")}
         for base, x in ref.items():
-            e[f"speedup_vs_{base}"] = e["tokens_per_s"] / x["tokens_per_s"] if x else None
+            e[f"speedup_vs_{base}"] = _paired(e, x)[0] if x else None
         # the speedup over AR were drafting and the control plane free in both
         # modes: this run's acceptance against this machine's verify costs
         ar_ideal = ref["ar"]["ideal_tokens_per_s"] if ref["ar"] else None
@@ -236,8 +238,19 @@ def _compare(entries: list[dict[str, Any]]) -> None:
         best = max(fixed, key=lambda x: x["tokens_per_s"]) if fixed and e["runtime"] != "hf" else None
         e["best_fixed"] = row_name(best) if best else None
         is_auto = base_mode(e["mode"]) == "auto"
-        e["auto_vs_best"] = e["tokens_per_s"] / best["tokens_per_s"] if is_auto and best else None
-        e["auto_vs_ar"] = e["speedup_vs_ar"] if is_auto else None
+        for name, x in (("best", best), ("ar", ref["ar"])):
+            paired = _paired(e, x) if is_auto and x else (None, None, None)
+            e[f"auto_vs_{name}"], e[f"auto_vs_{name}_min"], e[f"auto_vs_{name}_max"] = paired
+
+
+def _paired(e: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float, float]:
+    """``e``'s tokens/s over ``ref``'s repeat by repeat — median, min, max. The rows of one
+    repeat ran interleaved, minutes apart, while repeats may be an hour apart on a machine
+    whose speed drifts by a third: a ratio within a repeat cancels the drift that a ratio of
+    the two rows' medians keeps. Without a repeat in common, the ratio of the medians."""
+    mine, theirs = e["tokens_per_s_by_repeat"], ref["tokens_per_s_by_repeat"]
+    xs = [mine[s] / theirs[s] for s in mine if s in theirs]
+    return _median_min_max(xs) if xs else (e["tokens_per_s"] / ref["tokens_per_s"],) * 3  # type: ignore[return-value]
 
 
 def _hops(rs: Iterable[RunResult]) -> dict[str, float | None]:
@@ -397,12 +410,18 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _spread(e: dict[str, Any], name: str) -> str:
+    """`` [0.91–1.02]``: the range of auto's ratio over the repeats, when they differ."""
+    lo, hi = e.get(f"auto_vs_{name}_min"), e.get(f"auto_vs_{name}_max")
+    return f" [{lo:.2f}–{hi:.2f}]" if lo is not None and hi is not None and f"{lo:.2f}" != f"{hi:.2f}" else ""
+
+
 def _auto_cells(e: dict[str, Any] | None) -> list[str]:
-    """``0.98 (sd:6)``, ``1.83``, ``sd 83 %, ssd 13 %, ar 4 %, K 7.1`` for an ``auto`` row (dashes without one)."""
+    """``0.98 [0.91–1.02] (sd:6)``, ``1.83``, ``sd 83 %, ssd 13 %, ar 4 %, K 7.1`` for an ``auto`` row (dashes without one)."""
     if e is None:
         return ["–", "–", "–"]
-    vs_best = "–" if e["auto_vs_best"] is None else f"{e['auto_vs_best']:.2f} ({e['best_fixed']})"
-    vs_ar = "–" if e["auto_vs_ar"] is None else f"{e['auto_vs_ar']:.2f}"
+    vs_best = "–" if e["auto_vs_best"] is None else f"{e['auto_vs_best']:.2f}{_spread(e, 'best')} ({e['best_fixed']})"
+    vs_ar = "–" if e["auto_vs_ar"] is None else f"{e['auto_vs_ar']:.2f}{_spread(e, 'ar')}"
     chose = [f"{m} {f:.0%}".replace("%", " %") for m, f in _shares(e)]
     if e["mean_k"] is not None:
         chose.append(f"K {e['mean_k']:.1f}")
