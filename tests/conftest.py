@@ -23,16 +23,10 @@ def private_costs_dir(tmp_path_factory: pytest.TempPathFactory):
     tiny zoo, a test's own checkpoint) would otherwise leave tables there for
     good, and a user's real tables must not steer a test. Set before any
     engine or Ray instance starts, so Ray's workers inherit it."""
-    import os
-
     path = tmp_path_factory.mktemp("costs")
-    old = os.environ.get("SAGUARO_COSTS_DIR")
-    os.environ["SAGUARO_COSTS_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("SAGUARO_COSTS_DIR", None)
-    else:
-        os.environ["SAGUARO_COSTS_DIR"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SAGUARO_COSTS_DIR", str(path))
+        yield path
 
 
 @pytest.fixture(scope="module", autouse=True)
