@@ -333,9 +333,10 @@ def _run_cell(
     repeats: where one batch is every prompt (batch 8 of 8), a repeat is the
     only turn, and each repeat puts another runner first."""
     parts: dict[int, list[RunResult]] = {i: [] for i in range(len(runners))}
-    for j, first in enumerate(range(0, len(prompts), b)):
+    starts = range(0, len(prompts), b)
+    for j, first in enumerate(starts):
         chunk = prompts[first : first + b]
-        for i in in_turn(list(range(len(runners))), rep * -(-len(prompts) // b) + j):
+        for i in in_turn(list(range(len(runners))), rep * len(starts) + j):
             r = runners[i]
             if r.runtime == "hf":  # transformers decodes one request at a time (see bench.peers), plainly
                 parts[i].append(r.run(chunk, t, max_tokens, seed=rep, batch_size=b, first=first))
