@@ -28,7 +28,7 @@ from saguaro_ray.algorithms.strategy_model import (
     StepCosts,
     temperature_bucket,
 )
-from saguaro_ray.algorithms import strategy_guard
+from saguaro_ray.algorithms import strategy_guard, strategy_model
 from saguaro_ray.algorithms.strategy_fits import HitRates
 from saguaro_ray.algorithms.strategy_search import SWITCH_HORIZON, Group
 from saguaro_ray.errors import ConfigError
@@ -73,9 +73,21 @@ class Truth:
     catch_up: int = 0
     catch_up_s: float = 0.0
     noise: float = 0.03
+    # a verification is slow_x times as long with probability slow_p (bimodal, as the coder pair's
+    # on 2 cores: a quarter of them 500-670 ms against 280-390); verify() is the mean
+    slow_p: float = 0.0
+    slow_x: float = 1.0
 
     def verify(self, tokens: float, n: int = 0) -> float:
+        return self.fast_verify(tokens, n) * (1.0 + self.slow_p * (self.slow_x - 1.0))
+
+    def fast_verify(self, tokens: float, n: int = 0) -> float:
         return self.ver_a + self.ver_b * max(0.0, tokens - self.knee) + self.ver_seq * n
+
+    def verify_law(self, tokens: float, n: int) -> list[tuple[float, float]]:
+        """(probability, seconds) of a verification's two regimes."""
+        fast = self.fast_verify(tokens, n)
+        return [(1.0 - self.slow_p, fast), (self.slow_p, fast * self.slow_x)]
 
     def step(self, n: float) -> float:
         return self.step_c + self.step_d * n
@@ -120,12 +132,13 @@ class Truth:
         ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`);
         ``leaving``: a sequence left SSD for SD (:attr:`leave_s`)."""
         tokens = sum(k + 1 for _, k in choices)
-        verify = self.verify(tokens, len(choices)) + (self.catch_up_s if catch_ups else 0.0)
+        extra = self.catch_up_s if catch_ups else 0.0
+        verify = self.verify(tokens, len(choices)) + extra
         t = self.control(choices) + verify + self.drafting(choices) + (self.leave_s if leaving else 0.0)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
             build = self.build(len(ssd), max(k for _, k, _ in ssd)) + (self.entry_s if rebuild else 0.0)
-            t += self.ssd_base + max(0.0, build - verify)
+            t += self.ssd_base + sum(p * max(0.0, build - v - extra) for p, v in self.verify_law(tokens, len(choices)))
             if self.backup == "neural":
                 miss = [1.0 if e else 1.0 - self.hit_at(tt, k) for tt, k, e in ssd]
                 p_any = 1.0 - math.prod(1.0 - m for m in miss)
@@ -151,21 +164,27 @@ def _round(
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
-        hit = None
+        hit = source = None
         a = truth.alpha[t]
         if m == "ssd":
-            # an entry has no cache to look up: the engine reports no lookup (None), a forced miss
-            hit = None if en else rng.random() < truth.hit_at(t, k)
-            misses += not hit
+            # what served this round's proposal: the last round's lookup (an entry's is a backup);
+            # lookups are independent under the truth, so it is drawn here. Then the lookup this
+            # round makes, keyed on its outcome (it serves the next round; a miss drafts its
+            # backup now, on the round's critical path, as an entry's does)
+            cached = not en and rng.random() < truth.hit_at(t, k)
+            source = "cache" if cached else truth.backup
+            hit = rng.random() < truth.hit_at(t, k)
+            misses += en or not hit
             ssd_k = max(ssd_k, k)
-            if not hit and truth.backup == "fast":
+            if not cached and truth.backup == "fast":
                 a = 0.05
         acc = 0
         while acc < k and rng.random() < a:
             acc += 1
-        seqs.append(SeqResult(sid, t, m, k, acc, hit))
+        seqs.append(SeqResult(sid, t, m, k, acc, hit, source))
     tokens = sum(k + 1 for _, k in choices)
-    verify = (truth.verify(tokens, len(choices)) + (truth.catch_up_s if catch_ups else 0.0)) * noise()
+    slow = truth.slow_x if truth.slow_p and rng.random() < truth.slow_p else 1.0  # no draw without: other tests' streams stay
+    verify = (truth.fast_verify(tokens, len(choices)) * slow + (truth.catch_up_s if catch_ups else 0.0)) * noise()
     sd = [k for m, k in choices if m == "sd"]
     draft = truth.drafting(choices) * noise()
     n_ssd = sum(m == "ssd" for m, _ in choices)
@@ -337,6 +356,47 @@ def test_achieved_throughput_is_at_least_95_percent_of_the_best_fixed_choice(nam
     best, choice = truth.best_fixed(temps)
     got = achieved(tokens, times)
     assert got >= 0.95 * best, (name, got / best, choice, history[-1], policy.snapshot())
+
+
+def test_the_builds_overrun_is_priced_over_the_verifications_spread(monkeypatch):
+    """Verifications bimodal (four in five at 0.2 s, one in five at 1.0): a tree build of 0.4 s
+    ends inside the mean verification (0.36 s) by little, yet overruns four rounds in five by
+    0.2 s. Priced at the means, SSD at K = 4 looked 1.15x SD's best where it runs 0.91x of it
+    (the coder pair at batch 1: a K = 5 build priced as hidden overran its fast verifications
+    by 45-57 ms a round). Priced over the recent rounds' measured spread, auto runs SD; with
+    no spread kept it does not (the test tells the two apart)."""
+    truth = Truth(ver_a=0.2, slow_p=0.2, slow_x=5.0, knee=16, step_c=0.05, step_d=0.0, build_k=0.1, alpha={0.0: 0.9, 0.7: 0.55})
+    best, choice = truth.best_fixed([0.0])
+    assert choice[0] == "sd" and truth.rate([0.0], [("ssd", 4)]) < 0.95 * best  # the case is what its name says
+    ssd_best = max(truth.rate([0.0], [("ssd", k)]) for k in range(1, MAX_K + 1))
+    for spread, mode in ((strategy_model.SPREAD_ROUNDS, "sd"), (0, "ssd")):
+        monkeypatch.setattr(strategy_model, "SPREAD_ROUNDS", spread)
+        _, history, tokens, times = simulate(truth, [0.0])
+        share = sum(h[0][0] == mode for h in history[-100:]) / 100
+        assert share >= 0.8, (spread, mode, share, history[-5:])
+        assert (achieved(tokens, times) > 1.02 * ssd_best) == (mode == "sd"), (spread, achieved(tokens, times) / best)
+
+
+def test_the_drafts_acceptance_is_learned_from_every_proposal_drawn_from_it():
+    """SD is priced from the draft's table: every proposal drawn from the draft's law
+    in the contexts it meets — SD's, and SSD's served by a hit *or* by a neural
+    backup. Hits alone follow outcomes the fan-out covered, easier text (the coder
+    pair at K = 4: hit-served rounds 3.8 tokens, neural-served 3.3, SD 3.5); a
+    point-mass guess is another law and teaches the misses' table only."""
+    def table(sources: list[str | None]) -> list[float]:
+        policy = AutoPolicy(max_k=MAX_K)
+        for _ in range(40):
+            seqs = []
+            for i, src in enumerate(sources):
+                accepted = {"cache": 4, "neural": 1, "fast": 0, None: 2}[src]
+                seqs.append(SeqResult(i, 0.0, "ssd" if src else "sd", 4, accepted, True if src else None, src))
+            policy.observe(RoundCosts(len(seqs), 5 * len(seqs), 0.01, 0, 0, 0.0, len(seqs), 0.001, 0.012, tuple(seqs)))
+        return policy.snapshot()["acceptance"]["t=0"]["draft"]
+
+    hits = table(["cache"])
+    assert table(["cache", "fast"]) == hits  # a point-mass guess's rejections are not the draft's
+    assert sum(table(["cache", "neural"])) < 0.9 * sum(hits)  # the neural backup's harder contexts are
+    assert sum(table(["cache", None])) < 0.9 * sum(hits)  # and so are SD's own
 
 
 # ------------------------------------------------------------------ exploration
@@ -513,10 +573,13 @@ def test_fixed_requests_teach_the_model():
     assert out[0].k <= 2, out
 
 
-def test_an_ssd_entry_is_a_forced_miss_not_a_cache_miss():
-    """The first SSD round of a sequence has no cache (the engine reports no
-    lookup): its proposal came from the backup, so it is learned as a miss's
-    acceptance and exposure, yet it says nothing about the cache's hit rate."""
+def test_an_ssd_rounds_acceptance_is_filed_by_what_served_it_and_its_lookup_by_its_outcome():
+    """SSD looks up after verification, keyed on the round's outcome. The first SSD
+    round of a sequence verifies a backup's proposal (no cache yet): learned as a
+    miss's acceptance, however its own lookup went; its lookup, made after a
+    rejection, counts for the hit rate after a rejection. The next round verifies
+    that lookup's hit: a hit's acceptance, and its own lookup (a miss after full
+    acceptance) the hit rate after one."""
     policy, views = AutoPolicy(max_k=MAX_K), [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), None) for i in range(4)]
     tiny = RoundCosts(4, 4, 0.01, 0, 0, 0.0, 0, 0.0, 0.012, tuple(SeqResult(i, 0.0, "ar", 0, 0, None) for i in range(4)))
     while True:
@@ -526,12 +589,17 @@ def test_an_ssd_entry_is_a_forced_miss_not_a_cache_miss():
         policy.observe(tiny)
         views = [replace(v, current=c.mode) for v, c in zip(views, out)]
     k = out[0].k
-    entry = tuple(SeqResult(i, 0.0, "ssd", k, 0, None) for i in range(4))
+    entry = tuple(SeqResult(i, 0.0, "ssd", k, 0, True, "fast") for i in range(4))
     policy.observe(RoundCosts(4, 4 * (k + 1), 0.012, 0, 0, 0.0, 4, 0.004, 0.02, entry))
     snap = policy.snapshot()["acceptance"]["t=0"]
-    assert snap["hit_rate"] == 0.5  # the prior: no lookup was made
-    assert snap["miss"][0] < snap["draft"][0]  # the backup's proposals were rejected
-    assert policy.snapshot()["ssd_after_s"]["per_missed_k"] > 0.0 or policy.snapshot()["ssd_after_s"]["per_backup_step"] > 0.0
+    assert snap["miss"][0] < snap["draft"][0]  # the backup's proposals were rejected, the draft's table untouched
+    rates = policy._hit[0]
+    assert rates.part.value > rates.full.value == 0.5  # hits after a rejection; nothing yet after full acceptance
+    steady = tuple(SeqResult(i, 0.0, "ssd", k, k, False, "cache") for i in range(4))
+    policy.observe(RoundCosts(4, 4 * (k + 1), 0.012, 0, 0, 0.0, 4, 0.004, 0.02, steady))
+    snap = policy.snapshot()["acceptance"]["t=0"]
+    assert snap["draft"][0] > 0.7 > snap["miss"][0]  # the hits' proposals were accepted in full
+    assert rates.full.value < 0.5 < rates.part.value
 
 
 def test_hit_rates_by_k_come_from_each_ks_lookups_and_else_from_the_acceptance_curve():
@@ -1035,7 +1103,7 @@ def test_rounds_of_fixed_ssd_at_another_k_do_not_hold_autos_ssd(monkeypatch):
     for i in range(12):  # eight requests fixed to AR, then eight fixed to SSD at K = 4 (2 tokens each in 3 AR rounds' time)
         policy.observe(RoundCosts(8, 8, ar_round, 0, 0, 0.0, 0, 0.0, ar_round, tuple(SeqResult(200 + j, 0.7, "ar", 0, 0, None) for j in range(8))))
     for i in range(12):
-        seqs = tuple(SeqResult(300 + j, 0.7, "ssd", 4, 1, True) for j in range(8))
+        seqs = tuple(SeqResult(300 + j, 0.7, "ssd", 4, 1, True, "cache") for j in range(8))
         policy.observe(RoundCosts(8, 40, truth.verify(40, 8), 0, 0, 0.0, 8, ar_round, 3 * ar_round, seqs, 2 * ar_round))
     _, history, tokens, times = simulate(truth, temps, rounds=40, policy=policy)
     assert policy.snapshot()["guard_held"] == 0 and all(m == "ssd" for h in history for m, _ in h), history[:5]

@@ -307,3 +307,37 @@ def test_an_ssd_sequence_whose_k_changes_is_built_for_what_is_verified(models, a
     assert r.stats["strategy"] == {"ssd": r.stats["rounds"] - 1}
     assert len({p for rec in rounds for p in rec.proposed}) >= 2  # what was verified changed length
     assert rounds and sum(rec.misses for rec in rounds) == 0, [(rec.proposed, rec.hits, rec.misses) for rec in rounds]
+
+
+class AlwaysSSD(Cycling):
+    """SSD at K = 3 for every auto sequence, every round."""
+
+    def choose(self, auto, fixed=()):  # type: ignore[override]
+        self.rounds += 1
+        return [Choice("ssd", 3) for _ in auto]
+
+
+def test_an_ssd_rounds_acceptance_is_told_with_what_served_its_proposal(engine, ar_tokens):
+    """SSD looks up after verification, keyed on the round's outcome: a round's
+    ``hit`` is that lookup's (it serves the next round), ``source`` what served the
+    proposal the round verified — the last round's lookup (a hit: the cache), or a
+    backup (a miss, an entry). Read as one, a round whose own lookup hit (mostly one
+    that accepted every draft token) was filed as a hit's acceptance, and SD priced
+    from that table looked better than it ran (docs/auto.md, session 30)."""
+    policy = AlwaysSSD()
+    engine.loop.assigner.policy, saved = policy, engine.loop.assigner.policy
+    try:
+        res = engine.generate(PROMPTS[:3], greedy(Strategy("auto", 3)))
+    finally:
+        engine.loop.assigner.policy = saved
+    assert [r.token_ids for r in res] == ar_tokens[:3]
+    last: dict[int, bool | None] = {}  # each sequence's last lookup
+    pairs = []
+    for c in policy.observed:
+        for r in c.seqs:
+            assert r.mode == "ssd" and r.source in ("cache", "neural", "fast")
+            pairs.append((last.get(r.seq_id, False), r.source))
+            last[r.seq_id] = r.hit
+    assert all(before is None or before == (served == "cache") for before, served in pairs), pairs
+    served = [s for _, s in pairs]
+    assert "cache" in served and any(s != "cache" for s in served[len(res):]), pairs  # hits and misses both ran past the entries

@@ -30,6 +30,7 @@ the round it made; split apart, each half would reach into the other's state.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,9 @@ _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more 
 # builds started ahead, for the build in flight before its drafts can run (the coder pair at batch 1:
 # its drafting started 212 ms into the round): learned the same way, as the leave ratio
 _REBUILD_DECAY = 0.8
+# the build's overrun is priced over this many recent steady SSD rounds' spread (Costs.overrun): the
+# last ~15 s at the coder pair's batch 1, recent enough to follow the machine's state within the hour
+SPREAD_ROUNDS = 32
 
 
 @dataclass
@@ -92,7 +96,6 @@ class _SeqStat:
     tested: float = 0.0
     accepted: float = 0.0
     seen: int = 0  # the round it was last observed
-    full: bool | None = None  # its last round accepted every draft token (what its next lookup looks up)
     ssd_k: int = 0  # the K of its last round, if that ran SSD (its cache was built for it)
 
 
@@ -119,6 +122,8 @@ class AutoPolicy:
         self._drafting = EwLeastSquares(3, COST_DECAY)
         self._build = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
         self._after = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
+        # steady SSD rounds' (verified tokens, sequences, SSD sequences, K, build end, verification), measured
+        self._spread: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=SPREAD_ROUNDS)
         self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
         # SD, and SSD hits. A sampled bucket not seen yet starts from the greedy bucket's rate (under
@@ -243,7 +248,7 @@ class AutoPolicy:
             self._seqs = {s: st for s, st in self._seqs.items() if st.seen > stale}
 
     def _curve(self, b: int) -> tuple[list[float], list[float], float, HitRates]:
-        """Bucket ``b``'s acceptance by position (SD and hits; misses), pooled rate and hit rates."""
+        """Bucket ``b``'s acceptance by position (the draft's; SSD misses), pooled rate and hit rates."""
         d = self._accept[b]
         return d.alphas(), self._miss[b].alphas(), d.pooled(), self._hit[b]
 
@@ -252,21 +257,22 @@ class AutoPolicy:
         if st is None:
             st = self._seqs[r.seq_id] = _SeqStat()
         st.seen = self._observed
-        after_full, st.full = st.full, r.proposed > 0 and r.accepted >= r.proposed
         st.ssd_k = r.proposed if r.mode == "ssd" else 0
         if r.mode not in ("sd", "ssd") or r.proposed <= 0:
             return  # AR speculates nothing; PyramidSD's proposals are qualified tokens, another law
         b = temperature_bucket(r.temperature)
         accepted = max(0, min(r.accepted, r.proposed))
         if r.mode == "ssd":
-            entering = r.seq_id in self._entering
-            if r.hit is None and not entering:
-                return  # it finished: its count may be cut short, and hit or miss is unknown
-            if not entering:  # an entry round's miss is forced (with or without a lookup), not the cache's rate
-                self._hit[b].add(r.proposed, bool(r.hit), after_full)
-            if self._missed(r):
+            if r.hit is None:
+                return  # it finished: its count may be cut short (and it looked nothing up)
+            # the lookup this round made is keyed on this round's outcome (SeqResult)
+            self._hit[b].add(r.proposed, r.hit, accepted >= r.proposed)
+            if r.source != "cache":  # a backup's proposal (a miss of the last lookup, or an entry)
                 self._miss[b].add(r.proposed, accepted)
-                return
+                if r.source != "neural":
+                    return  # a point-mass guess: not the draft's law
+        # the draft's law in every context it meets: SD's rounds, and SSD's served by a hit or a
+        # neural backup — not hits alone, which follow outcomes the fan-out covered (easier text)
         self._accept[b].add(r.proposed, accepted)
         st.tested += min(r.proposed, accepted + 1)
         st.accepted += accepted
@@ -318,9 +324,10 @@ class AutoPolicy:
         return self._leave.value
 
     def _missed(self, r: SeqResult) -> bool:
-        """An SSD sequence's proposal came from the backup: its lookup missed, or it
-        just entered SSD (no cache yet; the engine may report no lookup at all)."""
-        return r.hit is False or (r.hit is None and r.seq_id in self._entering)
+        """An SSD sequence drafted a backup in this round, on its critical path: it just
+        entered SSD (its own proposal's), or the lookup it made missed (the one its next
+        round verifies)."""
+        return r.hit is False or r.seq_id in self._entering
 
     def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], rebuild: bool = False) -> None:
         """Fit SSD's two exposed parts: when the build ended (where it ran this
@@ -344,6 +351,8 @@ class AutoPolicy:
             steps = k_max * (draft[1] + draft[2] * n) if draft is not None else 0.0
             prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
             self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
+            if costs.verify_s > 0.0 and costs.ssd_build_s > 0.0:
+                self._spread.append((costs.verify_tokens, costs.batch, costs.ssd_batch, k_max, costs.ssd_build_s, costs.verify_s))
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -415,7 +424,11 @@ class AutoPolicy:
         build = self._build_coefficients(draft)
         after = self._after.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, draft[1], draft[2]]
         ctl = self._ctl.theta or [0.0] * 7
-        return Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
+        c = Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
+        # each recent round's build and verification over what these coefficients predict for it
+        pairs = ((build_s, verify_s, c.build_s(n, k), c.verify_s(tokens, batch, True)) for tokens, batch, n, k, build_s, verify_s in self._spread)
+        c.spread = tuple((b / pb, v / pv) for b, v, pb, pv in pairs if pb > 0.0 and pv > 0.0)
+        return c
 
     def _build_coefficients(self, draft: Sequence[float]) -> list[float]:
         """The build's end: K draft steps (``draft``: the drafting fit or its prior) and what was

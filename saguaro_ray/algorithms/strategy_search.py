@@ -82,26 +82,50 @@ class Costs:
     after: tuple[float, float, float, float]  # lookup and backups: a, per SSD sequence, per backup step when any misses, per missed K
     # a, per sequence of each kind (plain, drafting, SSD), with drafting, per draft step, with SSD
     ctl: tuple[float, float, float, float, float, float, float]
+    # recent steady SSD rounds' measured build end and verification, each over what these
+    # coefficients predict for its load: the spread the build's overrun is priced over (empty: none yet)
+    spread: tuple[tuple[float, float], ...] = ()
 
     def build_s(self, n_ssd: int, k: int) -> float:
         """The SSD build over ``n_ssd`` sequences at K = ``k``: when it ends, from verification's start."""
         b = self.build
         return b[0] + b[1] * n_ssd + k * (b[2] + b[3] * n_ssd)
 
+    def verify_s(self, tokens: float, n: float, ssd: bool) -> float:
+        """A verification of ``tokens`` tokens over ``n`` sequences (``ssd``: a build runs beside it)."""
+        v = self.ver
+        return max(0.0, v[0] + v[1] * max(0.0, tokens - v[3]) + v[2] * n + (v[4] if ssd else 0.0))
+
+    def overrun(self, build: float, verify: float) -> float:
+        """The build's expected time past the verification's end, E[max(0, B − V)].
+
+        Taken over the recent rounds' measured spread, not at the means: on the
+        coder pair at batch 1 the verifications were bimodal (a quarter 500-670 ms
+        against 280-390), so a build whose mean ended well inside the mean
+        verification still overran the fast ones — 23 ms a round at K = 4, 45-57 at
+        K = 5, where max(0, mean B − mean V) gave 0 and 0-13; the mean of a maximum
+        grows with K where the maximum at the means stays 0, and a K that costs
+        88 ms more looked one verified token (21 ms) dearer. Each pair scales the
+        predicted B and V as one round's measurement did, so a slow spell that
+        slows both moves them together, and a fit whose level is off for these
+        rounds is corrected in the overrun it prices."""
+        if not self.spread:
+            return max(0.0, build - verify)
+        return sum(max(0.0, build * rb - verify * rv) for rb, rv in self.spread) / len(self.spread)
+
     def round_time(self, load: Load) -> float:
         sequential = bool(load.n_sd and load.steps)
         c = self.ctl
         ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
         ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
-        v = self.ver
-        verify = max(0.0, v[0] + v[1] * max(0, load.tokens - v[3]) + v[2] * load.n + (v[4] if load.n_ssd else 0.0))
+        verify = self.verify_s(load.tokens, load.n, load.n_ssd > 0)
         t = max(0.0, ctl) + verify
         if sequential:
             d = self.draft
             t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
         if load.n_ssd:
             a = self.after
-            t += max(0.0, self.build_s(load.n_ssd, load.ssd_k) - verify)
+            t += self.overrun(self.build_s(load.n_ssd, load.ssd_k), verify)
             p_any = 1.0 - math.exp(load.log_hit)
             t += max(0.0, a[0] + a[1] * load.n_ssd + a[2] * load.ssd_k * p_any + a[3] * load.miss_k)
         return t

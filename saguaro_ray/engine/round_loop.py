@@ -164,6 +164,7 @@ class RoundLoop:
         """Append each outcome's tokens to its sequence's history (the one place the history grows)."""
         for s, prop, out in zip(running, proposals, outcomes):
             kept = s.emit(out.emitted(prop), self.eos_ids, out.logprobs)
+            s.served = str(prop.source)
             s.unseen_by_drafts = s.unseen_by_drafts + len(kept) if s.mode == "ar" else 0
             s.rounds += 1
             s.accepted_total += out.accepted

@@ -27,6 +27,7 @@ class SequenceState:
     strategy: Strategy | None = None  # resolved by the engine's StrategyMenu (None: the engine's default)
     # speculation bookkeeping (the round loop's)
     proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
+    served: str = "draft"  # what made the proposal verified last (a ProposalSource value: cache, neural, fast, ...)
     rounds: int = 0  # verification rounds, the prefill round included
     spec_rounds: int = 0  # rounds that verified at least one draft token
     accepted_total: int = 0
