@@ -77,7 +77,7 @@ class SeqResult:
     acceptance of a round whose own lookup hit (one that accepted all its draft
     tokens, mostly: the fan-out covers that outcome best) was filed under hits
     (the coder pair at K = 4: 4.6 tokens, where the rounds hits served emitted
-    3.8), and SD, priced from that table, looked 15-35 % better than it ran."""
+    3.8), and SD, priced from that table, looked 20-35 % better than it ran."""
 
     seq_id: int
     temperature: float
