@@ -12,6 +12,7 @@ fixed choice found by brute force over AR, SD and SSD with every K.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -157,10 +158,13 @@ class Truth:
 
 
 def _round(
-    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False
+    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False,
+    rebuilt: list[bool] | None = None,
 ) -> RoundCosts:
     """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
-    ``catch_ups``, ``leaving``: see :meth:`Truth.expected_time`)."""
+    ``catch_ups``, ``leaving``: see :meth:`Truth.expected_time`; ``rebuilt``: the
+    sequences that stayed in SSD and had their tree built afresh, as the engine
+    reports them)."""
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
@@ -181,7 +185,7 @@ def _round(
         acc = 0
         while acc < k and rng.random() < a:
             acc += 1
-        seqs.append(SeqResult(sid, t, m, k, acc, hit, source))
+        seqs.append(SeqResult(sid, t, m, k, acc, hit, source, bool(rebuilt and rebuilt[len(seqs)])))
     tokens = sum(k + 1 for _, k in choices)
     slow = truth.slow_x if truth.slow_p and rng.random() < truth.slow_p else 1.0  # no draw without: other tests' streams stay
     verify = (truth.fast_verify(tokens, len(choices)) * slow + (truth.catch_up_s if catch_ups else 0.0)) * noise()
@@ -231,12 +235,14 @@ def simulate(
         caught = [lg and m != "ar" for lg, (m, _) in zip(lagging, picked)]
         picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
-        rebuild = any(en or (m == "ssd" and k != lk) for en, (m, k), lk in zip(entering, picked, last_k))
+        # under the truth a changed K is built afresh, either way (the engine's, lowered only: a raise waits for the plan)
+        rebuilt = [m == "ssd" and not en and k != lk for en, (m, k), lk in zip(entering, picked, last_k)]
+        rebuild = any(entering) or any(rebuilt)
         leaving = any(m == "sd" and c == "ssd" for (m, _), c in zip(picked, current))
         history.append(picked)
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, picked, entering)))
         times.append(truth.expected_time(temps, picked, entering, rebuild, sum(caught), leaving))
-        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught), leaving))
+        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught), leaving, rebuilt))
         current = [m for m, _ in picked]
         last_k = [k if m == "ssd" else 0 for m, k in picked]
         lag = [0 if cu or m != "ar" else n + 1 for cu, (m, _), n in zip(caught, picked, lag)]
@@ -600,6 +606,39 @@ def test_an_ssd_rounds_acceptance_is_filed_by_what_served_it_and_its_lookup_by_i
     snap = policy.snapshot()["acceptance"]["t=0"]
     assert snap["draft"][0] > 0.7 > snap["miss"][0]  # the hits' proposals were accepted in full
     assert rates.full.value < 0.5 < rates.part.value
+
+
+def test_a_rebuild_is_what_the_engine_says_was_built_afresh_not_a_change_in_the_k_verified():
+    """The engine plans each SSD build at the K chosen a round before and starts it
+    ahead; a round that cannot use the plan builds afresh and says so
+    (``SeqResult.rebuilt``). That, not the K verified, is a rebuild: a K lowered back
+    to the one verified before a raise took effect verifies the same K as the round
+    before and rebuilds (the coder pair: 261 ms exposed, median), while the raise
+    itself, verified a round late from the plan, changes the K verified at no cost."""
+    policy, views = AutoPolicy(max_k=MAX_K), [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), None) for i in range(4)]
+    tiny = RoundCosts(4, 4, 0.01, 0, 0, 0.0, 0, 0.0, 0.012, tuple(SeqResult(i, 0.0, "ar", 0, 0, None) for i in range(4)))
+    while True:
+        out = policy.choose(views)
+        if out[0].mode == "ssd":
+            break
+        policy.observe(tiny)
+        views = [replace(v, current=c.mode) for v, c in zip(views, out)]
+    k = out[0].k
+
+    def ssd_round(kv: int, rebuilt: bool, wall: float) -> RoundCosts:
+        seqs = tuple(SeqResult(i, 0.0, "ssd", kv, kv, True, "cache", rebuilt) for i in range(4))
+        return RoundCosts(4, 4 * (kv + 1), 0.012, 0, 0, 0.0, 4, 0.004, wall, seqs, 0.011)
+
+    policy.observe(ssd_round(k, False, 0.02))  # the entry (the policy knows it chose it)
+    for _ in range(5):
+        policy.observe(ssd_round(k, False, 0.02))
+    ratios = {}
+    for label, kv, rebuilt in (("same K, built afresh", k, True), ("K raised, from the plan", k + 1, False), ("steady", k, False)):
+        p = copy.deepcopy(policy)
+        p.observe(ssd_round(kv, rebuilt, 0.05))  # a round that took a build's worth longer
+        ratios[label] = p.rebuild_ratio
+    assert ratios["same K, built afresh"] > ratios["steady"] + 0.1, ratios
+    assert ratios["K raised, from the plan"] == pytest.approx(ratios["steady"]), ratios
 
 
 def test_hit_rates_by_k_come_from_each_ks_lookups_and_else_from_the_acceptance_curve():

@@ -341,3 +341,40 @@ def test_an_ssd_rounds_acceptance_is_told_with_what_served_its_proposal(engine, 
     assert all(before is None or before == (served == "cache") for before, served in pairs), pairs
     served = [s for _, s in pairs]
     assert "cache" in served and any(s != "cache" for s in served[len(res):]), pairs  # hits and misses both ran past the entries
+
+
+class SSDStepsK(Cycling):
+    """SSD every round at K 3, 3, 1, 1, 4, 4, 4, 2, 2, 4, 2, ... (held for a round or two between changes)."""
+
+    KS = (3, 3, 1, 1, 4, 4, 4, 2, 2, 4, 2)
+
+    def choose(self, auto, fixed=()):  # type: ignore[override]
+        self.rounds += 1
+        return [Choice("ssd", self.KS[(self.rounds - 1) % len(self.KS)]) for _ in auto]
+
+
+def test_the_engine_tells_which_ssd_rounds_built_their_tree_afresh(models, ar_tokens):
+    """A build is planned, and started by the draft in the lookup, at the K chosen for
+    the round before; a round whose K goes below it cannot use that build and builds
+    afresh from its start — the whole tree on its critical path (the coder pair: 227 ms
+    where a round took 240; docs/auto.md, session 31). ``SeqResult.rebuilt`` says so, for
+    the policy to learn what a change of K costs; the K verified does not tell (a raised
+    K is verified a round late, and a K lowered back to the one verified discards the
+    plan made for the raise). Constant K: never; changes: some, each in the round of a
+    change or the one after it."""
+    eng = LocalEngine(EngineConfig(target=str(models["target"]), draft=str(models["target"]), threads_per_worker=1))
+    try:
+        found = {}
+        for policy in (AlwaysSSD(), SSDStepsK()):
+            eng.loop.assigner.policy = policy
+            [r] = eng.generate([PROMPTS[1]], greedy(Strategy("auto", 4)))
+            assert r.token_ids == ar_tokens[1]
+            found[type(policy).__name__] = [(c.seqs[0].proposed, c.seqs[0].rebuilt) for c in policy.observed if c.seqs]
+    finally:
+        eng.close()
+    assert not any(rebuilt for _, rebuilt in found["AlwaysSSD"]), found
+    rebuilt = [i for i, (_, flag) in enumerate(found["SSDStepsK"]) if flag]
+    ks = SSDStepsK.KS
+    changed = {i for i in range(1, len(found["SSDStepsK"])) if ks[i % len(ks)] != ks[(i - 1) % len(ks)]}
+    assert rebuilt, found
+    assert all(i in changed or i - 1 in changed for i in rebuilt), (rebuilt, sorted(changed), found)

@@ -76,11 +76,14 @@ _SSD_EXPOSED_PRIOR = 0.1  # unmeasured SSD exposure: this share of the verificat
 # the first rounds' (mode, K as a share of max_k) (see AutoPolicy._cold_start)
 _COLD_START = (("ar", 0.0), ("sd", 0.25), ("sd", 0.5), ("ssd", 0.5), ("ssd", 0.5), ("ssd", 0.5))
 _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
-# a round that enters SSD or changes an SSD sequence's K builds afresh (no plan ahead for it, and
-# after any stale one): what it takes beyond the steady round's prediction, as a multiple of the
-# predicted build, weighs the last ~5 such rounds and ages by COST_DECAY a round besides (a stall
-# measured once, with no rebuild after it, would otherwise keep SSD dear for good); the prior is
-# one pseudo-round of no excess: before one is measured, nothing beyond its forced miss (a prior of
+# a round that enters SSD, or changes an SSD sequence's K from the one its planned build assumed
+# (the engine says which: SeqResult.rebuilt — a lowered K in its round; a raised one is verified
+# a round late and may discard the plan then), builds afresh, with no plan ahead for it (the
+# coder pair at batch 1: its build then ends at 1.9 verifications, one started ahead at 0.95):
+# what it takes beyond the steady round's prediction, as a multiple of the predicted build,
+# weighs the last ~5 such rounds and ages by COST_DECAY a round besides (a stall measured once,
+# with no rebuild after it, would otherwise keep SSD dear for good); the prior is one
+# pseudo-round of no excess: before one is measured, nothing beyond its forced miss (a prior of
 # one whole build exposed kept a fresh engine out of SSD in simulation where it won by 1.2x and
 # entries cost no more than their misses). A round where an SSD sequence leaves for SD waits, with
 # builds started ahead, for the build in flight before its drafts can run (the coder pair at batch 1:
@@ -96,7 +99,7 @@ class _SeqStat:
     tested: float = 0.0
     accepted: float = 0.0
     seen: int = 0  # the round it was last observed
-    ssd_k: int = 0  # the K of its last round, if that ran SSD (its cache was built for it)
+    ssd_k: int = 0  # the K chosen for its last round, if that ran SSD: the K its planned build is for
 
 
 class AutoPolicy:
@@ -139,6 +142,7 @@ class AutoPolicy:
         self._hit = [HitRates(max_k, _HIT_PRIOR) for _ in BUCKETS]
         self._seqs: dict[int, _SeqStat] = {}
         self._entering: set[int] = set()  # sequences whose SSD round just chosen is a forced miss
+        self._chosen_ssd: dict[int, int] = {}  # the K just chosen for each auto sequence put in SSD
         self._speculating: set[int] = set()  # auto sequences the round just chosen speculates with
         self._rebuild = ExcessRatio(_REBUILD_DECAY, COST_DECAY)  # a rebuild round's excess, in predicted builds
         self._leave = ExcessRatio(_REBUILD_DECAY, COST_DECAY)  # a round leaving SSD for SD: the same
@@ -190,7 +194,8 @@ class AutoPolicy:
     def observe(self, costs: RoundCosts) -> None:
         """Fit the model to one finished round (fixed-strategy sequences included).
 
-        A *rebuild* round (a sequence entered SSD or changed its K there) teaches
+        A *rebuild* round (a sequence entered SSD, or its tree was built afresh because
+        its K left the one its planned build assumed) teaches
         the rebuild's cost and not the steady fits, a *leave* round (a sequence
         left SSD for SD) the wait for the build in flight and not the control
         plane's; a round where a sequence chosen to speculate ran AR (its drafts
@@ -243,6 +248,7 @@ class AutoPolicy:
         for r in costs.seqs:
             self._observe_seq(r)
         self._entering.clear()
+        self._chosen_ssd = {}
         if self._observed % SEQ_STALE_ROUNDS == 0:
             stale = self._observed - SEQ_STALE_ROUNDS
             self._seqs = {s: st for s, st in self._seqs.items() if st.seen > stale}
@@ -257,7 +263,7 @@ class AutoPolicy:
         if st is None:
             st = self._seqs[r.seq_id] = _SeqStat()
         st.seen = self._observed
-        st.ssd_k = r.proposed if r.mode == "ssd" else 0
+        st.ssd_k = self._chosen_ssd.get(r.seq_id, r.proposed) if r.mode == "ssd" else 0
         if r.mode not in ("sd", "ssd") or r.proposed <= 0:
             return  # AR speculates nothing; PyramidSD's proposals are qualified tokens, another law
         b = temperature_bucket(r.temperature)
@@ -278,14 +284,13 @@ class AutoPolicy:
         st.accepted += accepted
 
     def _rebuilt(self, seqs: Sequence[SeqResult]) -> bool:
-        """Did the round build some SSD sequence's tree afresh: it entered SSD, or its K
-        is not the one its cache was built for."""
-        for r in seqs:
-            if r.mode == "ssd" and r.proposed > 0:
-                st = self._seqs.get(r.seq_id)
-                if r.seq_id in self._entering or (st is not None and st.ssd_k and st.ssd_k != r.proposed):
-                    return True
-        return False
+        """Did the round build some SSD sequence's tree afresh: it entered SSD, or the
+        engine could not use the build planned for it (its K changed from the plan's). The
+        K verified does not tell: a raised K is verified a round or two late, and a K
+        lowered back to the one verified before then discards the plan made for the
+        higher one (the coder pair: 261 ms exposed, median, in rounds verifying the K of
+        the round before; counted as steady, rebuilds looked free and K followed noise)."""
+        return any(r.mode == "ssd" and r.proposed > 0 and (r.seq_id in self._entering or r.rebuilt) for r in seqs)
 
     def _left(self, seqs: Sequence[SeqResult]) -> tuple[int, int]:
         """The sequences that ran SSD last round and SD in this one, and the largest K
@@ -398,6 +403,7 @@ class AutoPolicy:
             counts[c.mode] += 1
         self._last_counts = counts
         self._entering = {v.seq_id for v, c in (*zip(auto, choices), *fixed) if c.mode == "ssd" and v.current != "ssd"}
+        self._chosen_ssd = {v.seq_id: c.k for v, c in zip(auto, choices) if c.mode == "ssd"}
         self._speculating = {v.seq_id for v, c in zip(auto, choices) if c.mode != "ar"}
         return choices
 

@@ -87,6 +87,9 @@ class SeqResult:
     hit: bool | None  # None: not SSD, or the sequence finished (no lookup)
     # SSD: what served its proposal — "cache" (a hit), "neural" or "fast" (a backup's: a miss, an entry); None: not SSD
     source: str | None = None
+    # SSD: its tree was built afresh in this round where a build had been planned and started ahead
+    # for it — its K left the one the plan assumed (entries are the policy's own knowledge)
+    rebuilt: bool = False
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ class Assigner:
         for s, proposed, accepted in zip(running, rec.proposed, rec.accepted):
             hits, lookups = self._seen.get(s.seq_id, (s.hits, s.lookups))
             hit = bool(s.hits - hits) if s.mode == "ssd" and s.lookups > lookups else None
-            seqs.append(SeqResult(s.seq_id, s.params.temperature, s.mode or "ar", proposed, accepted, hit, s.served if s.mode == "ssd" else None))
+            ssd = s.mode == "ssd"
+            seqs.append(SeqResult(s.seq_id, s.params.temperature, s.mode or "ar", proposed, accepted, hit, s.served if ssd else None, ssd and s.rebuilt))
         parts = round_components(rec)
         if rec.auto is not None:  # beside auto's prediction, what the round then took
             rec.auto["measured"] = {"tokens": sum(rec.accepted) + len(rec.accepted), "seconds": parts["wall"]}

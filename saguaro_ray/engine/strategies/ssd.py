@@ -221,6 +221,8 @@ class SSDStrategy:
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
         ahead_items = [self._planned_item(planned.get(s.seq_id), s.proposal, p) for s, p in zip(running, proposals)]  # type: ignore[arg-type]
         ahead = bool(running) and all(it is not None for it in ahead_items)
+        for s, it in zip(running, ahead_items):
+            s.rebuilt = s.seq_id in planned and it is None
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
