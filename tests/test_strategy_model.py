@@ -579,6 +579,19 @@ def test_fixed_requests_teach_the_model():
     assert out[0].k <= 2, out
 
 
+def _first_ssd_choice() -> tuple[AutoPolicy, int]:
+    """A fresh policy over four T = 0 sequences, fed cheap AR rounds until it
+    chooses SSD for them; returns it and the K chosen (the SSD round to observe next)."""
+    policy, views = AutoPolicy(max_k=MAX_K), [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), None) for i in range(4)]
+    tiny = RoundCosts(4, 4, 0.01, 0, 0, 0.0, 0, 0.0, 0.012, tuple(SeqResult(i, 0.0, "ar", 0, 0, None) for i in range(4)))
+    while True:
+        out = policy.choose(views)
+        if out[0].mode == "ssd":
+            return policy, out[0].k
+        policy.observe(tiny)
+        views = [replace(v, current=c.mode) for v, c in zip(views, out)]
+
+
 def test_an_ssd_rounds_acceptance_is_filed_by_what_served_it_and_its_lookup_by_its_outcome():
     """SSD looks up after verification, keyed on the round's outcome. The first SSD
     round of a sequence verifies a backup's proposal (no cache yet): learned as a
@@ -586,15 +599,7 @@ def test_an_ssd_rounds_acceptance_is_filed_by_what_served_it_and_its_lookup_by_i
     rejection, counts for the hit rate after a rejection. The next round verifies
     that lookup's hit: a hit's acceptance, and its own lookup (a miss after full
     acceptance) the hit rate after one."""
-    policy, views = AutoPolicy(max_k=MAX_K), [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), None) for i in range(4)]
-    tiny = RoundCosts(4, 4, 0.01, 0, 0, 0.0, 0, 0.0, 0.012, tuple(SeqResult(i, 0.0, "ar", 0, 0, None) for i in range(4)))
-    while True:
-        out = policy.choose(views)
-        if out[0].mode == "ssd":
-            break
-        policy.observe(tiny)
-        views = [replace(v, current=c.mode) for v, c in zip(views, out)]
-    k = out[0].k
+    policy, k = _first_ssd_choice()
     entry = tuple(SeqResult(i, 0.0, "ssd", k, 0, True, "fast") for i in range(4))
     policy.observe(RoundCosts(4, 4 * (k + 1), 0.012, 0, 0, 0.0, 4, 0.004, 0.02, entry))
     snap = policy.snapshot()["acceptance"]["t=0"]
@@ -615,15 +620,7 @@ def test_a_rebuild_is_what_the_engine_says_was_built_afresh_not_a_change_in_the_
     to the one verified before a raise took effect verifies the same K as the round
     before and rebuilds (the coder pair: 261 ms exposed, median), while the raise
     itself, verified a round late from the plan, changes the K verified at no cost."""
-    policy, views = AutoPolicy(max_k=MAX_K), [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), None) for i in range(4)]
-    tiny = RoundCosts(4, 4, 0.01, 0, 0, 0.0, 0, 0.0, 0.012, tuple(SeqResult(i, 0.0, "ar", 0, 0, None) for i in range(4)))
-    while True:
-        out = policy.choose(views)
-        if out[0].mode == "ssd":
-            break
-        policy.observe(tiny)
-        views = [replace(v, current=c.mode) for v, c in zip(views, out)]
-    k = out[0].k
+    policy, k = _first_ssd_choice()
 
     def ssd_round(kv: int, rebuilt: bool, wall: float) -> RoundCosts:
         seqs = tuple(SeqResult(i, 0.0, "ssd", kv, kv, True, "cache", rebuilt) for i in range(4))
