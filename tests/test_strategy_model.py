@@ -235,7 +235,7 @@ def simulate(
         caught = [lg and m != "ar" for lg, (m, _) in zip(lagging, picked)]
         picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
-        # under the truth a changed K is built afresh, either way (the engine's, lowered only: a raise waits for the plan)
+        # under the truth a changed K is built afresh, either way (the engine: a lowered K in its round, a raised one at times a round late)
         rebuilt = [m == "ssd" and not en and k != lk for en, (m, k), lk in zip(entering, picked, last_k)]
         rebuild = any(entering) or any(rebuilt)
         leaving = any(m == "sd" and c == "ssd" for (m, _), c in zip(picked, current))
