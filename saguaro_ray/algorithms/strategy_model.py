@@ -21,7 +21,7 @@ linearises exactly the model it evaluates), the trials and their budget
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
 :mod:`~saguaro_ray.algorithms.strategy_guard`, and the data the engine and
 the policy exchange :mod:`~saguaro_ray.algorithms.strategy_views`. What is
-left here (~560 lines) is one concept, the policy's state and its use: every
+left here (~570 lines) is one concept, the policy's state and its use: every
 fit, the per-sequence statistics, the sequences entering, rebuilding or leaving SSD and
 what switching costs are read by the choice and written by the observation of
 the round it made; split apart, each half would reach into the other's state.
