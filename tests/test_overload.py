@@ -39,11 +39,12 @@ def test_a_request_past_its_deadline_is_aborted(zoo_tiny, mode):
         settle(eng)
         baseline = free_blocks(eng)
         [late] = eng.frontend.make_sequences(["def main("], greedy(LONG, deadline_s=0.05))
-        # behind a long request in a batch of one: its deadline passes while it waits
+        # behind a long request in a batch of one: its deadline passes while it waits. Both are
+        # queued in one call, so their deadlines are one clock reading apart by none: two separate
+        # submits could let the round that expires the first one fall between the two deadlines
+        # and admit the second (CI saw it run two tokens)
         [waiting] = eng.frontend.make_sequences(["import os"], greedy(LONG, deadline_s=0.05))
-        with eng.scheduler._cv:
-            fut_late = eng.scheduler.submit([late])
-            fut_waiting = eng.scheduler.submit([waiting])
+        fut_late, fut_waiting = eng.scheduler.submit_many([[late], [waiting]])
         with pytest.raises(DeadlineExceededError, match="deadline of 0.05 s"):
             fut_late.result()
         with pytest.raises(DeadlineExceededError):
