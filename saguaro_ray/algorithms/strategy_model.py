@@ -76,9 +76,8 @@ _SSD_EXPOSED_PRIOR = 0.1  # unmeasured SSD exposure: this share of the verificat
 # the first rounds' (mode, K as a share of max_k) (see AutoPolicy._cold_start)
 _COLD_START = (("ar", 0.0), ("sd", 0.25), ("sd", 0.5), ("ssd", 0.5), ("ssd", 0.5), ("ssd", 0.5))
 _REUSE_ROUNDS = 3  # a batch unchanged in shape keeps its choice this many more rounds before a new search
-# a round that enters SSD, or changes an SSD sequence's K from the one its planned build assumed
-# (the engine says which: SeqResult.rebuilt — a lowered K in its round; a raised one is verified
-# a round late and may discard the plan then), builds afresh, with no plan ahead for it (the
+# a round that enters SSD, or whose build made ahead the engine could not use (SeqResult.rebuilt;
+# a change of K is not one: it takes effect in the next round's plan), builds afresh (the
 # coder pair at batch 1: its build then ends at 1.9 verifications, one started ahead at 0.95):
 # what it takes beyond the steady round's prediction, as a multiple of the predicted build,
 # weighs the last ~5 such rounds and ages by COST_DECAY a round besides (a stall measured once,
@@ -99,7 +98,7 @@ class _SeqStat:
     tested: float = 0.0
     accepted: float = 0.0
     seen: int = 0  # the round it was last observed
-    ssd_k: int = 0  # the K chosen for its last round, if that ran SSD: the K its planned build is for
+    ssd_k: int = 0  # the K chosen for its last round, if that ran SSD: the K of the plan it went into
 
 
 class AutoPolicy:
@@ -194,8 +193,8 @@ class AutoPolicy:
     def observe(self, costs: RoundCosts) -> None:
         """Fit the model to one finished round (fixed-strategy sequences included).
 
-        A *rebuild* round (a sequence entered SSD, or its tree was built afresh because
-        its K left the one its planned build assumed) teaches
+        A *rebuild* round (a sequence entered SSD, or the engine built its tree afresh,
+        with no build made ahead that fits) teaches
         the rebuild's cost and not the steady fits, a *leave* round (a sequence
         left SSD for SD) the wait for the build in flight and not the control
         plane's; a round where a sequence chosen to speculate ran AR (its drafts
@@ -285,11 +284,10 @@ class AutoPolicy:
 
     def _rebuilt(self, seqs: Sequence[SeqResult]) -> bool:
         """Did the round build some SSD sequence's tree afresh: it entered SSD, or the
-        engine could not use the build planned for it (its K changed from the plan's). The
-        K verified does not tell: a raised K is verified a round or two late, and a K
-        lowered back to the one verified before then discards the plan made for the
-        higher one (the coder pair: 261 ms exposed, median, in rounds verifying the K of
-        the round before; counted as steady, rebuilds looked free and K followed noise)."""
+        engine says it could not use the build made ahead for it. Only the engine
+        knows: a K chosen is verified a round or two late, from the plan it goes
+        into (session 31: judged by the K verified, rebuilds of 261 ms, median, on the
+        coder pair counted as steady rounds and K changes looked free)."""
         return any(r.mode == "ssd" and r.proposed > 0 and (r.seq_id in self._entering or r.rebuilt) for r in seqs)
 
     def _left(self, seqs: Sequence[SeqResult]) -> tuple[int, int]:

@@ -145,7 +145,7 @@ class Group:
         self.cap = cap
         self.modes = modes
         self.in_ssd = in_ssd
-        self.ssd_k = ssd_k  # in SSD: the K its cache was built for (another K is a rebuild)
+        self.ssd_k = ssd_k  # in SSD: the K of its build in flight (a leave waits for it, a return rebuilds at it)
         self.lagging = lagging  # its drafts must catch up before it speculates (one more AR round)
         self.hit: list[float] = [0.0] * (cap + 1)  # SSD's hit rate by K
         self.hit_pooled = 0.0  # over every K: what the search linearises P(all hit) with
@@ -155,7 +155,7 @@ class Group:
         self.e_ssd: list[float] = [1.0]
         self.entry: list[float] = [0.0]  # tokens an SSD entry's forced miss costs, by K
         self.leave = 0.0  # a sequence in SSD choosing AR or SD pays this (the hysteresis band)
-        # seconds per member of a round that enters SSD at K, or rebuilds at K (no plan built ahead for it)
+        # seconds per member of a round that enters SSD at K (no build made ahead for it)
         self.rebuild_s: list[float] = [0.0] * (cap + 1)
         self.leave_s = 0.0  # seconds per member of a round that leaves SSD for SD (the build in flight)
         self.opt: tuple[str, int] = ("ar", 0)
@@ -168,13 +168,14 @@ class Group:
 
     def switch_s(self, opt: tuple[str, int]) -> float:
         """Seconds per member that choosing ``opt`` costs in switching, amortised over
-        :data:`SWITCH_HORIZON` rounds: entering SSD or changing its K (the build
-        starts afresh, after any stale one: the round's time, not only its forced
-        miss), or leaving it (coming back pays the entry again; for SD, its drafts
-        first wait for the build in flight)."""
+        :data:`SWITCH_HORIZON` rounds: entering SSD (the build starts afresh, after
+        any stale one: the round's time, not only its forced miss), or leaving it
+        (coming back pays the entry again; for SD, its drafts first wait for the
+        build in flight). Another K in SSD is free: the engine verifies what the
+        build made ahead assumed and puts the new K in the next round's plan."""
         mode, k = opt
         if mode == "ssd":
-            return self.rebuild_s[k] / SWITCH_HORIZON if not self.in_ssd or k != self.ssd_k else 0.0
+            return 0.0 if self.in_ssd else self.rebuild_s[k] / SWITCH_HORIZON
         if not self.in_ssd:
             return 0.0
         return (self.rebuild_s[min(self.ssd_k, self.cap)] + (self.leave_s if mode == "sd" else 0.0)) / SWITCH_HORIZON
@@ -182,8 +183,7 @@ class Group:
     def excursion(self, opt: tuple[str, int]) -> tuple[float, float]:
         """Tokens and seconds per member that trying ``opt`` for one round costs
         beyond :meth:`value`'s and :meth:`switch_s`'s amortised switch: an entry into
-        SSD, a rebuild at another K, or the re-entry after a round out of it, is
-        paid in full; a lagging sequence's speculation waits a round for its drafts."""
+        SSD, or the re-entry after a round out of it, is paid in full; a lagging sequence's speculation waits a round for its drafts."""
         full = SWITCH_HORIZON - 1.0
         tokens = max(0.0, self.value(opt) - 1.0) if self.lagging and opt[0] != "ar" else 0.0
         if opt[0] == "ssd" and not self.in_ssd:

@@ -116,31 +116,42 @@ class SSDStrategy:
         need = [s for s in running if s.proposal is None]
         if need:  # newly admitted sequences (a miss is served at its own round's lookup)
             rec.backup, rec.draft = self._backup(need, len(running))
-        # a cached speculation may be longer than what is still worth verifying
-        ks = [loop.spec_len(s, s.k) for s in running]
-        proposals = [ssd_protocol.clip(s.proposal, k) for s, k in zip(running, ks)]  # type: ignore[arg-type]
-        # a speculation clipped to nothing is never verified: its q rows are never fetched
-        loop.discard([loop.target], [s.proposal.q for s, p in zip(running, proposals) if s.proposal.tokens and not p.tokens])  # type: ignore[union-attr]
         # every draft that is up builds its share of the outcomes (one budget each)
         builders = loop.drafts.up()
         shards = max(1, len(builders))
+        planned, self._planned = self._planned, {}
+        if shards > 1:  # several drafts build their shares afresh: nothing was built ahead
+            planned = {}
+        made = [self._made_ahead(planned.get(s.seq_id), s.proposal) for s in running]  # type: ignore[arg-type]
+        # a sequence verifies what its build made ahead assumed (the K of the round before: the K
+        # chosen now goes into this round's plan); the others the K chosen — and a cached
+        # speculation may be longer than what is still worth verifying
+        ks = [loop.spec_len(s, s.k if it is None else len(it.proposal.tokens)) for s, it in zip(running, made)]
+        proposals = [ssd_protocol.clip(s.proposal, k) for s, k in zip(running, ks)]  # type: ignore[arg-type]
+        # a speculation clipped to nothing is never verified: its q rows are never fetched
+        loop.discard([loop.target], [s.proposal.q for s, p in zip(running, proposals) if s.proposal.tokens and not p.tokens])  # type: ignore[union-attr]
+        ahead_items = [it if it is not None and it.proposal.tokens == p.tokens else None for it, p in zip(made, proposals)]
+        for s, it in zip(running, ahead_items):
+            s.rebuilt = s.seq_id in planned and it is None
         share = shards > 1  # peers take the owner's KV delta instead of recomputing
         kind = self._backup_kind(len(running))  # one backup decision per round, for this round's misses
         # everything a lookup needs but the outcomes is known now: with one draft, each
         # sequence's plan; where the transport allows, the target places the lookups itself
         steps = [loop.step(s, kind="draft") for s in running]  # what this round's build items say (not re-sent)
-        plans = self._plans(running, proposals, ks, kind) if len(builders) == 1 else None
+        # the next round's hits are as long as this round's build makes its speculations
+        hit_ks = [k if it is None else it.k_next for k, it in zip(ks, ahead_items)]
+        plans = self._plans(running, proposals, hit_ks, kind) if len(builders) == 1 else None
         placed = self._place_lookups(builders, share, rec.index, plans, len(running))
         forward = None if placed is None else placed.forward
         batch, batch_proposals = [*running, *others], [*proposals, *other_proposals]
         rules = [("exact", 0.0)] * len(running) + list(other_rules)
         # whichever of the two has been taking longer is sent first
         if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
-            calls_b = self._send_builds(running, proposals, ks, builders, rec)
+            calls_b = self._send_builds(running, proposals, ks, builders, ahead_items, rec)
             call_v = loop.verify(batch, batch_proposals, rec, rules, forward=forward)
         else:
             call_v = loop.verify(batch, batch_proposals, rec, rules, forward=forward)
-            calls_b = self._send_builds(running, proposals, ks, builders, rec)
+            calls_b = self._send_builds(running, proposals, ks, builders, ahead_items, rec)
         every = loop.verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)  # type: ignore[index]
         loop.emit(batch, batch_proposals, every, rec)
@@ -206,23 +217,22 @@ class SSDStrategy:
 
     # -------------------------------------------------------------- calls
     def _send_builds(
-        self, running: list[SequenceState], proposals: list[Proposal], ks: list[int], builders: list[WorkerHandle], rec: RoundRecord
+        self,
+        running: list[SequenceState],
+        proposals: list[Proposal],
+        ks: list[int],
+        builders: list[WorkerHandle],
+        ahead_items: list[BuildItem | None],
+        rec: RoundRecord,
     ) -> list[tuple[WorkerHandle, RetryingCall]]:
         """Each draft's share of the build for this round's proposals. A
-        sequence whose proposal its lookup's plan foresaw gets the plan's item
-        (:func:`ssd_protocol.next_build_item`, what the only draft built
-        ahead); when every one did, the call says so (``ahead``). A
-        self-contained re-send is always built afresh."""
+        sequence with a build made ahead (``ahead_items``, what the only draft
+        started in the lookup) gets that item; when every one did, the call
+        says so (``ahead``). A self-contained re-send is always built afresh."""
         loop, shards = self.loop, max(1, len(builders))
-        planned, self._planned = self._planned, {}
-        if shards > 1:
-            planned = {}
         fanouts = [self._fanout_for(p, shards) for p in proposals]
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
-        ahead_items = [self._planned_item(planned.get(s.seq_id), s.proposal, p) for s, p in zip(running, proposals)]  # type: ignore[arg-type]
         ahead = bool(running) and all(it is not None for it in ahead_items)
-        for s, it in zip(running, ahead_items):
-            s.rebuilt = s.seq_id in planned and it is None
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
@@ -235,17 +245,19 @@ class SSDStrategy:
         return [(d, call) for d, call in calls if call is not None]
 
     @staticmethod
-    def _planned_item(
-        planned: tuple[NextRound, SeqStep, list[int], int, int] | None, proposal: Proposal, verified: Proposal
-    ) -> BuildItem | None:
-        """The build item the only draft made ahead for a planned sequence
-        whose ``proposal`` is verified as ``verified`` (None: not planned, or
-        planned for other tokens). A plan assumed this round's K; where the
-        policy chose a smaller one the tree was built for more tokens than
-        are verified, and the likeliest outcome — all of them accepted, then
-        the speculation's own next token — is not in it: built afresh."""
-        item = None if planned is None else ssd_protocol.next_build_item(*planned, proposal)
-        return item if item is not None and item.proposal.tokens == verified.tokens else None
+    def _made_ahead(planned: tuple[NextRound, SeqStep, list[int], int, int] | None, proposal: Proposal | None) -> BuildItem | None:
+        """The build item the only draft made ahead, in the lookup that served
+        ``proposal``, from the plan that lookup carried (None: not planned, or
+        planned for other tokens). The plan fixed the K it was built for, the
+        one chosen the round before; a K chosen since takes effect in the next
+        plan. Verifying fewer tokens would leave out the likeliest outcome —
+        all of them accepted, then the speculation's own next token — and
+        build the tree afresh on the round's critical path (the coder pair:
+        its build ended at 1.9 verifications where one made ahead ends at
+        0.95; docs/auto.md, session 31)."""
+        if planned is None or proposal is None:
+            return None
+        return ssd_protocol.next_build_item(*planned, proposal)
 
     def _place_lookups(
         self, lookers: list[WorkerHandle], share: bool, round_id: int, plans: list[NextRound] | None, items: int
@@ -284,32 +296,32 @@ class SSDStrategy:
         calls = [(d, RetryingCall(d, "lookup", lambda full: args, degradable=True, fut=f)) for d, f in zip(lookers, futs)]
         return _Lookups(calls, list(range(len(live))), kind, live_plans, [steps[i] for i in live])
 
-    def _plans(self, running: list[SequenceState], proposals: list[Proposal], ks: list[int], kind: BackupKind) -> list[NextRound]:
+    def _plans(self, running: list[SequenceState], proposals: list[Proposal], hit_ks: list[int], kind: BackupKind) -> list[NextRound]:
         """Each sequence's :class:`NextRound` before verification (the only
         draft's lookup): the next K — one for every outcome, or one per
         outcome (1 .. len(proposal) + 1 tokens emitted) near a length limit —
         and the next build's fan-outs at the budget fixed for it after a hit
-        (this round's speculation, ``ks[i]`` long, clipped to that K) and
+        (a speculation this round's build makes, ``hit_ks[i]`` long, clipped to that K) and
         after the backup of ``kind``; for the fast backup, the history the
         guess is made from. A single draft knows a miss is a miss,
         so it makes the backup in the lookup and can start the next build
         itself; with several, a miss at one may be another's hit and each
         build needs the hit's KV delta: no plans."""
         loop, spec = self.loop, self.loop.spec
-        # fan-outs depend on the next K and this round's only: one pair per (K, K now), shared
+        # fan-outs depend on the next K and the hit's length only: one pair per (K, hit length), shared
         made: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
-        def fanouts(k: int, k_now: int) -> tuple[list[int], list[int]]:
-            if (k, k_now) not in made:
-                made[k, k_now] = (self._fanout(min(k_now, k), None, spend=self._next_spend), self._fanout(k, kind, spend=self._next_spend))
-            return made[k, k_now]
+        def fanouts(k: int, k_hit: int) -> tuple[list[int], list[int]]:
+            if (k, k_hit) not in made:
+                made[k, k_hit] = (self._fanout(min(k_hit, k), None, spend=self._next_spend), self._fanout(k, kind, spend=self._next_spend))
+            return made[k, k_hit]
 
         plans = []
-        for s, p, k_now in zip(running, proposals, ks):
+        for s, p, k_hit in zip(running, proposals, hit_ks):
             next_ks = [loop.spec_len(s, s.k, ahead=n) for n in range(1, len(p.tokens) + 2)]
             if all(k == next_ks[0] for k in next_ks):
                 next_ks = next_ks[:1]
-            pairs = [fanouts(k, k_now) for k in next_ks]
+            pairs = [fanouts(k, k_hit) for k in next_ks]
             history = s.all_ids if kind == "fast" else None
             plans.append(NextRound(next_ks, kind, [h for h, _ in pairs], [b for _, b in pairs], history))
         return plans
