@@ -183,7 +183,8 @@ class Group:
     def excursion(self, opt: tuple[str, int]) -> tuple[float, float]:
         """Tokens and seconds per member that trying ``opt`` for one round costs
         beyond :meth:`value`'s and :meth:`switch_s`'s amortised switch: an entry into
-        SSD, or the re-entry after a round out of it, is paid in full; a lagging sequence's speculation waits a round for its drafts."""
+        SSD, or the re-entry after a round out of it, is paid in full; a lagging
+        sequence's speculation waits a round for its drafts."""
         full = SWITCH_HORIZON - 1.0
         tokens = max(0.0, self.value(opt) - 1.0) if self.lagging and opt[0] != "ar" else 0.0
         if opt[0] == "ssd" and not self.in_ssd:

@@ -122,15 +122,15 @@ class SSDStrategy:
         planned, self._planned = self._planned, {}
         if shards > 1:  # several drafts build their shares afresh: nothing was built ahead
             planned = {}
-        made = [self._made_ahead(planned.get(s.seq_id), s.proposal) for s in running]  # type: ignore[arg-type]
+        built_ahead = [self._made_ahead(planned.get(s.seq_id), s.proposal) for s in running]
         # a sequence verifies what its build made ahead assumed (the K of the round before: the K
         # chosen now goes into this round's plan); the others the K chosen — and a cached
         # speculation may be longer than what is still worth verifying
-        ks = [loop.spec_len(s, s.k if it is None else len(it.proposal.tokens)) for s, it in zip(running, made)]
+        ks = [loop.spec_len(s, s.k if it is None else len(it.proposal.tokens)) for s, it in zip(running, built_ahead)]
         proposals = [ssd_protocol.clip(s.proposal, k) for s, k in zip(running, ks)]  # type: ignore[arg-type]
         # a speculation clipped to nothing is never verified: its q rows are never fetched
         loop.discard([loop.target], [s.proposal.q for s, p in zip(running, proposals) if s.proposal.tokens and not p.tokens])  # type: ignore[union-attr]
-        ahead_items = [it if it is not None and it.proposal.tokens == p.tokens else None for it, p in zip(made, proposals)]
+        ahead_items = [it if it is not None and it.proposal.tokens == p.tokens else None for it, p in zip(built_ahead, proposals)]
         for s, it in zip(running, ahead_items):
             s.rebuilt = s.seq_id in planned and it is None
         share = shards > 1  # peers take the owner's KV delta instead of recomputing
