@@ -88,7 +88,7 @@ class SeqResult:
     # SSD: what served its proposal — "cache" (a hit), "neural" or "fast" (a backup's: a miss, an entry); None: not SSD
     source: str | None = None
     # SSD: its tree was built afresh in this round where a build had been planned and started ahead
-    # for it — its K left the one the plan assumed (entries are the policy's own knowledge)
+    # for it, but did not fit what was verified (entries are the policy's own knowledge)
     rebuilt: bool = False
 
 

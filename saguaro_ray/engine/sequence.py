@@ -29,7 +29,7 @@ class SequenceState:
     proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
     served: str = "draft"  # what made the proposal verified last (a ProposalSource value: cache, neural, fast, ...)
     # SSD: this round's build was made afresh though one was planned, and started ahead, for it
-    # (its K left the K the plan assumed): the tree's whole build on the critical path
+    # (it did not fit what was verified): the tree's whole build on the critical path
     rebuilt: bool = False
     rounds: int = 0  # verification rounds, the prefill round included
     spec_rounds: int = 0  # rounds that verified at least one draft token
