@@ -129,7 +129,7 @@ class Truth:
         self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool], rebuild: bool = False, catch_ups: int = 0,
         leaving: bool = False,
     ) -> float:
-        """``rebuild``: a sequence enters SSD or changes K in it (:attr:`entry_s`);
+        """``rebuild``: a sequence enters SSD (:attr:`entry_s`);
         ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`);
         ``leaving``: a sequence left SSD for SD (:attr:`leave_s`)."""
         tokens = sum(k + 1 for _, k in choices)
@@ -158,13 +158,10 @@ class Truth:
 
 
 def _round(
-    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False,
-    rebuilt: list[bool] | None = None,
+    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False
 ) -> RoundCosts:
     """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
-    ``catch_ups``, ``leaving``: see :meth:`Truth.expected_time`; ``rebuilt``: the
-    sequences that stayed in SSD and had their tree built afresh, as the engine
-    reports them)."""
+    ``catch_ups``, ``leaving``: see :meth:`Truth.expected_time`)."""
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
@@ -185,7 +182,7 @@ def _round(
         acc = 0
         while acc < k and rng.random() < a:
             acc += 1
-        seqs.append(SeqResult(sid, t, m, k, acc, hit, source, bool(rebuilt and rebuilt[len(seqs)])))
+        seqs.append(SeqResult(sid, t, m, k, acc, hit, source))
     tokens = sum(k + 1 for _, k in choices)
     slow = truth.slow_x if truth.slow_p and rng.random() < truth.slow_p else 1.0  # no draw without: other tests' streams stay
     verify = (truth.fast_verify(tokens, len(choices)) * slow + (truth.catch_up_s if catch_ups else 0.0)) * noise()
@@ -219,7 +216,6 @@ def simulate(
     policy = policy or AutoPolicy(modes=modes, max_k=MAX_K, seed=seed)
     rng = random.Random(seed + 1000)
     current: list[str | None] = [None] * len(temps)
-    last_k = [0] * len(temps)  # each sequence's K in its last SSD round
     lag = [0] * len(temps)  # tokens its drafts have not seen (it ran AR)
     seq_ids = list(range(len(temps)))
     history, tokens, times = [], [], []
@@ -235,16 +231,13 @@ def simulate(
         caught = [lg and m != "ar" for lg, (m, _) in zip(lagging, picked)]
         picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
-        # under the truth a changed K is built afresh, either way (the engine: a lowered K in its round, a raised one at times a round late)
-        rebuilt = [m == "ssd" and not en and k != lk for en, (m, k), lk in zip(entering, picked, last_k)]
-        rebuild = any(entering) or any(rebuilt)
+        rebuild = any(entering)  # as in the engine, another K in SSD builds from the plan: no rebuild
         leaving = any(m == "sd" and c == "ssd" for (m, _), c in zip(picked, current))
         history.append(picked)
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, picked, entering)))
         times.append(truth.expected_time(temps, picked, entering, rebuild, sum(caught), leaving))
-        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught), leaving, rebuilt))
+        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught), leaving))
         current = [m for m, _ in picked]
-        last_k = [k if m == "ssd" else 0 for m, k in picked]
         lag = [0 if cu or m != "ar" else n + 1 for cu, (m, _), n in zip(caught, picked, lag)]
     return policy, history, tokens, times
 
