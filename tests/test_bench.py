@@ -150,6 +150,24 @@ def _rounds(n, wall, verify, batch=1):
     return [{"index": i, "batch": batch, "start": i * wall, "end": (i + 1) * wall, "verify": [i * wall, i * wall + verify]} for i in range(n)]
 
 
+def test_the_tail_is_the_share_of_decode_time_after_a_batchs_first_request_finished():
+    """A cell at batch 4 over 7 prompts (a batch of 4, then one of 3): rounds with fewer
+    sequences than their batch's first decode rounds are its tail, each prefill starts a batch
+    afresh, and a last batch smaller than the cell's is no tail of its own."""
+    from saguaro_ray.bench.report import summarise
+
+    def batch(sizes):
+        rounds = [{"index": 0, "batch": 4, "start": 0.0, "end": 5.0, "verify": None, "prefill": True}]  # not decode time
+        rounds += [{**rd, "batch": n} for rd, n in zip(_rounds(len(sizes), 0.1, 0.05), sizes)]
+        return rounds
+
+    ssd = _run("ssd", "ray", batch([4, 4, 4, 3, 1]) + batch([3, 3, 2, 2, 2]), 0, 0, 100.0, batch=4)
+    ar = _run("ar", "ray", batch([4] * 5) + batch([3] * 5), 0, 0, 100.0, batch=4)
+    by = {e["mode"]: e for e in summarise([ar, ssd])}
+    assert by["ssd"]["tail_fraction"] == pytest.approx(5 / 10)
+    assert by["ar"]["tail_fraction"] == 0.0
+
+
 def test_outputs_that_are_not_ars_are_counted_and_named():
     """The bench's exactness check compares each request with AR's of the same
     cell and seed; a row with one request off is named, a peer is compared at

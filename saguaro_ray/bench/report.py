@@ -141,6 +141,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "control_plane_fraction": bd["control"] / bd["wall"] if bd["wall"] > 0 else None,
                 "per_round_ms": per_round_ms,
                 "drafting_hidden_fraction": _hidden_fraction(rs),
+                "tail_fraction": _tail_fraction(rs),
                 "build_ahead_fraction": _ahead_fraction(rs),
                 **_control_quantiles(rs),
                 "hops_ms": _hops(rs),
@@ -294,6 +295,27 @@ def _control_quantiles(rs: Iterable[RunResult]) -> dict[str, float | None]:
 def _build_rounds(rs: Iterable[RunResult]) -> list[dict[str, Any]]:
     """The SSD decode rounds that ran a cache build."""
     return [rd for r in rs for rd in r.rounds if not rd.get("prefill") and rd.get("build") is not None]
+
+
+def _tail_fraction(rs: Iterable[RunResult]) -> float | None:
+    """The share of decode time in rounds that ran fewer sequences than their batch's first
+    rounds after its prefill (the bench's batches start together). Requests that speculate
+    finish at different rounds, and a batch's last rounds run its laggards alone, where AR's
+    finish together: on the coder pair at batch 8 (session 33) 19-37 % of a speculating run's
+    time, at a fraction of a full round's tokens per second — a cost of speculation that
+    comparing rounds does not show."""
+    wall = tail = 0.0
+    for r in rs:
+        full = 0
+        for rd in r.rounds:
+            if rd.get("prefill"):
+                full = 0  # a batch starts: its size is what its decode rounds run
+                continue
+            full = max(full, rd["batch"])
+            seconds = rd["end"] - rd["start"]
+            wall += seconds
+            tail += seconds if rd["batch"] < full else 0.0
+    return tail / wall if wall > 0 else None
 
 
 def _ahead_fraction(rs: Iterable[RunResult]) -> float | None:
