@@ -182,6 +182,7 @@ class Scheduler:
                     if kv_room is not None:
                         kv_room -= need
                 self._running = len(running) + len(new)
+                waiting = len(self._queue)
             if aborts:
                 for req in {id(r): r for r in owners.values() if r.request_id in aborts}.values():
                     self._fail(req, RequestAbortedError(f"request {req.request_id} was aborted"), owners)
@@ -191,7 +192,7 @@ class Scheduler:
             if new:
                 running += self._admit(new, owners)
             if running:
-                running = self._advance(running, owners)
+                running = self._advance(running, owners, waiting)
             self._publish(owners)
             with self._cv:
                 self._running = len(running)
@@ -238,10 +239,11 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 — one request's failure must stay its own
             return self._isolate(self.loop.admit, new, owners, exc, "admission")
 
-    def _advance(self, running: list[SequenceState], owners: dict[int, _Request]) -> list[SequenceState]:
-        """One round for ``running``; if it fails, each sequence alone (see :meth:`_isolate`)."""
+    def _advance(self, running: list[SequenceState], owners: dict[int, _Request], waiting: int = 0) -> list[SequenceState]:
+        """One round for ``running`` (``waiting``: samples left in the queue); if it fails,
+        each sequence alone (see :meth:`_isolate`)."""
         try:
-            return self._purge(self.loop.advance(running), owners)
+            return self._purge(self.loop.advance(running, waiting), owners)
         except Exception as exc:  # noqa: BLE001 — one request's failure must stay its own
             return self._isolate(self.loop.advance, running, owners, exc, "round")
 

@@ -58,6 +58,11 @@ class SequenceState:
         return self.finish_reason is not None
 
     @property
+    def remaining(self) -> int:
+        """Tokens it may still emit before ``max_tokens``."""
+        return max(0, self.params.max_tokens - len(self.output_ids))
+
+    @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
