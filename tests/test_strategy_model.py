@@ -840,30 +840,30 @@ def test_a_seeded_policy_picks_the_clear_winner_within_the_first_rounds(truth, t
     assert achieved(tokens, times, last=60) >= 0.9 * truth.best_fixed(temps)[0]  # the first request's rounds included
 
 
-def test_with_nothing_waiting_a_token_of_a_sequence_ahead_is_worth_its_share_of_the_batchs_end():
-    """A batch ends with its furthest-behind sequence when no request waits to take a
-    finished one's place: a sequence's tokens weigh its remaining over the most any has
-    left (quantised to eighths, at least one), and every token weighs 1 while requests
-    wait or where the remaining is not known."""
-    def view(i: int, remaining: int | None) -> SeqView:
-        return SeqView(i, 0.0, 8, ("ar", "sd", "ssd"), None, remaining=remaining)
+def test_with_nothing_waiting_a_token_of_a_sequence_ahead_is_worth_its_share_of_its_jobs_end():
+    """A job (sequences submitted together) ends with its furthest-behind sequence when
+    no request waits to take a finished one's place: a sequence's tokens weigh its
+    remaining over the most any of its job has left (in sixteenths, at least one), and
+    every token weighs 1 while requests wait, alone in its job, or where the remaining is
+    not known."""
+    def view(i: int, remaining: int | None, job: int | None = 7) -> SeqView:
+        return SeqView(i, 0.0, 8, ("ar", "sd", "ssd"), None, remaining=remaining, job=job)
 
-    views = [view(0, 64), view(1, 32), view(2, 3), view(3, None), view(4, 0)]
-    assert finish_weights(views, waiting=0) == [1.0, 0.5, 0.125, 1.0, 0.125]
-    assert finish_weights(views, waiting=2) == [1.0] * 5
-    assert finish_weights([view(0, 0), view(1, None)], waiting=0) == [1.0, 1.0]
+    views = [view(0, 64), view(1, 32), view(2, 3), view(3, None), view(4, 0), view(5, 8, job=None), view(6, 4, job=9), view(7, 2, job=9)]
+    assert finish_weights(views, waiting=0) == [1.0, 0.5, 0.0625, 1.0, 0.0625, 1.0, 1.0, 0.5]
+    assert finish_weights(views, waiting=2) == [1.0] * 8
 
 
 def test_with_nothing_waiting_the_sequences_ahead_run_ar_beside_the_ones_behind():
-    """Where SSD wins every round of a batch of 8, four sequences with 8 tokens left
-    beside four with 64 gain the batch's end nothing by speculating — their tokens
-    weigh an eighth — and run AR, the others SSD; with requests waiting (a finished
-    sequence's place is taken at once) all eight speculate as before. Valued alike,
-    the batch ran ahead on its best sequences and left the rest to run alone (session 33)."""
+    """Where SSD wins every round of a batch of 8 submitted together, four sequences with
+    8 tokens left beside four with 64 gain the job's end nothing by speculating — their
+    tokens weigh an eighth — and run AR, the others SSD; with requests waiting (a finished
+    sequence's place is taken at once) all eight speculate as before. Valued alike, the
+    batch ran ahead on its best sequences and left the rest to run alone (session 33)."""
     truth, temps = SSD_WINS, [0.0] * 8
     assert truth.best_fixed(temps)[1][0] == "ssd"
     policy, *_ = simulate(truth, temps, rounds=40, policy=seeded(truth, explore=0.0))
-    views = [SeqView(100 + i, 0.0, 8, ("ar", "sd", "ssd"), None, remaining=64 if i < 4 else 8) for i in range(8)]
+    views = [SeqView(100 + i, 0.0, 8, ("ar", "sd", "ssd"), None, remaining=64 if i < 4 else 8, job=100) for i in range(8)]
     behind_ahead = [c.mode for c in copy.deepcopy(policy).choose(views, waiting=0)]
     assert behind_ahead[:4] == ["ssd"] * 4 and behind_ahead[4:] == ["ar"] * 4, behind_ahead
     assert [c.mode for c in copy.deepcopy(policy).choose(views, waiting=3)] == ["ssd"] * 8

@@ -393,24 +393,30 @@ class Recording(AlwaysAR):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[int, list[int | None]]] = []
+        self.jobs: set[int | None] = set()
 
     def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
         self.seen.append((waiting, [v.remaining for v in auto]))
+        self.jobs.update(v.job for v in auto)
         return super().choose(auto, fixed, waiting)
 
 
 def test_the_policy_is_told_what_waits_and_how_far_each_sequence_has_to_go(models):
-    """Three requests on an engine of batch 2: while the third waits the policy is told
-    so (its tokens may take a finished one's place), and every choice sees each
-    sequence's tokens left before ``max_tokens`` (what a batch with nothing waiting
-    ends with: its furthest-behind sequence)."""
+    """Three requests of one ``generate`` on an engine of batch 2: while the third waits
+    the policy is told so (its tokens may take a finished one's place), every choice sees
+    each sequence's tokens left before ``max_tokens``, and the three are one job (awaited
+    together, until the furthest-behind ends); the next ``generate`` is another."""
     eng = LocalEngine(EngineConfig(target=str(models["target"]), draft=str(models["target"]), threads_per_worker=1, max_batch_size=2))
     eng.loop.assigner.policy = policy = Recording()
     try:
         params = [replace(greedy(Strategy("auto", 2)), max_tokens=n) for n in (4, 9, 6)]
         results = eng.generate(PROMPTS[:3], params)
+        first_job = policy.jobs
+        policy.jobs = set()
+        eng.generate(PROMPTS[3:4], greedy(Strategy("auto", 2)))
     finally:
         eng.close()
     assert [len(r.token_ids) for r in results] == [4, 9, 6]
     assert policy.seen[:3] == [(1, [3, 8]), (1, [2, 7]), (1, [1, 6])]  # the third waits; a prefill emits one token
-    assert policy.seen[3:] == [(0, [n, n]) for n in range(5, 0, -1)]  # the second and third, each down to its last token
+    assert policy.seen[3:-(MAX_TOKENS - 1)] == [(0, [n, n]) for n in range(5, 0, -1)]  # the second and third, to their last token
+    assert len(first_job) == 1 and None not in first_job and len(policy.jobs) == 1 and policy.jobs != first_job

@@ -35,8 +35,9 @@ class SeqView:
     ``lagging``: its drafts have not seen the tokens of its last AR rounds
     (the engine's catch-up threshold): chosen to speculate, it runs AR once
     more while they catch up. ``remaining``: the tokens it may still emit (its
-    ``max_tokens`` left; None: not known) — with no request waiting, a batch ends
-    with its furthest-behind sequence (:func:`finish_weights`)."""
+    ``max_tokens`` left; None: not known); ``job``: the submission it came with
+    (None: its own) — a job is awaited until its furthest-behind sequence ends
+    (:func:`finish_weights`)."""
 
     seq_id: int
     temperature: float
@@ -45,6 +46,7 @@ class SeqView:
     current: str | None
     lagging: bool = False
     remaining: int | None = None
+    job: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_cap, int) or self.k_cap < 0:
@@ -55,25 +57,34 @@ class SeqView:
             raise ConfigError(f"SeqView.modes must include 'ar' and name only {', '.join(AUTO_MODES)}; got {self.modes!r}")
 
 
-WEIGHT_STEPS = 8  # a sequence's weight is quantised to 1/8: sequences of one weight share a group
+WEIGHT_STEPS = 16  # a sequence's weight is quantised to 1/16: sequences of one weight share a group
 
 
 def finish_weights(views: "list[SeqView]", waiting: int) -> list[float]:
     """What one token of each sequence is worth to the round's value.
 
     With requests waiting, every token alike: a sequence that finishes makes room for
-    one of them. With none, the batch runs until its furthest-behind sequence ends,
-    and a token of a sequence ahead of it brings that end no nearer: its weight is its
-    remaining tokens over the most any sequence has left (quantised, at least one
-    step). Valued alike, a batch ran ahead on its best sequences and left the rest to
-    run alone: the coder pair at batch 8, T = 0.7 (session 33) ran 5 sequences in SSD
-    beside 3 in AR for 13 rounds that each beat AR by 7 %, and then 9 rounds of 1-5
-    sequences, 19 % of its time at 0.59 of AR's rate."""
-    known = [v.remaining for v in views if v.remaining is not None]
-    top = max(known, default=0)
-    if waiting > 0 or top <= 0:
+    one of them. With none, a job — the sequences submitted together, one
+    ``generate`` over many prompts — is awaited until its furthest-behind sequence
+    ends, and a token of one ahead of it brings that end no nearer: its weight is its
+    remaining tokens over the most any sequence of its job has left (quantised, at
+    least one step). A sequence alone in its job (a Serve request, a sample of its
+    own) weighs 1: its own end is what its caller waits for. Valued alike, a batch
+    ran ahead on its best sequences and left the rest to run alone: the coder pair
+    at batch 8, T = 0.7 (session 33) ran 5 sequences in SSD beside 3 in AR for 13
+    rounds that beat AR by 7 %, then 9 rounds of 1-5 sequences, 19 % of its time
+    at 0.59 of AR's rate."""
+    if waiting > 0:
         return [1.0] * len(views)
-    return [1.0 if v.remaining is None else max(1, round(WEIGHT_STEPS * v.remaining / top)) / WEIGHT_STEPS for v in views]
+    top: dict[int, int] = {}
+    for v in views:
+        if v.job is not None and v.remaining is not None:
+            top[v.job] = max(top.get(v.job, 0), v.remaining)
+    out = []
+    for v in views:
+        most = top.get(v.job, 0) if v.job is not None else 0
+        out.append(1.0 if v.remaining is None or most <= 0 else max(1, round(WEIGHT_STEPS * v.remaining / most)) / WEIGHT_STEPS)
+    return out
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,12 @@ class Scheduler:
         admission queue."""
         now = time.monotonic()
         reqs = []
+        # the call's samples are awaited together (one generate() over many prompts): what auto
+        # weighs a batch's end by (strategy_views.finish_weights)
+        job = min((s.seq_id for seqs in requests for s in seqs), default=None)
         for seqs in requests:
+            for s in seqs:
+                s.job = job
             fut: Future[list[SequenceState]] = Future()
             need = max(self._kv_need([s]) for s in seqs)
             if self.kv_tokens is not None and need > self.kv_tokens:

@@ -57,11 +57,11 @@ class Assigner:
         if auto:
             modes = loop.menu.auto_modes if loop.draft_up else ("ar",)
             views = [
-                SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s), s.remaining)
+                SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s), s.remaining, s.job)
                 for s in auto
             ]
             fixed = [
-                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode, remaining=s.remaining), Choice(*picks[s.seq_id]))
+                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode, remaining=s.remaining, job=s.job), Choice(*picks[s.seq_id]))
                 for s in running
                 if s.seq_id in picks
             ]
