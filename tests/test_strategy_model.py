@@ -27,7 +27,6 @@ from saguaro_ray.algorithms.strategy_model import (
     SeqResult,
     SeqView,
     StepCosts,
-    finish_weights,
     temperature_bucket,
 )
 from saguaro_ray.algorithms import strategy_guard, strategy_model
@@ -428,7 +427,7 @@ def test_measured_ar_overrules_a_model_that_keeps_speculating(guarded, monkeypat
     temps = [0.0, 0.7] * 2
     assert truth.best_fixed(temps)[1] == ("ar", 0)
     policy = AutoPolicy(max_k=MAX_K, seed=1)
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed, waiting=0: [Choice("sd", min(4, v.k_cap)) for v in auto])
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("sd", min(4, v.k_cap)) for v in auto])
     _, history, tokens, times = simulate(truth, temps, rounds=300, policy=policy)
     ar_rate = truth.rate(temps, [("ar", 0)] * len(temps))
     assert (achieved(tokens, times) >= 0.9 * ar_rate) == guarded, (achieved(tokens, times), ar_rate)
@@ -447,7 +446,7 @@ def test_rounds_of_a_slow_fixed_mode_do_not_hold_autos_choice_of_another(monkeyp
     temps = [0.0] * 4
     assert truth.rate(temps, [("sd", 4)] * 4) > truth.rate(temps, [("ar", 0)] * 4)
     policy = AutoPolicy(max_k=MAX_K, seed=1)
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed, waiting=0: [Choice("sd", min(4, v.k_cap)) for v in auto])
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("sd", min(4, v.k_cap)) for v in auto])
     simulate(truth, temps, rounds=200, policy=policy)  # SD, and AR every 16th round while AR's rate is unknown
     ar_round = truth.expected_time(temps, [("ar", 0)] * 4, [False] * 4)
     for _ in range(12):  # four requests fixed to PyramidSD: 4 x 2 tokens in five AR rounds' time
@@ -500,7 +499,7 @@ def test_trials_cost_at_most_their_share_of_time(batch, mode, k, monkeypatch):
     temps = [0.0] * batch
     assert truth.best_fixed(temps)[1] == ("ar", 0)
     policy = AutoPolicy(max_k=MAX_K, seed=1)
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed, waiting=0: [Choice(mode, min(k, v.k_cap)) for v in auto])
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice(mode, min(k, v.k_cap)) for v in auto])
     _, history, tokens, times = simulate(truth, temps, rounds=600, seed=2, policy=policy)
     ar_rate = truth.rate(temps, [("ar", 0)] * batch)
     assert achieved(tokens, times, last=400) >= 0.94 * ar_rate, (achieved(tokens, times, last=400), ar_rate)
@@ -840,35 +839,6 @@ def test_a_seeded_policy_picks_the_clear_winner_within_the_first_rounds(truth, t
     assert achieved(tokens, times, last=60) >= 0.9 * truth.best_fixed(temps)[0]  # the first request's rounds included
 
 
-def test_with_nothing_waiting_a_token_of_a_sequence_ahead_is_worth_its_share_of_its_jobs_end():
-    """A job (sequences submitted together) ends with its furthest-behind sequence when
-    no request waits to take a finished one's place: a sequence's tokens weigh its
-    remaining over the most any of its job has left (in sixteenths, at least one), and
-    every token weighs 1 while requests wait, alone in its job, or where the remaining is
-    not known."""
-    def view(i: int, remaining: int | None, job: int | None = 7) -> SeqView:
-        return SeqView(i, 0.0, 8, ("ar", "sd", "ssd"), None, remaining=remaining, job=job)
-
-    views = [view(0, 64), view(1, 32), view(2, 3), view(3, None), view(4, 0), view(5, 8, job=None), view(6, 4, job=9), view(7, 2, job=9)]
-    assert finish_weights(views, waiting=0) == [1.0, 0.5, 0.0625, 1.0, 0.0625, 1.0, 1.0, 0.5]
-    assert finish_weights(views, waiting=2) == [1.0] * 8
-
-
-def test_with_nothing_waiting_the_sequences_ahead_run_ar_beside_the_ones_behind():
-    """Where SSD wins every round of a batch of 8 submitted together, four sequences with
-    8 tokens left beside four with 64 gain the job's end nothing by speculating — their
-    tokens weigh an eighth — and run AR, the others SSD; with requests waiting (a finished
-    sequence's place is taken at once) all eight speculate as before. Valued alike, the
-    batch ran ahead on its best sequences and left the rest to run alone (session 33)."""
-    truth, temps = SSD_WINS, [0.0] * 8
-    assert truth.best_fixed(temps)[1][0] == "ssd"
-    policy, *_ = simulate(truth, temps, rounds=40, policy=seeded(truth, explore=0.0))
-    views = [SeqView(100 + i, 0.0, 8, ("ar", "sd", "ssd"), None, remaining=64 if i < 4 else 8, job=100) for i in range(8)]
-    behind_ahead = [c.mode for c in copy.deepcopy(policy).choose(views, waiting=0)]
-    assert behind_ahead[:4] == ["ssd"] * 4 and behind_ahead[4:] == ["ar"] * 4, behind_ahead
-    assert [c.mode for c in copy.deepcopy(policy).choose(views, waiting=3)] == ["ssd"] * 8
-
-
 def test_an_unseeded_policy_spends_its_first_rounds_on_a_schedule():
     """The reference the seeding is measured against: without step costs the first six
     rounds are the cold-start schedule whatever the truth (AR wins here, SD and SSD run)."""
@@ -1066,7 +1036,7 @@ def test_the_guard_judges_ssd_by_its_steady_rounds(monkeypatch):
     ssd = truth.rate(temps, [("ssd", 1)] * 8)
     assert ssd > 1.4 * truth.rate(temps, [("ar", 0)] * 8)
     policy = seeded(truth)
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed, waiting=0: [Choice("ssd", 1) for _ in auto])
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", 1) for _ in auto])
     _, history, tokens, times = simulate(truth, temps, rounds=150, policy=policy)
     assert policy.snapshot()["guard_held"] <= 10
     assert achieved(tokens, times, last=150) >= 0.8 * ssd, (achieved(tokens, times, last=150) / ssd, policy.snapshot()["guard_held"])
@@ -1083,7 +1053,7 @@ def test_a_retest_that_waited_for_its_drafts_runs_when_they_are_ready(monkeypatc
     temps = [0.7] * 8
     assert slow.rate(temps, [("ssd", 1)] * 8) < 0.8 * slow.rate(temps, [("ar", 0)] * 8) and fast.rate(temps, [("ssd", 1)] * 8) > 1.4 * fast.rate(temps, [("ar", 0)] * 8)
     policy = seeded(slow)
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed, waiting=0: [Choice("ssd", 1) for _ in auto])
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", 1) for _ in auto])
     simulate(slow, temps, rounds=100, policy=policy)
     _, history, *_ = simulate(fast, temps, rounds=200, seed=1, policy=policy)
     speculating = [i for i, h in enumerate(history) if h[0][0] == "ssd"]
@@ -1122,7 +1092,7 @@ def test_a_round_leaving_ssd_for_sd_teaches_the_wait_for_the_build_in_flight(mon
     policy = seeded(truth, explore=0.0)
     calm = seeded(replace(truth, leave_s=0.0), explore=0.0)
     for p in (policy, calm):
-        monkeypatch.setattr(p, "_search", lambda auto, fixed, waiting=0, turns=iter(plan): [next(turns) for _ in auto])
+        monkeypatch.setattr(p, "_search", lambda auto, fixed, turns=iter(plan): [next(turns) for _ in auto])
     simulate(truth, temps, rounds=len(plan), policy=policy)
     simulate(replace(truth, leave_s=0.0), temps, rounds=len(plan), policy=calm)
     assert truth.leave_s / build * 0.6 < policy.leave_ratio < truth.leave_s / build * 1.2, (policy.leave_ratio, truth.leave_s / build)
@@ -1157,7 +1127,7 @@ def test_rounds_of_fixed_ssd_at_another_k_do_not_hold_autos_ssd(monkeypatch):
     truth, temps = replace(SMOL_B8_ENTRY, entry_s=0.0), [0.7] * 8
     assert truth.rate(temps, [("ssd", 1)] * 8) > 1.4 * truth.rate(temps, [("ar", 0)] * 8)
     policy = seeded(truth)
-    monkeypatch.setattr(policy, "_search", lambda auto, fixed, waiting=0: [Choice("ssd", 1) for _ in auto])
+    monkeypatch.setattr(policy, "_search", lambda auto, fixed: [Choice("ssd", 1) for _ in auto])
     ar_round = truth.expected_time(temps, [("ar", 0)] * 8, [False] * 8)
     for i in range(12):  # eight requests fixed to AR, then eight fixed to SSD at K = 4 (2 tokens each in 3 AR rounds' time)
         policy.observe(RoundCosts(8, 8, ar_round, 0, 0, 0.0, 0, 0.0, ar_round, tuple(SeqResult(200 + j, 0.7, "ar", 0, 0, None) for j in range(8))))

@@ -42,7 +42,7 @@ class Cycling:
         self.ar_first = ar_first
         self.observed: list[RoundCosts] = []
 
-    def choose(self, auto: list[SeqView], fixed: list[tuple[SeqView, Choice]] = (), waiting: int = 0) -> list[Choice]:  # type: ignore[assignment]
+    def choose(self, auto: list[SeqView], fixed: list[tuple[SeqView, Choice]] = ()) -> list[Choice]:  # type: ignore[assignment]
         self.rounds += 1
         out = []
         for v in auto:
@@ -187,7 +187,7 @@ def test_the_request_strategy_is_validated_when_it_is_made():
 
 
 class AlwaysAR(Cycling):
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
+    def choose(self, auto, fixed=()):  # type: ignore[override]
         return [Choice("ar", 0) for _ in auto]
 
 
@@ -201,7 +201,7 @@ class ARThenSD(Cycling):
         super().__init__(ar_first)
         self.loop = loop
 
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
+    def choose(self, auto, fixed=()):  # type: ignore[override]
         for futures in list(self.loop._catching_up.values()):
             for f in futures:
                 f.exception()  # waits; a failed catch-up is the engine's to handle
@@ -210,7 +210,7 @@ class ARThenSD(Cycling):
 
 
 class AlwaysSD(Cycling):
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
+    def choose(self, auto, fixed=()):  # type: ignore[override]
         return [Choice("sd", 8) for _ in auto]
 
 
@@ -284,7 +284,7 @@ def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critic
 class SSDCyclingK(Cycling):
     """SSD every round, K going 3, 1, 4, 2, 3, 1, ... (down as often as up)."""
 
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
+    def choose(self, auto, fixed=()):  # type: ignore[override]
         self.rounds += 1
         return [Choice("ssd", (3, 1, 4, 2)[self.rounds % 4]) for _ in auto]
 
@@ -313,7 +313,7 @@ def test_an_ssd_sequence_whose_k_changes_is_built_for_what_is_verified(models, a
 class AlwaysSSD(Cycling):
     """SSD at K = 3 for every auto sequence, every round."""
 
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
+    def choose(self, auto, fixed=()):  # type: ignore[override]
         self.rounds += 1
         return [Choice("ssd", 3) for _ in auto]
 
@@ -349,7 +349,7 @@ class SSDStepsK(Cycling):
 
     KS = (3, 3, 1, 1, 4, 4, 4, 2, 2, 4, 2)
 
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
+    def choose(self, auto, fixed=()):  # type: ignore[override]
         self.rounds += 1
         return [Choice("ssd", self.KS[(self.rounds - 1) % len(self.KS)]) for _ in auto]
 
@@ -384,39 +384,3 @@ def test_a_change_of_k_in_ssd_never_builds_the_tree_afresh(models, ar_tokens):
     expect = [min(chosen[i - 1], chosen[i - 2]) for i in range(2, len(seen) - 2)]  # the last rounds meet max_tokens
     assert verified[2:-2] == expect, (chosen, verified)
     assert set(verified[:-2]) == {1, 2, 3, 4}  # K went 1 to 4 and back
-
-
-class Recording(AlwaysAR):
-    """AR throughout, recording what each choice was told: requests waiting and each
-    auto sequence's remaining tokens."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[int, list[int | None]]] = []
-        self.jobs: set[int | None] = set()
-
-    def choose(self, auto, fixed=(), waiting=0):  # type: ignore[override]
-        self.seen.append((waiting, [v.remaining for v in auto]))
-        self.jobs.update(v.job for v in auto)
-        return super().choose(auto, fixed, waiting)
-
-
-def test_the_policy_is_told_what_waits_and_how_far_each_sequence_has_to_go(models):
-    """Three requests of one ``generate`` on an engine of batch 2: while the third waits
-    the policy is told so (its tokens may take a finished one's place), every choice sees
-    each sequence's tokens left before ``max_tokens``, and the three are one job (awaited
-    together, until the furthest-behind ends); the next ``generate`` is another."""
-    eng = LocalEngine(EngineConfig(target=str(models["target"]), draft=str(models["target"]), threads_per_worker=1, max_batch_size=2))
-    eng.loop.assigner.policy = policy = Recording()
-    try:
-        params = [replace(greedy(Strategy("auto", 2)), max_tokens=n) for n in (4, 9, 6)]
-        results = eng.generate(PROMPTS[:3], params)
-        first_job = policy.jobs
-        policy.jobs = set()
-        eng.generate(PROMPTS[3:4], greedy(Strategy("auto", 2)))
-    finally:
-        eng.close()
-    assert [len(r.token_ids) for r in results] == [4, 9, 6]
-    assert policy.seen[:3] == [(1, [3, 8]), (1, [2, 7]), (1, [1, 6])]  # the third waits; a prefill emits one token
-    assert policy.seen[3:-(MAX_TOKENS - 1)] == [(0, [n, n]) for n in range(5, 0, -1)]  # the second and third, to their last token
-    assert len(first_job) == 1 and None not in first_job and len(policy.jobs) == 1 and policy.jobs != first_job

@@ -59,7 +59,6 @@ from saguaro_ray.algorithms.strategy_views import (  # noqa: F401 — the policy
     SeqResult,
     SeqView,
     StepCosts,
-    finish_weights,
     temperature_bucket,
 )
 from saguaro_ray.errors import ConfigError
@@ -370,11 +369,9 @@ class AutoPolicy:
 
     # ------------------------------------------------------------------ choosing
 
-    def choose(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]] = (), waiting: int = 0) -> list[Choice]:
+    def choose(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]] = ()) -> list[Choice]:
         """One Choice per ``auto`` sequence (same order). ``fixed``: the batch's other
-        sequences with the strategy their request fixed — they share the round's time.
-        ``waiting``: requests queued for admission (none: tokens are weighed by
-        :func:`~saguaro_ray.algorithms.strategy_views.finish_weights`)."""
+        sequences with the strategy their request fixed — they share the round's time."""
         self.prediction = None
         self._switch_full_s = self._leave_full_s = 0.0
         if not auto:  # nothing to choose: not a round of the exploration budget either
@@ -384,7 +381,7 @@ class AutoPolicy:
             choices = [self._cold_start(v) for v in auto]
         else:
             self._trials.chosen += 1
-            choices = self._search(auto, fixed, waiting)
+            choices = self._search(auto, fixed)
             if any(c.mode != "ar" for c in choices):
                 temps = [v.temperature for v in auto] + [v.temperature for v, _ in fixed]
                 arm = ARGuard.arm([(c.mode, c.k) for c in choices] + [(c.mode, c.k) for _, c in fixed])
@@ -451,7 +448,7 @@ class AutoPolicy:
         own = (st.accepted + _SEQ_WEIGHT * pooled) / (st.tested + _SEQ_WEIGHT)
         return max(1, round(own / pooled * _SCALE_STEPS)) / _SCALE_STEPS
 
-    def _search(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]], waiting: int = 0) -> list[Choice]:
+    def _search(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]]) -> list[Choice]:
         curves: dict[int, tuple[list[float], list[float], float, HitRates]] = {}
 
         def curve(b: int) -> tuple[list[float], list[float], float, HitRates]:
@@ -462,8 +459,6 @@ class AutoPolicy:
         out: list[Choice | None] = [None] * len(auto)
         held: list[tuple[SeqView, Choice]] = []
         groups: dict[tuple, Group] = {}
-        views = [*auto, *(v for v, _ in fixed)]
-        weight = {v.seq_id: w for v, w in zip(views, finish_weights(views, waiting))}
         for i, v in enumerate(auto):
             modes = self.modes.intersection(v.modes)
             cap = min(v.k_cap, self.max_k) if len(modes) > 1 else 0
@@ -476,10 +471,10 @@ class AutoPolicy:
             scale = self._seq_scale(v.seq_id, curve(b)[2])
             st = self._seqs.get(v.seq_id)
             ssd_k = st.ssd_k if v.current == "ssd" and st is not None else 0
-            key = (b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging, weight[v.seq_id])
+            key = (b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging)
             g = groups.get(key)
             if g is None:
-                g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging, weight[v.seq_id])
+                g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging)
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
         self._trials.age_holds()
@@ -508,7 +503,7 @@ class AutoPolicy:
                 alphas, miss, _, hits = curve(g.bucket)
                 fill_values(g, alphas, miss, hits.values, hits.pooled.value)
                 price_switches(g)
-            base = self._fixed_load(fixed_all, curve, weight)
+            base = self._fixed_load(fixed_all, curve)
             best = self._last_rate = optimise(glist, base, costs, self._last_rate)
             searched = [g.opt for g in glist]
             # every auto sequence held in an exploration: the round is the trial's, nothing was searched
@@ -531,7 +526,7 @@ class AutoPolicy:
             self._leave_full_s += len(g.members) * g.switch_s(("ar", 0)) * SWITCH_HORIZON
         return out  # type: ignore[return-value]
 
-    def _fixed_load(self, fixed: Sequence[tuple[SeqView, Choice]], curve, weight: dict[int, float]) -> Load:
+    def _fixed_load(self, fixed: Sequence[tuple[SeqView, Choice]], curve) -> Load:
         load = Load()
         for v, c in fixed:
             b = temperature_bucket(v.temperature)
@@ -541,7 +536,7 @@ class AutoPolicy:
             e, hit = e_draft[k], hits.values(all_accepted(e_draft))[k]
             if c.mode == "ssd":
                 e = hit * e + (1.0 - hit) * expected_tokens(miss, 1.0, k)[k]
-            load.add(1, c.mode, c.k, e, hit, weight=weight[v.seq_id])
+            load.add(1, c.mode, c.k, e, hit)
         return load
 
     # ------------------------------------------------------------------ exploring
@@ -555,7 +550,7 @@ class AutoPolicy:
 
     def _optimistic(self, g: Group) -> Group:
         """``g`` valued with its bucket's acceptance and hit rates at their upper bounds."""
-        up = Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd, weight=g.weight)
+        up = Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd)
         up.members = g.members
         hits = self._hit[g.bucket]
         fill_values(up, self._accept[g.bucket].upper(), self._miss[g.bucket].upper(), hits.upper, hits.pooled.upper())

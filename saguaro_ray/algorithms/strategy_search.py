@@ -35,13 +35,12 @@ def expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[f
 class Load:
     """A round's totals as the cost model sees them: the fixed sequences' part, then a candidate's."""
 
-    __slots__ = ("n", "tokens", "e", "emitted", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k", "switch_s")
+    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k", "switch_s")
 
     def __init__(self) -> None:
         self.n = 0
         self.tokens = 0
-        self.e = 0.0  # expected emitted tokens (switch costs included), each at its sequence's weight: the value
-        self.emitted = 0.0  # ... the same, every token counted once: what the round is predicted to emit
+        self.e = 0.0  # expected emitted tokens (switch costs included)
         self.n_sd = 0
         self.steps = 0  # the SD group's largest K: its sequential draft steps
         self.n_ssd = 0
@@ -50,12 +49,11 @@ class Load:
         self.miss_k = 0.0  # expected Σ K over the SSD sequences that miss
         self.switch_s = 0.0  # seconds of switch costs (SSD entries and rebuilds), amortised: the search's, not the round's
 
-    def add(self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0, weight: float = 1.0) -> None:
+    def add(self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0) -> None:
         self.n += count
         self.switch_s += count * switch_s
         self.tokens += count * (k + 1)
-        self.e += count * e * weight
-        self.emitted += count * e
+        self.e += count * e
         if mode in _SEQUENTIAL:
             self.n_sd += count
             if k > self.steps:
@@ -138,15 +136,12 @@ class Group:
 
     __slots__ = (
         "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "lagging", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd",
-        "entry", "leave", "rebuild_s", "leave_s", "opt", "weight",
+        "entry", "leave", "rebuild_s", "leave_s", "opt",
     )
 
-    def __init__(
-        self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False, weight: float = 1.0
-    ) -> None:
+    def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False) -> None:
         self.bucket = bucket
         self.scale = scale  # the members' own acceptance relative to their bucket's
-        self.weight = weight  # what a token of its members is worth to the round (strategy_views.finish_weights)
         self.cap = cap
         self.modes = modes
         self.in_ssd = in_ssd
@@ -196,18 +191,17 @@ class Group:
             tokens += self.entry[opt[1]] * (1.0 - 1.0 / SWITCH_HORIZON)
         elif opt[0] != "ssd" and self.in_ssd:
             tokens += self.leave * full
-        return tokens * self.weight, self.switch_s(opt) * full
+        return tokens, self.switch_s(opt) * full
 
 
 def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs) -> dict[str, Any]:
     """One option's prediction: its label (``sd:4``; ``ar+ssd:4`` when groups differ),
-    expected emitted tokens of the batch, their value (each at its sequence's weight:
-    what options are compared by) and predicted round seconds (the round's own: no
-    amortised switch)."""
-    load = _load_of(groups, opts, base)
-    t = costs.round_time(load)
+    expected emitted tokens of the batch and predicted round seconds (the round's own:
+    no amortised switch)."""
+    e, t, _ = round_of(groups, opts, base, costs)
+    t -= _switch_s(groups, opts)
     label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
-    return {"option": label, "tokens": load.emitted, "value": load.e, "seconds": t}
+    return {"option": label, "tokens": e, "seconds": t}
 
 
 def predict(groups: list[Group], base: Load, costs: Costs) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -243,18 +237,17 @@ def evaluate(
 def round_of(
     groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs, extra: tuple[float, float] = (0.0, 0.0)
 ) -> tuple[float, float, float]:
-    """(expected tokens at their weights, predicted seconds with the amortised switch
-    costs, P(every SSD sequence hits)) of that round."""
-    load = _load_of(groups, opts, base)
+    """(expected tokens, predicted seconds with the amortised switch costs, P(every SSD
+    sequence hits)) of that round."""
+    load = base.copy()
     load.e += extra[0]
+    for g, opt in zip(groups, opts):
+        load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]], g.switch_s(opt))
     return load.e, costs.round_time(load) + load.switch_s + extra[1], math.exp(load.log_hit)
 
 
-def _load_of(groups: list[Group], opts: list[tuple[str, int]], base: Load) -> Load:
-    load = base.copy()
-    for g, opt in zip(groups, opts):
-        load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]], g.switch_s(opt), g.weight)
-    return load
+def _switch_s(groups: list[Group], opts: list[tuple[str, int]]) -> float:
+    return sum(len(g.members) * g.switch_s(opt) for g, opt in zip(groups, opts))
 
 
 def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) -> float:
@@ -349,10 +342,9 @@ def linearised(
     per_group = []
     for g, inc, w in zip(groups, incumbent, weights):
         leave_s = g.switch_s(("ar", 0))
-        u = g.weight
-        sd = [u * (g.e_sd[k] - g.leave) - lam * (b_tok * (k + 1) + leave_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+        sd = [g.e_sd[k] - g.leave - lam * (b_tok * (k + 1) + leave_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
         ssd = (
-            [u * g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k + g.switch_s(("ssd", k))) for k in range(1, g.cap + 1)]
+            [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k + g.switch_s(("ssd", k))) for k in range(1, g.cap + 1)]
             if "ssd" in g.modes
             else []
         )
@@ -361,7 +353,7 @@ def linearised(
         others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
         dear = lam * e_any * others * (1.0 - joined) / c
         cheap = lam * e_any * p_all * w / total_weight / c if w else dear
-        per_group.append((u * g.value(("ar", 0)) - lam * (b_tok + leave_s), _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
+        per_group.append((g.value(("ar", 0)) - lam * (b_tok + leave_s), _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
     return per_group
 
 
@@ -394,8 +386,8 @@ def all_accepted(expected: list[float]) -> list[float]:
 
 
 def _rate(option: dict[str, Any]) -> float:
-    """An option's predicted value (tokens at their weights) per second."""
-    return option["value"] / option["seconds"] if option["seconds"] > 0 else math.inf
+    """An option's predicted tokens per second."""
+    return option["tokens"] / option["seconds"] if option["seconds"] > 0 else math.inf
 
 
 def _prefix_best(values: list[float]) -> list[tuple[float, int]]:

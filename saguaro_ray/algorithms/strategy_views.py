@@ -34,10 +34,7 @@ class SeqView:
     drops its cached speculation, entering it costs a backup proposal.
     ``lagging``: its drafts have not seen the tokens of its last AR rounds
     (the engine's catch-up threshold): chosen to speculate, it runs AR once
-    more while they catch up. ``remaining``: the tokens it may still emit (its
-    ``max_tokens`` left; None: not known); ``job``: the submission it came with
-    (None: its own) — a job is awaited until its furthest-behind sequence ends
-    (:func:`finish_weights`)."""
+    more while they catch up."""
 
     seq_id: int
     temperature: float
@@ -45,46 +42,12 @@ class SeqView:
     modes: tuple[str, ...]
     current: str | None
     lagging: bool = False
-    remaining: int | None = None
-    job: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_cap, int) or self.k_cap < 0:
             raise ConfigError(f"SeqView.k_cap must be an integer >= 0, got {self.k_cap!r}")
-        if self.remaining is not None and (not isinstance(self.remaining, int) or self.remaining < 0):
-            raise ConfigError(f"SeqView.remaining must be None or an integer >= 0, got {self.remaining!r}")
         if "ar" not in self.modes or any(m not in AUTO_MODES for m in self.modes):
             raise ConfigError(f"SeqView.modes must include 'ar' and name only {', '.join(AUTO_MODES)}; got {self.modes!r}")
-
-
-WEIGHT_STEPS = 16  # a sequence's weight is quantised to 1/16: sequences of one weight share a group
-
-
-def finish_weights(views: "list[SeqView]", waiting: int) -> list[float]:
-    """What one token of each sequence is worth to the round's value.
-
-    With requests waiting, every token alike: a sequence that finishes makes room for
-    one of them. With none, a job — the sequences submitted together, one
-    ``generate`` over many prompts — is awaited until its furthest-behind sequence
-    ends, and a token of one ahead of it brings that end no nearer: its weight is its
-    remaining tokens over the most any sequence of its job has left (quantised, at
-    least one step). A sequence alone in its job (a Serve request, a sample of its
-    own) weighs 1: its own end is what its caller waits for. Valued alike, a batch
-    ran ahead on its best sequences and left the rest to run alone: the coder pair
-    at batch 8, T = 0.7 (session 33) ran 5 sequences in SSD beside 3 in AR for 13
-    rounds that beat AR by 7 %, then 9 rounds of 1-5 sequences, 19 % of its time
-    at 0.59 of AR's rate."""
-    if waiting > 0:
-        return [1.0] * len(views)
-    top: dict[int, int] = {}
-    for v in views:
-        if v.job is not None and v.remaining is not None:
-            top[v.job] = max(top.get(v.job, 0), v.remaining)
-    out = []
-    for v in views:
-        most = top.get(v.job, 0) if v.job is not None else 0
-        out.append(1.0 if v.remaining is None or most <= 0 else max(1, round(WEIGHT_STEPS * v.remaining / most)) / WEIGHT_STEPS)
-    return out
 
 
 @dataclass(frozen=True)

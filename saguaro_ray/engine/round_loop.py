@@ -238,12 +238,12 @@ class RoundLoop:
         self.timeline.append(rec)
         return self._retire(new)
 
-    def advance(self, running: list[SequenceState], waiting: int = 0) -> list[SequenceState]:
+    def advance(self, running: list[SequenceState]) -> list[SequenceState]:
         """One round for every running sequence, each with the strategy it
         runs this round; returns those still running (finished ones are
-        released and finalised). ``waiting``: requests queued for admission."""
+        released and finalised)."""
         rec = RoundRecord(index=next(self._round_ids), batch=len(running), start=time.perf_counter())
-        self.assigner.assign(running, rec, waiting)
+        self.assigner.assign(running, rec)
         ssd = [s for s in running if s.mode == "ssd"]
         others = [s for s in running if s.mode != "ssd"]
         proposals, rules = self._propose(others, rec)

@@ -97,12 +97,7 @@ class Scheduler:
         admission queue."""
         now = time.monotonic()
         reqs = []
-        # the call's samples are awaited together (one generate() over many prompts): what auto
-        # weighs a batch's end by (strategy_views.finish_weights)
-        job = min((s.seq_id for seqs in requests for s in seqs), default=None)
         for seqs in requests:
-            for s in seqs:
-                s.job = job
             fut: Future[list[SequenceState]] = Future()
             need = max(self._kv_need([s]) for s in seqs)
             if self.kv_tokens is not None and need > self.kv_tokens:
@@ -187,7 +182,6 @@ class Scheduler:
                     if kv_room is not None:
                         kv_room -= need
                 self._running = len(running) + len(new)
-                waiting = len(self._queue)
             if aborts:
                 for req in {id(r): r for r in owners.values() if r.request_id in aborts}.values():
                     self._fail(req, RequestAbortedError(f"request {req.request_id} was aborted"), owners)
@@ -197,7 +191,7 @@ class Scheduler:
             if new:
                 running += self._admit(new, owners)
             if running:
-                running = self._advance(running, owners, waiting)
+                running = self._advance(running, owners)
             self._publish(owners)
             with self._cv:
                 self._running = len(running)
@@ -244,11 +238,10 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 — one request's failure must stay its own
             return self._isolate(self.loop.admit, new, owners, exc, "admission")
 
-    def _advance(self, running: list[SequenceState], owners: dict[int, _Request], waiting: int = 0) -> list[SequenceState]:
-        """One round for ``running`` (``waiting``: samples left in the queue); if it fails,
-        each sequence alone (see :meth:`_isolate`)."""
+    def _advance(self, running: list[SequenceState], owners: dict[int, _Request]) -> list[SequenceState]:
+        """One round for ``running``; if it fails, each sequence alone (see :meth:`_isolate`)."""
         try:
-            return self._purge(self.loop.advance(running, waiting), owners)
+            return self._purge(self.loop.advance(running), owners)
         except Exception as exc:  # noqa: BLE001 — one request's failure must stay its own
             return self._isolate(self.loop.advance, running, owners, exc, "round")
 

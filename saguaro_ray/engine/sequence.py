@@ -25,7 +25,6 @@ class SequenceState:
     stats: dict[str, Any] = field(default_factory=dict)
     stopper: StopChecker | None = None  # the request's stop strings / stop token ids, if any
     strategy: Strategy | None = None  # resolved by the engine's StrategyMenu (None: the engine's default)
-    job: int | None = None  # the submission it came with, its samples awaited together (the scheduler's)
     # speculation bookkeeping (the round loop's)
     proposal: Any = None  # the Proposal to verify next round (SSD), None = needs a backup
     served: str = "draft"  # what made the proposal verified last (a ProposalSource value: cache, neural, fast, ...)
@@ -57,11 +56,6 @@ class SequenceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def remaining(self) -> int:
-        """Tokens it may still emit before ``max_tokens``."""
-        return max(0, self.params.max_tokens - len(self.output_ids))
 
     @property
     def all_ids(self) -> list[int]:

@@ -24,9 +24,8 @@ if TYPE_CHECKING:
 
 
 class Policy(Protocol):
-    def choose(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]] = (), waiting: int = 0) -> list[Choice]:
-        """One choice per ``auto`` sequence, knowing the ``fixed`` ones beside them and
-        how many requests wait for admission."""
+    def choose(self, auto: Sequence[SeqView], fixed: Sequence[tuple[SeqView, Choice]] = ()) -> list[Choice]:
+        """One choice per ``auto`` sequence, knowing the ``fixed`` ones beside them."""
 
     def observe(self, costs: RoundCosts) -> None:
         """What a finished round cost."""
@@ -42,9 +41,8 @@ class Assigner:
         self._seen: dict[int, tuple[int, int]] = {}  # per sequence: (hits, lookups) before the round
         self.sequence_rounds: dict[str, int] = {}  # sequence-rounds run per mode, since start (engine metrics)
 
-    def assign(self, running: list[SequenceState], rec: RoundRecord, waiting: int = 0) -> None:
-        """Set each sequence's ``mode`` and ``k`` for this round (``waiting``: requests
-        queued for admission, which the policy weighs a batch's end by)."""
+    def assign(self, running: list[SequenceState], rec: RoundRecord) -> None:
+        """Set each sequence's ``mode`` and ``k`` for this round."""
         loop = self.loop
         picks: dict[int, tuple[str, int]] = {}
         auto: list[SequenceState] = []
@@ -57,15 +55,15 @@ class Assigner:
         if auto:
             modes = loop.menu.auto_modes if loop.draft_up else ("ar",)
             views = [
-                SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s), s.remaining, s.job)
+                SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s))
                 for s in auto
             ]
             fixed = [
-                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode, remaining=s.remaining, job=s.job), Choice(*picks[s.seq_id]))
+                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode), Choice(*picks[s.seq_id]))
                 for s in running
                 if s.seq_id in picks
             ]
-            choices = self.policy.choose(views, fixed, waiting)  # type: ignore[union-attr]
+            choices = self.policy.choose(views, fixed)  # type: ignore[union-attr]
             ready = loop.drafts_ready([s for s, v, c in zip(auto, views, choices) if c.mode != "ar" and c.mode in v.modes])
             for s, v, c in zip(auto, views, choices):
                 mode = c.mode if s.seq_id in ready else "ar"  # ready: a drafting mode the sequence may run, drafts caught up
