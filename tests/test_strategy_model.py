@@ -31,7 +31,7 @@ from saguaro_ray.algorithms.strategy_model import (
 )
 from saguaro_ray.algorithms import strategy_guard, strategy_model
 from saguaro_ray.algorithms.strategy_fits import HitRates
-from saguaro_ray.algorithms.strategy_search import SWITCH_HORIZON, Group
+from saguaro_ray.algorithms.strategy_search import SWITCH_HORIZON, Costs, Group
 from saguaro_ray.errors import ConfigError
 
 MAX_K = 8
@@ -127,18 +127,19 @@ class Truth:
 
     def expected_time(
         self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool], rebuild: bool = False, catch_ups: int = 0,
-        leaving: bool = False,
+        leaving: bool = False, build_k: int | None = None,
     ) -> float:
         """``rebuild``: a sequence enters SSD (:attr:`entry_s`);
         ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`);
-        ``leaving``: a sequence left SSD for SD (:attr:`leave_s`)."""
+        ``leaving``: a sequence left SSD for SD (:attr:`leave_s`);
+        ``build_k``: the K the round's SSD build is for (None: the largest verified)."""
         tokens = sum(k + 1 for _, k in choices)
         extra = self.catch_up_s if catch_ups else 0.0
         verify = self.verify(tokens, len(choices)) + extra
         t = self.control(choices) + verify + self.drafting(choices) + (self.leave_s if leaving else 0.0)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
-            build = self.build(len(ssd), max(k for _, k, _ in ssd)) + (self.entry_s if rebuild else 0.0)
+            build = self.build(len(ssd), build_k or max(k for _, k, _ in ssd)) + (self.entry_s if rebuild else 0.0)
             t += self.ssd_base + sum(p * max(0.0, build - v - extra) for p, v in self.verify_law(tokens, len(choices)))
             if self.backup == "neural":
                 miss = [1.0 if e else 1.0 - self.hit_at(tt, k) for tt, k, e in ssd]
@@ -158,10 +159,11 @@ class Truth:
 
 
 def _round(
-    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False
+    truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False,
+    build_k: int | None = None,
 ) -> RoundCosts:
     """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
-    ``catch_ups``, ``leaving``: see :meth:`Truth.expected_time`)."""
+    ``catch_ups``, ``leaving``, ``build_k``: see :meth:`Truth.expected_time`)."""
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
@@ -191,7 +193,7 @@ def _round(
     n_ssd = sum(m == "ssd" for m, _ in choices)
     exposed, build = 0.0, math.nan
     if n_ssd:
-        build = (truth.build(n_ssd, ssd_k) + (truth.entry_s if rebuild else 0.0)) * noise()
+        build = (truth.build(n_ssd, build_k or ssd_k) + (truth.entry_s if rebuild else 0.0)) * noise()
         exposed = truth.ssd_base * noise() + max(0.0, build - verify)
         if truth.backup == "neural" and misses:
             exposed += ssd_k * truth.step(misses) * noise()
@@ -212,18 +214,24 @@ def simulate(
     """Play ``policy`` against ``truth`` for ``rounds``; returns it, each round's
     choices, and each round's expected tokens and expected time under the truth.
     ``lifetime``: each sequence finishes after that many rounds (staggered) and a
-    new one (a new id, no history) takes its place."""
+    new one (a new id, no history) takes its place.
+
+    As in the engine, a K chosen for a sequence in SSD goes into its round's plan: the
+    next round builds at it, and verifies the K of the tree made ahead clipped to it —
+    a lowered K a round late, a raised one two (``test_strategy_per_sequence``); a
+    sequence entering SSD verifies and builds at the K chosen."""
     policy = policy or AutoPolicy(modes=modes, max_k=MAX_K, seed=seed)
     rng = random.Random(seed + 1000)
     current: list[str | None] = [None] * len(temps)
     lag = [0] * len(temps)  # tokens its drafts have not seen (it ran AR)
     seq_ids = list(range(len(temps)))
+    plans = [(0, 0)] * len(temps)  # per sequence in SSD: the K chosen for its last round and the one before
     history, tokens, times = [], [], []
     for r in range(rounds):
         if lifetime:
             for i in range(len(temps)):
                 if r and (r + i * lifetime // len(temps)) % lifetime == 0:
-                    seq_ids[i], current[i], lag[i] = max(seq_ids) + 1, None, 0
+                    seq_ids[i], current[i], lag[i], plans[i] = max(seq_ids) + 1, None, 0, (0, 0)
         lagging = [bool(truth.catch_up) and n >= truth.catch_up for n in lag]
         views = [SeqView(i, t, k_cap, modes, c, lg) for i, t, c, lg in zip(seq_ids, temps, current, lagging)]
         picked = [(c.mode, c.k) for c in policy.choose(views)]
@@ -234,9 +242,14 @@ def simulate(
         rebuild = any(entering)  # as in the engine, another K in SSD builds from the plan: no rebuild
         leaving = any(m == "sd" and c == "ssd" for (m, _), c in zip(picked, current))
         history.append(picked)
-        tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, picked, entering)))
-        times.append(truth.expected_time(temps, picked, entering, rebuild, sum(caught), leaving))
-        policy.observe(_round(truth, rng, temps, picked, entering, seq_ids, rebuild, sum(caught), leaving))
+        # what the round runs: an SSD sequence that stays verifies its plans' K and builds its last one's
+        ran = [(m, min(p1, p2 or p1)) if m == "ssd" and not en else (m, k) for (m, k), en, (p1, p2) in zip(picked, entering, plans)]
+        built = [p1 if not en else k for (m, k), en, (p1, _) in zip(picked, entering, plans) if m == "ssd"]
+        build_k = max(built, default=None)
+        tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, ran, entering)))
+        times.append(truth.expected_time(temps, ran, entering, rebuild, sum(caught), leaving, build_k))
+        policy.observe(_round(truth, rng, temps, ran, entering, seq_ids, rebuild, sum(caught), leaving, build_k))
+        plans = [(k, p1 if not en else k) if m == "ssd" else (0, 0) for (m, k), en, (p1, _) in zip(picked, entering, plans)]
         current = [m for m, _ in picked]
         lag = [0 if cu or m != "ar" else n + 1 for cu, (m, _), n in zip(caught, picked, lag)]
     return policy, history, tokens, times
@@ -876,6 +889,34 @@ def test_no_flip_flop_between_sd_and_ssd_within_the_switching_cost(ssd_base):
     _, history, *_ = simulate(truth, temps, rounds=150, policy=seeded(truth, explore=0.0))
     modes = [h[0][0] for h in history[5:] if h[0][0] != "ar"]  # AR: the guard measuring AR's rate
     assert sum(a != b for a, b in zip(modes, modes[1:])) == 0, modes
+
+
+def test_a_raise_of_k_in_ssd_pays_the_round_that_builds_it_beside_the_old_verification():
+    """A K chosen in SSD goes into the round's plan: the next round still verifies the
+    old K while its build is for the new one, so a raise exposes the longer build once
+    (SmolLM2 at batch 8, K 1 -> 5: a round of 573 ms between rounds of 200); a lowered K
+    is verified at once, clipped. The raise is charged that round's extra overrun,
+    amortised as every switch; near a tie between two K whose builds outgrow
+    verification, K then holds: over four seeds, 10 changes of K in 145 rounds where a
+    free raise made 21."""
+    costs = Costs(ver=(0.1, 0.006, 0.008, 0, 0.0), draft=(0.0, 0.0, 0.0), build=(0.0, 0.0, 0.1, 0.0), after=(0.0,) * 4, ctl=(0.0,) * 7)
+    g = Group(0, 1.0, MAX_K, frozenset({"ar", "sd", "ssd"}), in_ssd=True, ssd_k=2)
+    g.price_switches(costs, 4, rebuild=0.0, leave=0.0)
+    verify = 0.1 + 0.006 * 12 + 0.008 * 4  # four sequences verifying K = 2: 204 ms, beside a build of 200
+    assert g.switch_s(("ssd", 4)) == pytest.approx((0.4 - verify) / 4 / SWITCH_HORIZON)
+    assert g.switch_s(("ssd", 2)) == g.switch_s(("ssd", 1)) == 0.0
+    truth = Truth(
+        ver_a=0.1, ver_b=0.006, ver_seq=0.008, step_c=0.01, step_d=0.011, build_k=0.016, build_nk=0.01, ssd_base=0.002,
+        alpha={0.0: 0.98, 0.7: 0.9}, hit={0.0: 0.87, 0.7: 0.8}, backup="fast",
+    )
+    temps = [0.0] * 8
+    assert abs(truth.rate(temps, [("ssd", 5)] * 8) / truth.rate(temps, [("ssd", 4)] * 8) - 1.0) < 0.01
+    changes = 0
+    for seed in range(4):
+        _, history, *_ = simulate(truth, temps, rounds=150, seed=seed, policy=seeded(truth, explore=0.0))
+        ks = [h[0] for h in history[5:]]
+        changes += sum(a != b for a, b in zip(ks, ks[1:]))
+    assert changes <= 12, changes
 
 
 @pytest.mark.parametrize("step_c", [0.0095, 0.0105, 0.011])

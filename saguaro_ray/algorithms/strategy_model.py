@@ -483,26 +483,18 @@ class AutoPolicy:
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
         costs, rebuild, leave = self._costs(), self.rebuild_ratio, self.leave_ratio
 
-        def price_switches(g: Group) -> None:
-            # a rebuild's fixed part is shared by every sequence that rebuilds in the round: per
-            # member, the batch's (charged to a group alone, it kept small groups out of SSD); so
-            # is the wait for the build in flight when the group leaves SSD for SD
-            n = len(auto)
-            g.rebuild_s = [0.0] + [rebuild * costs.build_s(n, k) / n for k in range(1, g.cap + 1)]
-            g.leave_s = leave * costs.build_s(n, g.ssd_k) / n if g.in_ssd and g.ssd_k else 0.0
-
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
             self._reuse = (shape, self._reuse[1] - 1, self._reuse[2], self._reuse[3])
             for g, opt in zip(glist, self._reuse[2]):
                 g.opt = opt
-                price_switches(g)
+                g.price_switches(costs, len(auto), rebuild, leave)
             self.prediction = self._reuse[3]
         else:
             for g in glist:
                 alphas, miss, _, hits = curve(g.bucket)
                 fill_values(g, alphas, miss, hits.values, hits.pooled.value)
-                price_switches(g)
+                g.price_switches(costs, len(auto), rebuild, leave)
             base = self._fixed_load(fixed_all, curve)
             best = self._last_rate = optimise(glist, base, costs, self._last_rate)
             searched = [g.opt for g in glist]
@@ -563,7 +555,10 @@ class AutoPolicy:
 
     @explore.setter
     def explore(self, share: float) -> None:
+        """A share of 0 stops exploring: a trial in progress ends too (its held rounds would explore)."""
         self._trials.share = share
+        if not share:
+            self._trials.held = {}
 
     # ------------------------------------------------------------------ reporting
 
