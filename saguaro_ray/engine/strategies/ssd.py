@@ -137,7 +137,9 @@ class SSDStrategy:
         kind = self._backup_kind(len(running))  # one backup decision per round, for this round's misses
         # everything a lookup needs but the outcomes is known now: with one draft, each
         # sequence's plan; where the transport allows, the target places the lookups itself
-        steps = [loop.step(s, kind="draft") for s in running]  # what this round's build items say (not re-sent)
+        # what this round's build items say, made once: a step marks its tokens as sent to the drafts,
+        # so a second one would carry only the last RECENT_TOKENS of what a draft has not seen
+        steps = [loop.step(s, kind="draft") for s in running]
         # the next round's hits are as long as this round's build makes its speculations
         hit_ks = [k if it is None else it.k_next for k, it in zip(ks, ahead_items)]
         plans = self._plans(running, proposals, hit_ks, kind) if len(builders) == 1 else None
@@ -147,11 +149,11 @@ class SSDStrategy:
         rules = [("exact", 0.0)] * len(running) + list(other_rules)
         # whichever of the two has been taking longer is sent first
         if self.backup_stats.t_primary > 1.0:  # the build's moving average, in verification times
-            calls_b = self._send_builds(running, proposals, ks, builders, ahead_items, rec)
+            calls_b = self._send_builds(running, steps, proposals, ks, builders, ahead_items, rec)
             call_v = loop.verify(batch, batch_proposals, rec, rules, forward=forward)
         else:
             call_v = loop.verify(batch, batch_proposals, rec, rules, forward=forward)
-            calls_b = self._send_builds(running, proposals, ks, builders, ahead_items, rec)
+            calls_b = self._send_builds(running, steps, proposals, ks, builders, ahead_items, rec)
         every = loop.verified(call_v, rec)
         self._verify_seconds = max(rec.verify[1] - rec.verify[0], 1e-9)  # type: ignore[index]
         loop.emit(batch, batch_proposals, every, rec)
@@ -219,16 +221,19 @@ class SSDStrategy:
     def _send_builds(
         self,
         running: list[SequenceState],
+        steps: list[SeqStep],
         proposals: list[Proposal],
         ks: list[int],
         builders: list[WorkerHandle],
         ahead_items: list[BuildItem | None],
         rec: RoundRecord,
     ) -> list[tuple[WorkerHandle, RetryingCall]]:
-        """Each draft's share of the build for this round's proposals. A
-        sequence with a build made ahead (``ahead_items``, what the only draft
-        started in the lookup) gets that item; when every one did, the call
-        says so (``ahead``). A self-contained re-send is always built afresh."""
+        """Each draft's share of the build for this round's proposals, from the
+        round's ``steps`` (every draft gets the same: each carries the tokens a
+        draft has not seen yet). A sequence with a build made ahead
+        (``ahead_items``, what the only draft started in the lookup) gets that
+        item; when every one did, the call says so (``ahead``). A
+        self-contained re-send is always built afresh."""
         loop, shards = self.loop, max(1, len(builders))
         fanouts = [self._fanout_for(p, shards) for p in proposals]
         owned = [self._deltas.pop(s.seq_id, None) for s in running]
@@ -236,7 +241,8 @@ class SSDStrategy:
 
         def args(full: bool, shard: int, draft: WorkerHandle) -> tuple:
             deltas = [None if full or o is None or o[0] is draft else o[1] for o in owned]
-            items = ssd_protocol.build_items([loop.step(s, full, "draft") for s in running], proposals, fanouts, ks, shard, shards, deltas)
+            sent = [loop.step(s, True, "draft") for s in running] if full else steps
+            items = ssd_protocol.build_items(sent, proposals, fanouts, ks, shard, shards, deltas)
             if not full:
                 items = [planned_item or it for planned_item, it in zip(ahead_items, items)]
             return (items, rec.index, ahead and not full)
