@@ -184,7 +184,7 @@ def _round(
         acc = 0
         while acc < k and rng.random() < a:
             acc += 1
-        seqs.append(SeqResult(sid, t, m, k, acc, hit, source))
+        seqs.append(SeqResult(sid, t, m, k, acc, hit, source, built=(build_k or k) if m == "ssd" else 0))
     tokens = sum(k + 1 for _, k in choices)
     slow = truth.slow_x if truth.slow_p and rng.random() < truth.slow_p else 1.0  # no draw without: other tests' streams stay
     verify = (truth.fast_verify(tokens, len(choices)) * slow + (truth.catch_up_s if catch_ups else 0.0)) * noise()
@@ -381,11 +381,11 @@ def test_the_builds_overrun_is_priced_over_the_verifications_spread(monkeypatch)
     best, choice = truth.best_fixed([0.0])
     assert choice[0] == "sd" and truth.rate([0.0], [("ssd", 4)]) < 0.95 * best  # the case is what its name says
     ssd_best = max(truth.rate([0.0], [("ssd", k)]) for k in range(1, MAX_K + 1))
-    for spread, mode in ((strategy_model.SPREAD_ROUNDS, "sd"), (0, "ssd")):
+    for spread, mode, least in ((strategy_model.SPREAD_ROUNDS, "sd", 0.8), (0, "ssd", 0.7)):
         monkeypatch.setattr(strategy_model, "SPREAD_ROUNDS", spread)
         _, history, tokens, times = simulate(truth, [0.0])
         share = sum(h[0][0] == mode for h in history[-100:]) / 100
-        assert share >= 0.8, (spread, mode, share, history[-5:])
+        assert share >= least, (spread, mode, share, history[-5:])
         assert (achieved(tokens, times) > 1.02 * ssd_best) == (mode == "sd"), (spread, achieved(tokens, times) / best)
 
 
@@ -968,6 +968,32 @@ def test_the_prediction_names_the_choice_and_the_runner_up_and_comes_true():
         current = [m for m, _ in picked]
     assert sum(errors) / len(errors) < 0.1
     json.dumps(policy.prediction)
+
+
+def test_the_prediction_of_an_ssd_round_is_of_the_k_its_plans_fixed():
+    """A K chosen in SSD is verified two rounds on when raised: the round after a raise
+    from 2 to 4 verifies K = 2 and builds for 4 (rounds of SmolLM2 at batch 8 that chose
+    K = 5 verified K = 1: 16 tokens where 44 were predicted). The round's prediction is of
+    what it runs — fewer tokens than the steady round at K = 4 whatever K it chooses now,
+    and the truth's time for that round — while the choice is valued as before."""
+    truth, temps = SSD_WINS, [0.0] * 4
+    policy, *_ = simulate(truth, temps, rounds=40, policy=seeded(truth, explore=0.0))
+    views = [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), "ssd") for i in range(4)]
+    got = {}
+    for before in (4, 2):  # the K chosen two rounds ago: steady at 4, or a raise from 2
+        p = copy.deepcopy(policy)
+        for i in range(4):
+            p._seqs[i].ssd_k, p._seqs[i].ssd_k_before = 4, before
+        p._reuse = (None, 0, [], None)  # a fresh search for each state
+        choices = p.choose(views)
+        assert p.prediction is not None
+        got[before] = ([(c.mode, c.k) for c in choices], p.prediction["chosen"])
+    (steady_opts, steady), (raised_opts, raised) = got[4], got[2]
+    assert steady_opts == raised_opts and {m for m, _ in steady_opts} == {"ssd"}  # the same choice
+    assert raised["option"] == steady["option"]
+    assert raised["tokens"] < steady["tokens"]  # K = 2 verified, whatever was chosen
+    expected = truth.expected_time(temps, [("ssd", 2)] * 4, [False] * 4, build_k=4)
+    assert raised["seconds"] == pytest.approx(expected, rel=0.2)
 
 
 def test_step_costs_are_checked_and_survive_json():

@@ -429,4 +429,7 @@ def test_a_change_of_k_in_ssd_never_builds_the_tree_afresh(models, ar_tokens):
     verified = [k for k, _ in seen]
     expect = [min(chosen[i - 1], chosen[i - 2]) for i in range(2, len(seen) - 2)]  # the last rounds meet max_tokens
     assert verified[2:-2] == expect, (chosen, verified)
+    # what the engine reports it built: the K chosen the round before (the plan the build was made from)
+    built = [c.seqs[0].built for c in policy.observed if c.seqs]
+    assert built[2:-2] == chosen[1:-3], (chosen, built)
     assert set(verified[:-2]) == {1, 2, 3, 4}  # K went 1 to 4 and back

@@ -99,6 +99,7 @@ class _SeqStat:
     accepted: float = 0.0
     seen: int = 0  # the round it was last observed
     ssd_k: int = 0  # the K chosen for its last round, if that ran SSD: the K of the plan it went into
+    ssd_k_before: int = 0  # ... and for the round before, if both ran SSD (what its next round verifies: the lesser)
 
 
 class AutoPolicy:
@@ -262,7 +263,7 @@ class AutoPolicy:
         if st is None:
             st = self._seqs[r.seq_id] = _SeqStat()
         st.seen = self._observed
-        st.ssd_k = self._chosen_ssd.get(r.seq_id, r.proposed) if r.mode == "ssd" else 0
+        st.ssd_k, st.ssd_k_before = (self._chosen_ssd.get(r.seq_id, r.proposed), st.ssd_k) if r.mode == "ssd" else (0, 0)
         if r.mode not in ("sd", "ssd") or r.proposed <= 0:
             return  # AR speculates nothing; PyramidSD's proposals are qualified tokens, another law
         b = temperature_bucket(r.temperature)
@@ -338,8 +339,11 @@ class AutoPolicy:
         from the draft's measured step costs: a build is K sequential steps of
         the draft SD measures, and so is a neural backup. A ``rebuild`` round's
         build (afresh, after any stale one) is not the steady build's: its end
-        teaches nothing, its overrun is still not the lookup's."""
+        teaches nothing, its overrun is still not the lookup's. The build is for the K
+        the engine says it built (a build made ahead is for the K chosen the round
+        before: after a raise, it builds the new K beside a verification of the old)."""
         n, k_max = float(costs.ssd_batch), max(r.proposed for r in ssd)
+        k_build = max(r.built or r.proposed for r in ssd)
         missed = [r.proposed for r in ssd if self._missed(r)]
         draft = self._drafting.theta
         overrun = 0.0
@@ -350,12 +354,12 @@ class AutoPolicy:
             # fitted beyond K sequential draft steps over the SSD sequences (a tree step costs at
             # least a draft step over as many sequences), so a K-slope the recent rounds leave
             # open, every one at one K, is the draft's measured step and not 0
-            x_b = (1.0, n, float(k_max), n * k_max)
-            steps = k_max * (draft[1] + draft[2] * n) if draft is not None else 0.0
+            x_b = (1.0, n, float(k_build), n * k_build)
+            steps = k_build * (draft[1] + draft[2] * n) if draft is not None else 0.0
             prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
             self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
             if costs.verify_s > 0.0 and costs.ssd_build_s > 0.0:
-                self._spread.append((costs.verify_tokens, costs.batch, costs.ssd_batch, k_max, costs.ssd_build_s, costs.verify_s))
+                self._spread.append((costs.verify_tokens, costs.batch, costs.ssd_batch, k_build, costs.ssd_build_s, costs.verify_s))
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -470,11 +474,11 @@ class AutoPolicy:
             b = temperature_bucket(v.temperature)
             scale = self._seq_scale(v.seq_id, curve(b)[2])
             st = self._seqs.get(v.seq_id)
-            ssd_k = st.ssd_k if v.current == "ssd" and st is not None else 0
-            key = (b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging)
+            ssd_k, verify_k = (st.ssd_k, min(st.ssd_k, st.ssd_k_before or st.ssd_k)) if v.current == "ssd" and st is not None else (0, 0)
+            key = (b, scale, cap, modes, v.current == "ssd", ssd_k, verify_k, v.lagging)
             g = groups.get(key)
             if g is None:
-                g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging)
+                g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging, verify_k)
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
         self._trials.age_holds()

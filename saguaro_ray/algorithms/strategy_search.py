@@ -35,7 +35,7 @@ def expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[f
 class Load:
     """A round's totals as the cost model sees them: the fixed sequences' part, then a candidate's."""
 
-    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "log_hit", "miss_k", "switch_s")
+    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "build_k", "log_hit", "miss_k", "switch_s")
 
     def __init__(self) -> None:
         self.n = 0
@@ -45,11 +45,14 @@ class Load:
         self.steps = 0  # the SD group's largest K: its sequential draft steps
         self.n_ssd = 0
         self.ssd_k = 0  # the SSD group's largest K: a neural backup's sequential steps
+        self.build_k = 0  # the largest K the round's SSD build is for (steady: ssd_k)
         self.log_hit = 0.0  # log P(every SSD sequence hits)
         self.miss_k = 0.0  # expected Σ K over the SSD sequences that miss
         self.switch_s = 0.0  # seconds of switch costs (SSD entries and rebuilds), amortised: the search's, not the round's
 
-    def add(self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0) -> None:
+    def add(self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0, build_k: int = 0) -> None:
+        """``count`` sequences verifying ``k`` tokens in ``mode``; an SSD sequence's build is
+        for ``build_k`` (0: ``k``, as in a steady round)."""
         self.n += count
         self.switch_s += count * switch_s
         self.tokens += count * (k + 1)
@@ -62,6 +65,8 @@ class Load:
             self.n_ssd += count
             if k > self.ssd_k:
                 self.ssd_k = k
+            if (build_k or k) > self.build_k:
+                self.build_k = build_k or k
             self.log_hit += count * math.log(min(max(hit, 1e-9), 1.0 - 1e-9))
             self.miss_k += count * (1.0 - hit) * k
 
@@ -125,7 +130,7 @@ class Costs:
             t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
         if load.n_ssd:
             a = self.after
-            t += self.overrun(self.build_s(load.n_ssd, load.ssd_k), verify)
+            t += self.overrun(self.build_s(load.n_ssd, load.build_k), verify)
             p_any = 1.0 - math.exp(load.log_hit)
             t += max(0.0, a[0] + a[1] * load.n_ssd + a[2] * load.ssd_k * p_any + a[3] * load.miss_k)
         return t
@@ -135,17 +140,22 @@ class Group:
     """Sequences the model cannot tell apart: one choice for all of them."""
 
     __slots__ = (
-        "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "lagging", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd",
+        "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "verify_k", "lagging", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd",
         "entry", "leave", "rebuild_s", "raise_s", "leave_s", "opt",
     )
 
-    def __init__(self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False) -> None:
+    def __init__(
+        self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False, verify_k: int = 0
+    ) -> None:
         self.bucket = bucket
         self.scale = scale  # the members' own acceptance relative to their bucket's
         self.cap = cap
         self.modes = modes
         self.in_ssd = in_ssd
         self.ssd_k = ssd_k  # in SSD: the K of its build in flight (a leave waits for it, a return rebuilds at it)
+        # in SSD: the K this round verifies if it stays, whatever K it chooses (the plans of the two
+        # rounds before fixed it: a K chosen is verified two rounds on if raised, one if lowered)
+        self.verify_k = min(verify_k or ssd_k, cap)
         self.lagging = lagging  # its drafts must catch up before it speculates (one more AR round)
         self.hit: list[float] = [0.0] * (cap + 1)  # SSD's hit rate by K
         self.hit_pooled = 0.0  # over every K: what the search linearises P(all hit) with
@@ -219,13 +229,20 @@ class Group:
 
 
 def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: Costs) -> dict[str, Any]:
-    """One option's prediction: its label (``sd:4``; ``ar+ssd:4`` when groups differ),
-    expected emitted tokens of the batch and predicted round seconds (the round's own:
-    no amortised switch)."""
-    e, t, _ = round_of(groups, opts, base, costs)
-    t -= _switch_s(groups, opts)
+    """One option's prediction for the round about to run: its label (``sd:4``; ``ar+ssd:4``
+    when groups differ), expected emitted tokens of the batch and predicted round seconds
+    (no amortised switch). A group that stays in SSD verifies and builds what its earlier
+    plans fixed (:attr:`Group.verify_k`, :attr:`Group.ssd_k`), not the K it chooses now:
+    that K is what the search values, for the rounds it will run in."""
+    load = base.copy()
+    for g, (mode, k) in zip(groups, opts):
+        if mode == "ssd" and g.in_ssd and g.verify_k:
+            v = g.verify_k
+            load.add(len(g.members), mode, v, g.e_ssd[v], g.hit[v], build_k=min(g.ssd_k, g.cap))
+        else:
+            load.add(len(g.members), mode, k, g.value((mode, k)), g.hit[k])
     label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
-    return {"option": label, "tokens": e, "seconds": t}
+    return {"option": label, "tokens": load.e, "seconds": costs.round_time(load)}
 
 
 def predict(groups: list[Group], base: Load, costs: Costs) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -268,10 +285,6 @@ def round_of(
     for g, opt in zip(groups, opts):
         load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]], g.switch_s(opt))
     return load.e, costs.round_time(load) + load.switch_s + extra[1], math.exp(load.log_hit)
-
-
-def _switch_s(groups: list[Group], opts: list[tuple[str, int]]) -> float:
-    return sum(len(g.members) * g.switch_s(opt) for g, opt in zip(groups, opts))
 
 
 def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) -> float:

@@ -90,6 +90,10 @@ class SeqResult:
     # SSD: its tree was built afresh in this round where a build had been planned and started ahead
     # for it, but did not fit what was verified (entries are the policy's own knowledge)
     rebuilt: bool = False
+    # SSD: the K this round's build made its speculations for — the K chosen the round before when
+    # the build was made ahead, so a change of K shows in the build a round before it is verified
+    # (0: not SSD, or not known)
+    built: int = 0
 
 
 @dataclass(frozen=True)

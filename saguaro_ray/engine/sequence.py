@@ -31,6 +31,7 @@ class SequenceState:
     # SSD: this round's build was made afresh though one was planned, and started ahead, for it
     # (it did not fit what was verified): the tree's whole build on the critical path
     rebuilt: bool = False
+    built: int = 0  # SSD: the K of the speculations this round's build made (the next round's hits' length)
     rounds: int = 0  # verification rounds, the prefill round included
     spec_rounds: int = 0  # rounds that verified at least one draft token
     accepted_total: int = 0

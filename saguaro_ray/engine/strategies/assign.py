@@ -99,7 +99,12 @@ class Assigner:
             hits, lookups = self._seen.get(s.seq_id, (s.hits, s.lookups))
             hit = bool(s.hits - hits) if s.mode == "ssd" and s.lookups > lookups else None
             ssd = s.mode == "ssd"
-            seqs.append(SeqResult(s.seq_id, s.params.temperature, s.mode or "ar", proposed, accepted, hit, s.served if ssd else None, ssd and s.rebuilt))
+            seqs.append(
+                SeqResult(
+                    s.seq_id, s.params.temperature, s.mode or "ar", proposed, accepted, hit, s.served if ssd else None, ssd and s.rebuilt,
+                    s.built if ssd else 0,
+                )
+            )
         parts = round_components(rec)
         if rec.auto is not None:  # beside auto's prediction, what the round then took
             rec.auto["measured"] = {"tokens": sum(rec.accepted) + len(rec.accepted), "seconds": parts["wall"]}

@@ -142,6 +142,8 @@ class SSDStrategy:
         steps = [loop.step(s, kind="draft") for s in running]
         # the next round's hits are as long as this round's build makes its speculations
         hit_ks = [k if it is None else it.k_next for k, it in zip(ks, ahead_items)]
+        for s, k in zip(running, hit_ks):
+            s.built = k
         plans = self._plans(running, proposals, hit_ks, kind) if len(builders) == 1 else None
         placed = self._place_lookups(builders, share, rec.index, plans, len(running))
         forward = None if placed is None else placed.forward
