@@ -140,12 +140,13 @@ class Group:
     """Sequences the model cannot tell apart: one choice for all of them."""
 
     __slots__ = (
-        "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "verify_k", "lagging", "members", "seq_ids", "hit", "hit_pooled", "e_sd", "e_ssd",
-        "entry", "leave", "rebuild_s", "raise_s", "leave_s", "opt",
+        "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "verify_k", "lagging", "members", "seq_ids", "hit", "hit_pooled",
+        "e_sd", "e_ssd", "entry", "leave", "rebuild_s", "raise_s", "leave_s", "opt",
     )
 
     def __init__(
-        self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False, verify_k: int = 0
+        self, bucket: int, scale: float, cap: int, modes: frozenset[str], in_ssd: bool, ssd_k: int = 0, lagging: bool = False,
+        verify_k: int = 0,
     ) -> None:
         self.bucket = bucket
         self.scale = scale  # the members' own acceptance relative to their bucket's
