@@ -191,22 +191,24 @@ class AlwaysAR(Cycling):
         return [Choice("ar", 0) for _ in auto]
 
 
-class ARThenSD(Cycling):
-    """AR for ``ar_first`` rounds, then SD with K = 2. Before each choice it
-    waits for the drafts' catch-ups in flight on ``loop``: a tiny in-process
-    model's rounds outpace the draft's thread, so without the wait when the
-    sequence may speculate again would be the threads' timing."""
+class ARThen(Cycling):
+    """AR for ``ar_first`` rounds, then ``then`` (SD with K = 2 unless told).
+    Before each choice it waits for the drafts' catch-ups in flight on
+    ``loop``: a tiny in-process model's rounds outpace the draft's thread, so
+    without the wait when the sequence may speculate again would be the
+    threads' timing."""
 
-    def __init__(self, ar_first: int, loop) -> None:
+    def __init__(self, ar_first: int, loop, then: Choice = Choice("sd", 2)) -> None:
         super().__init__(ar_first)
         self.loop = loop
+        self.then = then
 
     def choose(self, auto, fixed=()):  # type: ignore[override]
         for futures in list(self.loop._catching_up.values()):
             for f in futures:
                 f.exception()  # waits; a failed catch-up is the engine's to handle
         self.rounds += 1
-        return [Choice("ar", 0) if self.rounds <= self.ar_first else Choice("sd", 2) for _ in auto]
+        return [Choice("ar", 0) if self.rounds <= self.ar_first else self.then for _ in auto]
 
 
 class AlwaysSD(Cycling):
@@ -268,7 +270,7 @@ def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critic
 
     ar_rounds = CATCH_UP_TOKENS + 2
     catch_ups, real_propose = _spy_catch_ups(engine)
-    engine.loop.assigner.policy, saved = ARThenSD(ar_rounds, engine.loop), engine.loop.assigner.policy
+    engine.loop.assigner.policy, saved = ARThen(ar_rounds, engine.loop), engine.loop.assigner.policy
     try:
         [r] = engine.generate([PROMPTS[1]], greedy(Strategy("auto", 2)))
     finally:
@@ -279,14 +281,6 @@ def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critic
     assert catch_ups and catch_ups[0] == len(PROMPTS[1]) + 1 + ar_rounds
     assert r.stats["strategy"]["ar"] == ar_rounds + 1  # the pick that sent the catch-up ran AR, then SD ran
     assert r.stats["strategy"].get("sd", 0) > 0 and sum(r.stats["strategy"].values()) == r.stats["rounds"] - 1
-
-
-class ARThenSSD(Cycling):
-    """AR for ``ar_first`` rounds, then SSD with K = 2."""
-
-    def choose(self, auto, fixed=()):  # type: ignore[override]
-        self.rounds += 1
-        return [Choice("ar", 0) if self.rounds <= self.ar_first else Choice("ssd", 2) for _ in auto]
 
 
 def test_an_ssd_entry_after_a_few_ar_rounds_sends_the_drafts_what_they_missed(models, ar_tokens):
@@ -317,7 +311,7 @@ def test_an_ssd_entry_after_a_few_ar_rounds_sends_the_drafts_what_they_missed(mo
             raise
 
     draft.build = build
-    eng.loop.assigner.policy = ARThenSSD(ar_rounds)
+    eng.loop.assigner.policy = ARThen(ar_rounds, eng.loop, Choice("ssd", 2))
     try:
         [r] = eng.generate([PROMPTS[1]], greedy(Strategy("auto", 2)))
     finally:

@@ -235,13 +235,7 @@ def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: 
     (no amortised switch). A group that stays in SSD verifies and builds what its earlier
     plans fixed (:attr:`Group.verify_k`, :attr:`Group.ssd_k`), not the K it chooses now:
     that K is what the search values, for the rounds it will run in."""
-    load = base.copy()
-    for g, (mode, k) in zip(groups, opts):
-        if mode == "ssd" and g.in_ssd and g.verify_k:
-            v = g.verify_k
-            load.add(len(g.members), mode, v, g.e_ssd[v], g.hit[v], build_k=min(g.ssd_k, g.cap))
-        else:
-            load.add(len(g.members), mode, k, g.value((mode, k)), g.hit[k])
+    load = _load_of(groups, opts, base, as_run=True)
     label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
     return {"option": label, "tokens": load.e, "seconds": costs.round_time(load)}
 
@@ -281,11 +275,25 @@ def round_of(
 ) -> tuple[float, float, float]:
     """(expected tokens, predicted seconds with the amortised switch costs, P(every SSD
     sequence hits)) of that round."""
-    load = base.copy()
+    load = _load_of(groups, opts, base)
     load.e += extra[0]
-    for g, opt in zip(groups, opts):
-        load.add(len(g.members), opt[0], opt[1], g.value(opt), g.hit[opt[1]], g.switch_s(opt))
     return load.e, costs.round_time(load) + load.switch_s + extra[1], math.exp(load.log_hit)
+
+
+def _load_of(groups: list[Group], opts: list[tuple[str, int]], base: Load, as_run: bool = False) -> Load:
+    """``base`` with group i running ``opts[i]`` (its amortised switch in ``switch_s``, which
+    :meth:`Costs.round_time` leaves out). ``as_run``: a group that stays in SSD verifies
+    :attr:`Group.verify_k` and builds :attr:`Group.ssd_k` (:func:`option`), where the search
+    values the K chosen as if it already ran."""
+    load = base.copy()
+    for g, opt in zip(groups, opts):
+        mode, k = opt
+        if as_run and mode == "ssd" and g.in_ssd and g.verify_k:
+            v = g.verify_k
+            load.add(len(g.members), mode, v, g.e_ssd[v], g.hit[v], g.switch_s(opt), build_k=min(g.ssd_k, g.cap))
+        else:
+            load.add(len(g.members), mode, k, g.value(opt), g.hit[k], g.switch_s(opt))
+    return load
 
 
 def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) -> float:

@@ -258,11 +258,11 @@ class SSDStrategy:
         ``proposal``, from the plan that lookup carried (None: not planned, or
         the plan does not cover the outcome or the proposal's length). The plan
         fixed the K it was built for, the one chosen the round before; a K chosen
-        since takes effect in the next plan. Verifying fewer tokens would leave out the likeliest outcome —
-        all of them accepted, then the speculation's own next token — and
-        build the tree afresh on the round's critical path (the coder pair:
-        its build ended at 1.9 verifications where one made ahead ends at
-        0.95; docs/auto.md, session 31)."""
+        since takes effect in the next plan. Verifying fewer tokens would leave
+        out the likeliest outcome — all of them accepted, then the speculation's
+        own next token — and build the tree afresh on the round's critical path
+        (the coder pair: its build ended at 1.9 verifications where one made
+        ahead ends at 0.95; docs/auto.md, session 31)."""
         if planned is None or proposal is None:
             return None
         return ssd_protocol.next_build_item(*planned, proposal)
