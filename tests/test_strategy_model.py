@@ -70,9 +70,11 @@ class Truth:
     # before its drafts run
     leave_s: float = 0.0
     # drafts this many tokens behind a sequence (it ran AR) catch up before it speculates: it runs
-    # AR that round while they do, and the catch-up slows that round's verification by catch_up_s
+    # AR for catch_up_rounds rounds while they do, and the catch-up slows each of those rounds'
+    # verifications by catch_up_s
     catch_up: int = 0
     catch_up_s: float = 0.0
+    catch_up_rounds: int = 1
     noise: float = 0.03
     # a verification is slow_x times as long with probability slow_p (bimodal, as the coder pair's
     # on 2 cores: a quarter of them 500-670 ms against 280-390); verify() is the mean
@@ -130,7 +132,7 @@ class Truth:
         leaving: bool = False, build_k: int | None = None,
     ) -> float:
         """``rebuild``: a sequence enters SSD (:attr:`entry_s`);
-        ``catch_ups``: sequences whose drafts catch up this round (:attr:`catch_up_s`);
+        ``catch_ups``: sequences whose drafts are catching up this round (:attr:`catch_up_s`);
         ``leaving``: a sequence left SSD for SD (:attr:`leave_s`);
         ``build_k``: the K the round's SSD build is for (None: the largest verified)."""
         tokens = sum(k + 1 for _, k in choices)
@@ -224,6 +226,7 @@ def simulate(
     rng = random.Random(seed + 1000)
     current: list[str | None] = [None] * len(temps)
     lag = [0] * len(temps)  # tokens its drafts have not seen (it ran AR)
+    pending = [0] * len(temps)  # rounds its drafts' catch-up still runs
     seq_ids = list(range(len(temps)))
     plans = [(0, 0)] * len(temps)  # per sequence in SSD: the K chosen for its last round and the one before
     history, tokens, times = [], [], []
@@ -231,12 +234,15 @@ def simulate(
         if lifetime:
             for i in range(len(temps)):
                 if r and (r + i * lifetime // len(temps)) % lifetime == 0:
-                    seq_ids[i], current[i], lag[i], plans[i] = max(seq_ids) + 1, None, 0, (0, 0)
-        lagging = [bool(truth.catch_up) and n >= truth.catch_up for n in lag]
+                    seq_ids[i], current[i], lag[i], plans[i], pending[i] = max(seq_ids) + 1, None, 0, (0, 0), 0
+        lagging = [p > 0 or (bool(truth.catch_up) and n >= truth.catch_up) for p, n in zip(pending, lag)]
         views = [SeqView(i, t, k_cap, modes, c, lg) for i, t, c, lg in zip(seq_ids, temps, current, lagging)]
         picked = [(c.mode, c.k) for c in policy.choose(views)]
-        # a sequence whose drafts lag runs AR while they catch up (the engine's not-ready rounds)
+        # a sequence whose drafts lag runs AR while they catch up (the engine's not-ready rounds):
+        # picked to speculate, it sends them what they missed unless a catch-up already runs
         caught = [lg and m != "ar" for lg, (m, _) in zip(lagging, picked)]
+        sent = [cu and not p for cu, p in zip(caught, pending)]
+        pending = [truth.catch_up_rounds if st else p for st, p in zip(sent, pending)]
         picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
         rebuild = any(entering)  # as in the engine, another K in SSD builds from the plan: no rebuild
@@ -247,11 +253,13 @@ def simulate(
         built = [p1 if not en else k for (m, k), en, (p1, _) in zip(picked, entering, plans) if m == "ssd"]
         build_k = max(built, default=None)
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, ran, entering)))
-        times.append(truth.expected_time(temps, ran, entering, rebuild, sum(caught), leaving, build_k))
-        policy.observe(_round(truth, rng, temps, ran, entering, seq_ids, rebuild, sum(caught), leaving, build_k))
+        catching = sum(p > 0 for p in pending)
+        times.append(truth.expected_time(temps, ran, entering, rebuild, catching, leaving, build_k))
+        policy.observe(_round(truth, rng, temps, ran, entering, seq_ids, rebuild, catching, leaving, build_k))
         plans = [(k, p1 if not en else k) if m == "ssd" else (0, 0) for (m, k), en, (p1, _) in zip(picked, entering, plans)]
         current = [m for m, _ in picked]
-        lag = [0 if cu or m != "ar" else n + 1 for cu, (m, _), n in zip(caught, picked, lag)]
+        lag = [0 if st or m != "ar" else n + 1 for st, (m, _), n in zip(sent, picked, lag)]
+        pending = [max(0, p - 1) for p in pending]
     return policy, history, tokens, times
 
 
@@ -1027,6 +1035,44 @@ def test_rounds_of_a_held_exploration_are_flagged_as_trials():
     assert flagged and all(flagged)
 
 
+def test_a_trial_for_lagging_sequences_runs_once_their_drafts_caught_up():
+    """Batch 8 where AR wins and the sequences ran AR, so their drafts lag: a trial of
+    speculation first runs AR while the drafts catch up — 8 sequences' missed tokens through
+    the draft take several rounds on CPU. Those rounds neither use up the trial nor count as
+    exploring; once the drafts are ready it runs all its rounds (an SSD entry at batch 8:
+    two). Aged regardless, such a trial expired in the catch-up it had sent: its work was for
+    nothing and the choice was never measured."""
+    truth = replace(SMOL_CPU, step_c=0.06, step_d=0.015, build_k=0.06, build_nk=0.02, ssd_base=0.03)
+    b, rng = 8, random.Random(1)
+    ids = list(range(b))
+    policy = seeded(truth, explore=0.3)
+
+    def views(current: str, lagging: bool) -> list[SeqView]:
+        return [SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), current, lagging) for i in ids]
+
+    for _ in range(100):
+        choices = policy.choose(views("ar", True))
+        if choices[0].mode != "ar":
+            break
+        policy.observe(_round(truth, rng, [0.0] * b, [("ar", 0)] * b, [False] * b, ids))
+    else:
+        pytest.fail("no trial in 100 rounds")
+    trial = choices[0]
+    assert policy.prediction["trial"] and trial.mode == "ssd" and policy._trials.held[0] == (trial, 2)
+    explored = policy.snapshot()["rounds_explored"]
+    for _ in range(4):  # it ran AR, and the catch-up runs on
+        policy.observe(_round(truth, rng, [0.0] * b, [("ar", 0)] * b, [False] * b, ids))
+        assert policy.choose(views("ar", True)) == [trial] * b
+        assert policy._trials.held[0] == (trial, 2) and policy.snapshot()["rounds_explored"] == explored
+    policy.observe(_round(truth, rng, [0.0] * b, [("ar", 0)] * b, [False] * b, ids))
+    current = "ar"
+    for _ in range(2):
+        assert policy.choose(views(current, False)) == [trial] * b
+        policy.observe(_round(truth, rng, [0.0] * b, [(trial.mode, trial.k)] * b, [current != "ssd"] * b, ids, rebuild=current != "ssd"))
+        current = "ssd"
+    assert 0 not in policy._trials.held and policy.snapshot()["rounds_explored"] == explored + 2
+
+
 # ------------------------------------------------------- batch > 1 on a real CPU target (issue 33, session 22)
 
 # SmolLM2-135M with its int4 self-draft, Ray, 1 thread a worker, 2 cores, as its rounds measured
@@ -1109,14 +1155,17 @@ def test_the_guard_judges_ssd_by_its_steady_rounds(monkeypatch):
     assert achieved(tokens, times, last=150) >= 0.8 * ssd, (achieved(tokens, times, last=150) / ssd, policy.snapshot()["guard_held"])
 
 
-def test_a_retest_that_waited_for_its_drafts_runs_when_they_are_ready(monkeypatch):
+@pytest.mark.parametrize("catch_up_rounds", [1, 6])
+def test_a_retest_that_waited_for_its_drafts_runs_when_they_are_ready(monkeypatch, catch_up_rounds):
     """The guard holds AR after SSD measured slow (a dear draft: the first 100 rounds);
     then the draft gets cheap (SSD wins by 1.4x). A re-test of SSD finds the drafts behind
-    (the sequences ran AR), so its round runs AR while they catch up: that re-test must run
-    on the next round rather than count as done — else every re-test is an AR round and
-    SSD is never measured again (session 22: each re-test found drafts 16 tokens behind)."""
-    slow = replace(SMOL_B8_ENTRY, entry_s=0.0, build_k=0.2, build_nk=0.05)
-    fast = replace(SMOL_B8_ENTRY, entry_s=0.0)
+    (the sequences ran AR), so its rounds run AR while they catch up: that re-test must run
+    once they have rather than count as done — else every re-test is an AR round and
+    SSD is never measured again (session 22: each re-test found drafts 16 tokens behind).
+    Also when the catch-up outlasts the rounds a re-test may wait for a steady round (8
+    sequences' missed tokens through the draft on CPU: several rounds)."""
+    slow = replace(SMOL_B8_ENTRY, entry_s=0.0, build_k=0.2, build_nk=0.05, catch_up_rounds=catch_up_rounds)
+    fast = replace(SMOL_B8_ENTRY, entry_s=0.0, catch_up_rounds=catch_up_rounds)
     temps = [0.7] * 8
     assert slow.rate(temps, [("ssd", 1)] * 8) < 0.8 * slow.rate(temps, [("ar", 0)] * 8) and fast.rate(temps, [("ssd", 1)] * 8) > 1.4 * fast.rate(temps, [("ar", 0)] * 8)
     policy = seeded(slow)

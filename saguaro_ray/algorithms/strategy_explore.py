@@ -85,8 +85,13 @@ class Trials:
             self.spent_s += excess
         self.rate = None
 
-    def age_holds(self) -> None:
-        self.held = {s: (c, left - 1) for s, (c, left) in self.held.items() if left > 1}
+    def age_holds(self, waiting: set[int]) -> None:
+        """One round of every exploration in progress has run — but for the sequences in
+        ``waiting``, whose round runs AR while their drafts catch up: it measured nothing of
+        the trial, which keeps its rounds (aged regardless, a trial held 2 rounds at batch 8
+        expired in the catch-up it had sent, which 8 sequences' missed tokens make longer than
+        a round: the catch-up's work was for nothing and the choice never measured)."""
+        self.held = {s: (c, left - (s not in waiting)) for s, (c, left) in self.held.items() if left > 1 or s in waiting}
 
     def held_round(self) -> None:
         """The round runs an exploration in progress: counted, and charged against its reference."""
@@ -140,6 +145,9 @@ class Trials:
         _, _, _, opt, alt = min(candidates)
         moved, trial, cost = trials[opt, alt]
         moved_groups = [groups[i] for i in moved]
+        # a lagging group's first trial round runs AR while its drafts catch up: the trial is
+        # held past it (and past every round the catch-up takes: age_holds)
+        wait = int(alt[0] != "ar" and any(g.lagging for g in moved_groups))
         rounds = 1
         if alt[0] == "ssd" and not all(g.in_ssd for g in moved_groups):
             # held past the entry (a forced miss that measures no hit rate) for enough lookups
@@ -153,5 +161,5 @@ class Trials:
         self.rate = self.ref = best  # held rounds are charged against the same rate
         for g in moved_groups:
             g.opt = alt
-            if rounds > 1:
-                self.held.update({s: (Choice(*alt), rounds - 1) for s in g.seq_ids})
+            if rounds - 1 + wait > 0:
+                self.held.update({s: (Choice(*alt), rounds - 1 + wait) for s in g.seq_ids})

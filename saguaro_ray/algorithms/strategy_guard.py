@@ -23,8 +23,9 @@ GUARD_DECAY = 0.9  # per round of an arm: its measured rate weighs its last ~10 
 GUARD_EVIDENCE = 3.0  # decayed rounds each arm needs before the guard compares them
 GUARD_MARGIN = 0.03  # speculation gives way only when it measures this much below AR
 GUARD_RETEST = 16  # a context held at AR lets the model's choice run at most once every this many rounds
-# a re-test whose rounds measured nothing steady (they waited for drafts to catch up, or rebuilt
-# SSD's cache) runs again on the next round, for at most this many rounds
+# a re-test whose rounds measured nothing steady (they rebuilt SSD's cache) runs again on the next
+# round, for at most this many rounds; rounds that wait for drafts to catch up are not counted (a
+# catch-up over 8 sequences outlasts several rounds: counted, it expired re-tests it was sent for)
 RETEST_PENDING = 4
 
 
@@ -68,7 +69,10 @@ class ARGuard:
         if batch > 0 and seconds > 0 and math.isfinite(seconds):
             self._ar_prior[batch.bit_length()] = batch / seconds
 
-    def hold(self, context: tuple[int, tuple[int, ...]], arm: tuple[tuple[str, int], ...], budget_s: float = math.inf, leave_s: float = 0.0) -> bool:
+    def hold(
+        self, context: tuple[int, tuple[int, ...]], arm: tuple[tuple[str, int], ...], budget_s: float = math.inf, leave_s: float = 0.0,
+        waiting: bool = False,
+    ) -> bool:
         """Should a speculating choice in ``context``, whose round would run ``arm``, give way to AR this round?
         Yes while AR measures faster — but for a re-test: at most every
         :data:`GUARD_RETEST`-th round, and only when ``budget_s`` (the policy's
@@ -78,7 +82,9 @@ class ARGuard:
         to have the rate speculation must beat, every :data:`GUARD_RETEST`-th
         round while AR's is not known yet — once ``budget_s`` covers
         ``leave_s``, what leaving the choice for a round costs (SSD's cache
-        rebuilt on return; then :attr:`measuring` is set and the policy pays it)."""
+        rebuilt on return; then :attr:`measuring` is set and the policy pays it).
+        ``waiting``: the round runs AR while drafts catch up — a re-test in progress
+        keeps its rounds (:data:`RETEST_PENDING` counts the rounds that could run it)."""
         self.retest_rate, self.measuring = None, False
         plain, spec = self._arms.get((context, ())), self._arms.get((context, arm))
         if (plain is None or plain[2] < GUARD_EVIDENCE) and context[0] in self._ar_prior:
@@ -97,7 +103,7 @@ class ARGuard:
         pending = self._retesting.pop((context, arm), None)
         if pending is not None and pending[0] == spec[2] and pending[1] > 0:
             # the re-test measured no steady round yet (a round the guard does not count): it runs again
-            self._retesting[context, arm] = (pending[0], pending[1] - 1)
+            self._retesting[context, arm] = (pending[0], pending[1] - (not waiting))
             self.retest_rate = plain[0] / plain[1]
             return False
         n = self._holds[context] = self._holds.get(context, 0) + 1

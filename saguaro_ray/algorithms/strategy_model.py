@@ -391,7 +391,8 @@ class AutoPolicy:
                 arm = ARGuard.arm([(c.mode, c.k) for c in choices] + [(c.mode, c.k) for _, c in fixed])
                 context = ARGuard.context(len(temps), temps)
                 # a re-test is paid from the budget, rebuild included
-                if self._guard.hold(context, arm, self._trials.budget_s - self._switch_full_s, self._leave_full_s):
+                waiting = any(v.lagging for v, c in zip(auto, choices) if c.mode != "ar")
+                if self._guard.hold(context, arm, self._trials.budget_s - self._switch_full_s, self._leave_full_s, waiting):
                     if self._guard.measuring:  # a round of AR to measure it: its cost is leaving (SSD's rebuild on return)
                         self._trials.budget_s -= self._leave_full_s
                     choices = [Choice("ar", 0) for _ in auto]
@@ -462,6 +463,7 @@ class AutoPolicy:
 
         out: list[Choice | None] = [None] * len(auto)
         held: list[tuple[SeqView, Choice]] = []
+        waiting: list[SeqView] = []
         groups: dict[tuple, Group] = {}
         for i, v in enumerate(auto):
             modes = self.modes.intersection(v.modes)
@@ -469,7 +471,10 @@ class AutoPolicy:
             hold = self._trials.held.get(v.seq_id)
             if hold is not None and hold[0].mode in modes and hold[0].k <= cap:
                 out[i] = hold[0]
-                held.append((v, hold[0]))
+                if v.lagging and hold[0].mode != "ar":
+                    waiting.append(v)  # runs AR while its drafts catch up: the trial waits
+                else:
+                    held.append((v, hold[0]))
                 continue
             b = temperature_bucket(v.temperature)
             scale = self._seq_scale(v.seq_id, curve(b)[2])
@@ -481,8 +486,8 @@ class AutoPolicy:
                 g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging, verify_k)
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
-        self._trials.age_holds()
-        fixed_all = (*fixed, *held)
+        self._trials.age_holds({v.seq_id for v in waiting})
+        fixed_all = (*fixed, *held, *((v, Choice("ar", 0)) for v in waiting))
         glist = list(groups.values())
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
         costs, rebuild, leave = self._costs(), self.rebuild_ratio, self.leave_ratio
