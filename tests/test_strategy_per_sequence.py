@@ -271,6 +271,7 @@ def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critic
     ar_rounds = CATCH_UP_TOKENS + 2
     catch_ups, real_propose = _spy_catch_ups(engine)
     engine.loop.assigner.policy, saved = ARThen(ar_rounds, engine.loop), engine.loop.assigner.policy
+    before = engine.loop.timeline.appended
     try:
         [r] = engine.generate([PROMPTS[1]], greedy(Strategy("auto", 2)))
     finally:
@@ -279,6 +280,8 @@ def test_a_switch_into_speculation_first_lets_the_drafts_catch_up_off_the_critic
     assert r.token_ids == ar_tokens[1]
     # the drafts took the prompt at prefill: the first SD pick sends them the prefill's token and ar_rounds more
     assert catch_ups and catch_ups[0] == len(PROMPTS[1]) + 1 + ar_rounds
+    rounds = list(engine.loop.timeline)[-(engine.loop.timeline.appended - before) :]
+    assert [rec.catch_up_sent for rec in rounds if rec.catch_up_sent] == [1 + ar_rounds]  # the round record says so
     assert r.stats["strategy"]["ar"] == ar_rounds + 1  # the pick that sent the catch-up ran AR, then SD ran
     assert r.stats["strategy"].get("sd", 0) > 0 and sum(r.stats["strategy"].values()) == r.stats["rounds"] - 1
 

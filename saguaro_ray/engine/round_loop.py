@@ -270,7 +270,7 @@ class RoundLoop:
         pending = self._catching_up.get(seq_id)
         return pending is not None and not all(f.done() for f in pending)
 
-    def drafts_ready(self, seqs: Sequence[SequenceState]) -> set[int]:
+    def drafts_ready(self, seqs: Sequence[SequenceState], rec: RoundRecord) -> set[int]:
         """The ids among ``seqs`` (``auto`` sequences picked to speculate this
         round) whose drafts can draft for them now without a catch-up on the
         critical path.
@@ -285,7 +285,8 @@ class RoundLoop:
         few tokens instead (the earlier design), the drafts worked beside every
         AR round of batches that never speculate: on a shared CPU those rounds'
         verification measured up to 1.3x slower. (The tokens of a round that
-        drafted are no lag: the drafts hold what they drafted.)"""
+        drafted are no lag: the drafts hold what they drafted.) ``rec`` gets the
+        tokens sent."""
         ready: set[int] = set()
         lagging: list[SequenceState] = []
         for s in seqs:
@@ -301,12 +302,17 @@ class RoundLoop:
             for s in lagging:
                 s.unseen_by_drafts = 0  # the catch-up's step carries every token up to the last
             self.catch_ups += len(lagging)
+            rec.catch_up_sent = sum(len(s.all_ids) - s.fed.get("draft", len(s.all_ids) - 1) for s in lagging)
             steps = [self.step(s, kind="draft") for s in lagging]
             futures = [d.submit("propose", steps, [0] * len(steps)) for d in ups]
             for d, f in zip(ups, futures):
                 f.add_done_callback(lambda f, name=d.name: caught_up(name, f))
             self._catching_up.update((s.seq_id, futures) for s in lagging)
         return ready
+
+    def catching_up(self) -> int:
+        """Sequences whose drafts' catch-up is still running."""
+        return sum(1 for i in self._catching_up if self._catch_up_pending(i))
 
     def _propose(self, seqs: list[SequenceState], rec: RoundRecord) -> tuple[list[Proposal], list[tuple[str, float]]]:
         """The proposals of the sequences that draft before verification (AR,

@@ -55,6 +55,10 @@ class RoundRecord:
     forwarded: bool = False  # SSD: the target placed this round's lookups itself (lookup_sent = verification's end)
     budget: int | None = None  # SSD with an auto fan-out: speculations built per sequence (per draft)
     ahead: bool = False  # SSD: the draft started this round's build itself, after the previous lookup
+    # auto: tokens sent to the drafts this round for sequences that ran AR (a catch-up), and the
+    # sequences whose catch-up was running as the round started (their drafts work beside it)
+    catch_up_sent: int = 0
+    catching_up: int = 0
     # auto's prediction for the round (None: no auto sequence, or a cold-start round): the option
     # it chose and the runner-up, each {"option", "tokens", "seconds"}, and "measured": what the
     # round then took (tokens emitted, wall seconds); see :func:`prediction_error`

@@ -64,7 +64,8 @@ class Assigner:
                 if s.seq_id in picks
             ]
             choices = self.policy.choose(views, fixed)  # type: ignore[union-attr]
-            ready = loop.drafts_ready([s for s, v, c in zip(auto, views, choices) if c.mode != "ar" and c.mode in v.modes])
+            ready = loop.drafts_ready([s for s, v, c in zip(auto, views, choices) if c.mode != "ar" and c.mode in v.modes], rec)
+            rec.catching_up = loop.catching_up()
             for s, v, c in zip(auto, views, choices):
                 mode = c.mode if s.seq_id in ready else "ar"  # ready: a drafting mode the sequence may run, drafts caught up
                 picks[s.seq_id] = (mode, 0 if mode == "ar" else max(1, min(c.k, loop.strategy_of(s).k or 1)))
