@@ -162,10 +162,11 @@ class Truth:
 
 def _round(
     truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False,
-    build_k: int | None = None,
+    build_k: int | None = None, sent: int = 0,
 ) -> RoundCosts:
     """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
-    ``catch_ups``, ``leaving``, ``build_k``: see :meth:`Truth.expected_time`)."""
+    ``catch_ups``, ``leaving``, ``build_k``: see :meth:`Truth.expected_time`; ``sent``: the
+    tokens the round sent the drafts to catch up)."""
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
     for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
@@ -200,7 +201,9 @@ def _round(
         if truth.backup == "neural" and misses:
             exposed += ssd_k * truth.step(misses) * noise()
     wall = verify + draft + exposed + truth.control(choices) * noise() + (truth.leave_s * noise() if leaving else 0.0)
-    return RoundCosts(len(choices), tokens, verify, max(sd, default=0), len(sd), draft, n_ssd, exposed, wall, tuple(seqs), build)
+    return RoundCosts(
+        len(choices), tokens, verify, max(sd, default=0), len(sd), draft, n_ssd, exposed, wall, tuple(seqs), build, sent, catch_ups
+    )
 
 
 def simulate(
@@ -236,12 +239,13 @@ def simulate(
                 if r and (r + i * lifetime // len(temps)) % lifetime == 0:
                     seq_ids[i], current[i], lag[i], plans[i], pending[i] = max(seq_ids) + 1, None, 0, (0, 0), 0
         lagging = [p > 0 or (bool(truth.catch_up) and n >= truth.catch_up) for p, n in zip(pending, lag)]
-        views = [SeqView(i, t, k_cap, modes, c, lg) for i, t, c, lg in zip(seq_ids, temps, current, lagging)]
+        views = [SeqView(i, t, k_cap, modes, c, lg, n) for i, t, c, lg, n in zip(seq_ids, temps, current, lagging, lag)]
         picked = [(c.mode, c.k) for c in policy.choose(views)]
         # a sequence whose drafts lag runs AR while they catch up (the engine's not-ready rounds):
         # picked to speculate, it sends them what they missed unless a catch-up already runs
         caught = [lg and m != "ar" for lg, (m, _) in zip(lagging, picked)]
         sent = [cu and not p for cu, p in zip(caught, pending)]
+        sent_tokens = sum(n for st, n in zip(sent, lag) if st)
         pending = [truth.catch_up_rounds if st else p for st, p in zip(sent, pending)]
         picked = [("ar", 0) if cu else p for cu, p in zip(caught, picked)]
         entering = [m == "ssd" and c != "ssd" for (m, _), c in zip(picked, current)]
@@ -255,7 +259,7 @@ def simulate(
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, ran, entering)))
         catching = sum(p > 0 for p in pending)
         times.append(truth.expected_time(temps, ran, entering, rebuild, catching, leaving, build_k))
-        policy.observe(_round(truth, rng, temps, ran, entering, seq_ids, rebuild, catching, leaving, build_k))
+        policy.observe(_round(truth, rng, temps, ran, entering, seq_ids, rebuild, catching, leaving, build_k, sent_tokens))
         plans = [(k, p1 if not en else k) if m == "ssd" else (0, 0) for (m, k), en, (p1, _) in zip(picked, entering, plans)]
         current = [m for m, _ in picked]
         lag = [0 if st or m != "ar" else n + 1 for st, (m, _), n in zip(sent, picked, lag)]
@@ -1071,6 +1075,33 @@ def test_a_trial_for_lagging_sequences_runs_once_their_drafts_caught_up():
         policy.observe(_round(truth, rng, [0.0] * b, [(trial.mode, trial.k)] * b, [current != "ssd"] * b, ids, rebuild=current != "ssd"))
         current = "ssd"
     assert 0 not in policy._trials.held and policy.snapshot()["rounds_explored"] == explored + 2
+
+
+@pytest.mark.parametrize("per_token", [0.0, 0.001], ids=["own-devices", "shared-cpu"])
+def test_a_catch_up_is_priced_by_what_it_slowed_and_by_its_size(per_token):
+    """Batch 8 where steady SSD at K = 1 beats AR by ~1.45x and auto runs it. A catch-up of
+    400 tokens then runs beside 5 AR rounds, slowing each one's verification (a shared CPU:
+    ``per_token`` seconds a token sent, all told) or not (drafts on devices of their own):
+    auto learns that cost, and a batch that ran AR prices the catch-up a switch into
+    speculation sends it by its size — 10 tokens behind a sequence it speculates; 400
+    behind (a catch-up of 3,200 tokens, ~3 s of slower rounds on the shared CPU, more than
+    SSD's gain over the rounds a choice holds) it stays in AR. Without slowed rounds the
+    catch-up is free and both speculate."""
+    truth, temps, ids = replace(SMOL_B8_ENTRY, entry_s=0.0), [0.7] * 8, list(range(8))
+    policy, history, *_ = simulate(truth, temps, rounds=100, policy=seeded(truth, explore=0.0))
+    assert history[-1] == [("ssd", 1)] * 8
+    rng = random.Random(0)
+    for r in range(5):
+        c = _round(truth, rng, temps, [("ar", 0)] * 8, [False] * 8, ids)
+        slowed = per_token * 400 / 5
+        policy.observe(replace(c, verify_s=c.verify_s + slowed, wall_s=c.wall_s + slowed, catch_up_sent=400 if r == 0 else 0, catching_up=8))
+    learnt = policy.snapshot()["catch_up_s_per_token"]
+    assert learnt == pytest.approx(per_token, abs=0.0003)
+    choices = {  # each asked of the same policy (a copy: a search's choice stands a few rounds)
+        unseen: copy.deepcopy(policy).choose([SeqView(100 + i, 0.7, MAX_K, ("ar", "sd", "ssd"), "ar", True, unseen) for i in ids])[0].mode
+        for unseen in (10, 400)
+    }
+    assert choices == {10: "ssd", 400: "ssd" if per_token == 0.0 else "ar"}, learnt
 
 
 # ------------------------------------------------------- batch > 1 on a real CPU target (issue 33, session 22)

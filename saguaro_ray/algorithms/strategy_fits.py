@@ -248,6 +248,32 @@ class ExcessRatio:
         return max(0.0, self.total / (self.count + 1.0))  # + 1: the prior's pseudo-round
 
 
+class CostPerUnit:
+    """Seconds per unit of work whose cost shows in other rounds than the one it is counted
+    in — a catch-up's tokens are sent in one round, the verifications the drafts' work slows
+    follow: decayed Σ seconds over decayed Σ units, both aged every round so they stay in one
+    window; 0 until a unit was counted (where the drafts work on devices of their own, the
+    seconds stay near 0 and so does the cost)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.seconds = 0.0
+        self.units = 0.0
+
+    def age(self) -> None:
+        self.seconds *= self.decay
+        self.units *= self.decay
+
+    def add(self, seconds: float = 0.0, units: float = 0.0) -> None:
+        if math.isfinite(seconds) and math.isfinite(units):
+            self.seconds += seconds
+            self.units += units
+
+    @property
+    def value(self) -> float:
+        return max(0.0, self.seconds / self.units) if self.units > 0.0 else 0.0
+
+
 class DecayedRate:
     """A decayed Bernoulli rate whose prior pseudo-count ages with the data (as :class:`Acceptance`)."""
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import Acceptance, EwLeastSquares, ExcessRatio, HitRates, KneeFit
+from saguaro_ray.algorithms.strategy_fits import Acceptance, CostPerUnit, EwLeastSquares, ExcessRatio, HitRates, KneeFit
 from saguaro_ray.algorithms.strategy_explore import Trials
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_search import (
@@ -146,6 +146,7 @@ class AutoPolicy:
         self._speculating: set[int] = set()  # auto sequences the round just chosen speculates with
         self._rebuild = ExcessRatio(_REBUILD_DECAY, COST_DECAY)  # a rebuild round's excess, in predicted builds
         self._leave = ExcessRatio(_REBUILD_DECAY, COST_DECAY)  # a round leaving SSD for SD: the same
+        self._catch_up = CostPerUnit(COST_DECAY)  # what the drafts' catch-ups slow verification by, per token sent
         self._observed = 0
         self._switch_full_s = 0.0  # seconds of rebuild the last choice pays in its round (a re-test's budget covers it)
         self._leave_full_s = 0.0  # ... and that a round of AR instead would cost (SSD's rebuild on return)
@@ -198,19 +199,23 @@ class AutoPolicy:
         with no build made ahead that fits) teaches
         the rebuild's cost and not the steady fits, a *leave* round (a sequence
         left SSD for SD) the wait for the build in flight and not the control
-        plane's; a round where a sequence chosen to speculate ran AR (its drafts
-        catching up), a rebuild round and a leave round are not what a choice runs
-        at steadily: the AR guard judges by the others."""
+        plane's; a round beside a catch-up of the drafts (sequences that ran AR sent
+        what they missed) teaches what the catch-ups slow verification by
+        (:meth:`_observe_catch_up`) and not the verification's fit; a round where a
+        sequence chosen to speculate ran AR (its drafts catching up), a rebuild round
+        and a leave round are not what a choice runs at steadily: the AR guard judges
+        by the others."""
         rebuild = self._rebuilt(costs.seqs)
         left = self._left(costs.seqs)
         leave = left[0] > 0
         self._rebuild.age()
         self._leave.age()
-        caught_up = any(r.seq_id in self._speculating and r.mode == "ar" for r in costs.seqs)
+        caught_up = costs.catching_up > 0 or any(r.seq_id in self._speculating and r.mode == "ar" for r in costs.seqs)
         if rebuild:
             self._observe_switch(costs, self._rebuild)
         elif leave:
             self._observe_switch(costs, self._leave, left)
+        self._observe_catch_up(costs)
         if costs.seqs and not rebuild and not leave and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
@@ -220,7 +225,7 @@ class AutoPolicy:
             )
         self._observed += 1
         self._trials.charge(costs)
-        if costs.verify_tokens > 0 and costs.verify_s >= 0.0:
+        if costs.verify_tokens > 0 and costs.verify_s >= 0.0 and not costs.catching_up:
             self._verify.add(costs.verify_tokens, costs.batch, costs.verify_s, costs.ssd_batch > 0)
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
         if steps > 0:
@@ -296,6 +301,22 @@ class AutoPolicy:
         of the builds the round waited for for them ((0, 0): none left)."""
         ks = [st.ssd_k for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k]
         return len(ks), max(ks, default=0)
+
+    def _observe_catch_up(self, costs: RoundCosts) -> None:
+        """A catch-up's tokens go through the drafts beside the next rounds' verifications:
+        where they share the machine with the target (CPU: 5-15 % slower verifications for
+        ~10 rounds after 8 sequences' catch-up) those rounds' verification beyond what the
+        fit predicts is what the catch-ups cost, per token sent."""
+        self._catch_up.age()
+        self._catch_up.add(units=float(costs.catch_up_sent))
+        if costs.catching_up and costs.verify_tokens > 0 and self._verify.theta is not None:
+            predicted = self._costs().verify_s(costs.verify_tokens, costs.batch, costs.ssd_batch > 0)
+            self._catch_up.add(seconds=costs.verify_s - predicted)  # unclamped: noise both ways
+
+    @property
+    def catch_up_s(self) -> float:
+        """What a catch-up costs the rounds beside it, per token sent."""
+        return self._catch_up.value
 
     def _observe_switch(self, costs: RoundCosts, ratio: ExcessRatio, left: tuple[int, int] = (0, 0)) -> None:
         """What a switching round took beyond the steady round the model predicts for
@@ -486,24 +507,25 @@ class AutoPolicy:
                 g = groups[key] = Group(b, scale, cap, modes, v.current == "ssd", ssd_k, v.lagging, verify_k)
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
+            g.unseen += v.unseen if v.lagging else 0
         self._trials.age_holds({v.seq_id for v in waiting})
         fixed_all = (*fixed, *held, *((v, Choice("ar", 0)) for v in waiting))
         glist = list(groups.values())
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
-        costs, rebuild, leave = self._costs(), self.rebuild_ratio, self.leave_ratio
+        costs, rebuild, leave, catch_up = self._costs(), self.rebuild_ratio, self.leave_ratio, self.catch_up_s
 
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
             self._reuse = (shape, self._reuse[1] - 1, self._reuse[2], self._reuse[3])
             for g, opt in zip(glist, self._reuse[2]):
                 g.opt = opt
-                g.price_switches(costs, len(auto), rebuild, leave)
+                g.price_switches(costs, len(auto), rebuild, leave, catch_up)
             self.prediction = self._reuse[3]
         else:
             for g in glist:
                 alphas, miss, _, hits = curve(g.bucket)
                 fill_values(g, alphas, miss, hits.values, hits.pooled.value)
-                g.price_switches(costs, len(auto), rebuild, leave)
+                g.price_switches(costs, len(auto), rebuild, leave, catch_up)
             base = self._fixed_load(fixed_all, curve)
             best = self._last_rate = optimise(glist, base, costs, self._last_rate)
             searched = [g.opt for g in glist]
@@ -610,6 +632,7 @@ class AutoPolicy:
             "predicted_tokens_per_s": self._last_rate,  # what the last search expected of its choice
             "rebuild_ratio": self.rebuild_ratio,  # a rebuild round's time beyond a steady one, in predicted builds
             "leave_ratio": self.leave_ratio,  # a round leaving SSD for SD: the same
+            "catch_up_s_per_token": self.catch_up_s,  # what the drafts' catch-ups slow verifications by
             "guard_held": self._guard.held,  # rounds whose speculating choice gave way to AR (measuring it, or faster)
         }
 

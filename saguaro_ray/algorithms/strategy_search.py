@@ -141,7 +141,7 @@ class Group:
 
     __slots__ = (
         "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "verify_k", "lagging", "members", "seq_ids", "hit", "hit_pooled",
-        "e_sd", "e_ssd", "entry", "leave", "rebuild_s", "raise_s", "leave_s", "opt",
+        "e_sd", "e_ssd", "entry", "leave", "rebuild_s", "raise_s", "leave_s", "unseen", "catch_up_s", "opt",
     )
 
     def __init__(
@@ -172,17 +172,21 @@ class Group:
         # the new K beside a verification of the old one (the build's longer overrun, not hidden)
         self.raise_s: list[float] = [0.0] * (cap + 1)
         self.leave_s = 0.0  # seconds per member of a round that leaves SSD for SD (the build in flight)
+        self.unseen = 0  # lagging: the tokens its members' drafts are to be sent (the catch-up)
+        self.catch_up_s = 0.0  # seconds per member that the catch-up a switch into speculation sends costs
         self.opt: tuple[str, int] = ("ar", 0)
 
-    def price_switches(self, costs: Costs, n: int, rebuild: float, leave: float) -> None:
+    def price_switches(self, costs: Costs, n: int, rebuild: float, leave: float, catch_up: float = 0.0) -> None:
         """What switching costs this group, per member, in a round of ``n`` auto sequences
-        (``rebuild``, ``leave``: what such rounds took beyond a steady one, in predicted builds).
+        (``rebuild``, ``leave``: what such rounds took beyond a steady one, in predicted builds;
+        ``catch_up``: what a catch-up slows the rounds beside it by, per token sent).
 
         A rebuild's fixed part is shared by every sequence that rebuilds in the round: per
         member, the batch's (charged to a group alone, it kept small groups out of SSD); so is
         the wait for the build in flight when the group leaves SSD for SD, and a raise of K in
         SSD: the next round builds at the new K beside a verification of the old one (SmolLM2
         at batch 8, K 1 -> 5: that round took 573 ms where its neighbours took 200)."""
+        self.catch_up_s = catch_up * self.unseen / len(self.members) if self.members else 0.0
         self.rebuild_s = [0.0] + [rebuild * costs.build_s(n, k) / n for k in range(1, self.cap + 1)]
         self.leave_s = leave * costs.build_s(n, self.ssd_k) / n if self.in_ssd and self.ssd_k else 0.0
         self.raise_s = [0.0] * (self.cap + 1)
@@ -207,12 +211,16 @@ class Group:
         what the build made ahead assumed and puts the new K in the next round's
         plan; a raised K is verified two rounds on, and the round between builds
         at it beside a verification of the old K (:attr:`raise_s`). A lowered K is
-        free: the next round's verification clips to it."""
+        free: the next round's verification clips to it. Speculation after AR rounds
+        first sends the drafts what they missed (:attr:`catch_up_s`): on a shared
+        machine that work slows the rounds beside it, and it grows with the AR rounds
+        (8 sequences 100 tokens behind: ~800 tokens through the draft)."""
         mode, k = opt
+        catch_up = self.catch_up_s if mode != "ar" else 0.0
         if mode == "ssd":
-            return (self.raise_s[k] if self.in_ssd else self.rebuild_s[k]) / SWITCH_HORIZON
+            return ((self.raise_s[k] if self.in_ssd else self.rebuild_s[k]) + catch_up) / SWITCH_HORIZON
         if not self.in_ssd:
-            return 0.0
+            return catch_up / SWITCH_HORIZON
         return (self.rebuild_s[min(self.ssd_k, self.cap)] + (self.leave_s if mode == "sd" else 0.0)) / SWITCH_HORIZON
 
     def excursion(self, opt: tuple[str, int]) -> tuple[float, float]:
@@ -387,8 +395,8 @@ def linearised(
     total_weight = sum(weights)
     per_group = []
     for g, inc, w in zip(groups, incumbent, weights):
-        leave_s = g.switch_s(("ar", 0))
-        sd = [g.e_sd[k] - g.leave - lam * (b_tok * (k + 1) + leave_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+        leave_s, sd_s = g.switch_s(("ar", 0)), g.switch_s(("sd", 1))
+        sd = [g.e_sd[k] - g.leave - lam * (b_tok * (k + 1) + sd_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
         ssd = (
             [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k + g.switch_s(("ssd", k))) for k in range(1, g.cap + 1)]
             if "ssd" in g.modes

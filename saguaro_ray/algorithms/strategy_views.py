@@ -33,8 +33,9 @@ class SeqView:
     ``current``: the mode it ran last round (None: new) — leaving ``ssd``
     drops its cached speculation, entering it costs a backup proposal.
     ``lagging``: its drafts have not seen the tokens of its last AR rounds
-    (the engine's catch-up threshold): chosen to speculate, it runs AR once
-    more while they catch up."""
+    (the engine's catch-up threshold), or are still taking them: chosen to
+    speculate, it runs AR while they catch up. ``unseen``: the tokens its
+    drafts would be sent to catch up now (what the catch-up's work grows with)."""
 
     seq_id: int
     temperature: float
@@ -42,10 +43,13 @@ class SeqView:
     modes: tuple[str, ...]
     current: str | None
     lagging: bool = False
+    unseen: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_cap, int) or self.k_cap < 0:
             raise ConfigError(f"SeqView.k_cap must be an integer >= 0, got {self.k_cap!r}")
+        if not isinstance(self.unseen, int) or self.unseen < 0:
+            raise ConfigError(f"SeqView.unseen must be an integer >= 0, got {self.unseen!r}")
         if "ar" not in self.modes or any(m not in AUTO_MODES for m in self.modes):
             raise ConfigError(f"SeqView.modes must include 'ar' and name only {', '.join(AUTO_MODES)}; got {self.modes!r}")
 
@@ -111,6 +115,8 @@ class RoundCosts:
     wall_s: float  # the whole round as the coordinator saw it
     seqs: tuple[SeqResult, ...]
     ssd_build_s: float = math.nan  # when the SSD build ended, from verification's start (NaN: none this round)
+    catch_up_sent: int = 0  # tokens sent to the drafts this round to catch up sequences that ran AR
+    catching_up: int = 0  # sequences whose drafts' catch-up ran beside this round
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,13 @@ class RoundLoop:
         self.timeline.append(rec)
         return self._retire(running)
 
+    @staticmethod
+    def catch_up_size(s: SequenceState) -> int:
+        """The tokens a draft step for ``s`` would carry now (:meth:`step`, ``kind="draft"``):
+        a catch-up's work (``s.unseen_by_drafts`` counts only its AR rounds' tokens, the
+        catch-up threshold's measure)."""
+        return len(s.all_ids) - s.fed.get("draft", len(s.all_ids) - 1)
+
     def lagging(self, s: SequenceState) -> bool:
         """Would ``s``, picked to speculate now, run AR while its drafts catch up
         (:meth:`drafts_ready`)? What ``auto`` charges a switch out of AR."""
@@ -302,7 +309,7 @@ class RoundLoop:
             for s in lagging:
                 s.unseen_by_drafts = 0  # the catch-up's step carries every token up to the last
             self.catch_ups += len(lagging)
-            rec.catch_up_sent = sum(len(s.all_ids) - s.fed.get("draft", len(s.all_ids) - 1) for s in lagging)
+            rec.catch_up_sent = sum(self.catch_up_size(s) for s in lagging)
             steps = [self.step(s, kind="draft") for s in lagging]
             futures = [d.submit("propose", steps, [0] * len(steps)) for d in ups]
             for d, f in zip(ups, futures):

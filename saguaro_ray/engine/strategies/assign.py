@@ -55,7 +55,10 @@ class Assigner:
         if auto:
             modes = loop.menu.auto_modes if loop.draft_up else ("ar",)
             views = [
-                SeqView(s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s))
+                SeqView(
+                    s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s),
+                    loop.catch_up_size(s),
+                )
                 for s in auto
             ]
             fixed = [
@@ -125,6 +128,8 @@ class Assigner:
                 wall_s=parts["wall"],
                 seqs=tuple(seqs),
                 ssd_build_s=rec.build[1] - rec.verify[0] if rec.build is not None and n_ssd else math.nan,
+                catch_up_sent=rec.catch_up_sent,
+                catching_up=rec.catching_up,
             )
         )
 
