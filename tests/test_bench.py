@@ -452,9 +452,12 @@ def test_auto_rows_report_their_prediction_error_from_the_timeline():
             rd["auto"] = {"chosen": {"option": "sd:3", "tokens": 3.3, "seconds": 0.005}, "runner_up": None}
     rounds.append({**rounds[-1], "prefill": True})  # an admission round is no decode round
     # a round whose speculating pick ran AR while its drafts caught up: counted apart, not compared
-    rounds.append({**rounds[-2], "auto": {**rounds[-2]["auto"], "not_ready": 1}, "end": rounds[-2]["end"] + 1.0})
+    # ... it sent 24 tokens; a catch-up ran beside it and beside one other round
+    rounds.append({**rounds[-2], "auto": {**rounds[-2]["auto"], "not_ready": 1}, "end": rounds[-2]["end"] + 1.0, "catch_up_sent": 24, "catching_up": 3})
+    rounds[-3]["catching_up"] = 3
     pred = prediction_error(rounds)
     assert pred["rounds"] == 8 and pred["not_ready_rounds"] == 1 and pred["seconds_ratio"] == pytest.approx(1.25) and pred["seconds_error"] == pytest.approx(0.25)
+    assert pred["catch_up_tokens"] == 24 and pred["catch_up_rounds"] == 2
     assert pred["tokens_error"] == pytest.approx(0.1)
     assert prediction_error(_rounds(3, 0.004, 0.003)) is None
     auto, sd = summarise([_run("auto", "ray", rounds, 16, 8, 500.0), _run("sd:3", "ray", rounds, 16, 8, 480.0)])

@@ -148,13 +148,16 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
     auto expected its rounds faster than they ran), and how many rounds were compared.
     A round where some sequence auto chose to speculate ran AR while its drafts caught up
     did not run what was predicted: it is counted apart (``not_ready_rounds``), not
-    compared. None when no round carries a prediction."""
-    secs, toks, not_ready = [], [], 0
+    compared; so are the catch-ups' tokens and the rounds that ran beside one
+    (``catch_up_tokens``, ``catch_up_rounds``). None when no round carries a prediction."""
+    secs, toks, not_ready, caught, beside = [], [], 0, 0, 0
     for r in rounds:
         get = r.get if isinstance(r, Mapping) else lambda name, r=r: getattr(r, name)
         pred = get("auto")
         if not pred or get("prefill"):
             continue
+        caught += get("catch_up_sent") or 0
+        beside += bool(get("catching_up"))
         if pred.get("not_ready"):
             not_ready += 1
             continue
@@ -169,6 +172,8 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
     return {
         "rounds": float(len(secs)),
         "not_ready_rounds": float(not_ready),
+        "catch_up_tokens": float(caught),
+        "catch_up_rounds": float(beside),
         "seconds_error": statistics.median(abs(x - 1.0) for x in secs),
         "seconds_ratio": statistics.fmean(secs),
         "tokens_error": statistics.median(abs(x - 1.0) for x in toks) if toks else math.nan,
