@@ -1077,6 +1077,16 @@ def test_a_trial_for_lagging_sequences_runs_once_their_drafts_caught_up():
     assert 0 not in policy._trials.held and policy.snapshot()["rounds_explored"] == explored + 2
 
 
+def _catch_up_beside_ar(policy: AutoPolicy, truth: Truth, rng: random.Random, temps: list[float], per_token: float) -> None:
+    """A catch-up of 400 tokens sent in an AR round of the batch, beside it and the next 4:
+    each verification slowed by a fifth of ``per_token`` × 400 seconds."""
+    n = len(temps)
+    for r in range(5):
+        c = _round(truth, rng, temps, [("ar", 0)] * n, [False] * n, list(range(n)))
+        slowed = per_token * 400 / 5
+        policy.observe(replace(c, verify_s=c.verify_s + slowed, wall_s=c.wall_s + slowed, catch_up_sent=400 if r == 0 else 0, catching_up=n))
+
+
 @pytest.mark.parametrize("per_token", [0.0, 0.001], ids=["own-devices", "shared-cpu"])
 def test_a_catch_up_is_priced_by_what_it_slowed_and_by_its_size(per_token):
     """Batch 8 where steady SSD at K = 1 beats AR by ~1.45x and auto runs it. A catch-up of
@@ -1090,11 +1100,7 @@ def test_a_catch_up_is_priced_by_what_it_slowed_and_by_its_size(per_token):
     truth, temps, ids = replace(SMOL_B8_ENTRY, entry_s=0.0), [0.7] * 8, list(range(8))
     policy, history, *_ = simulate(truth, temps, rounds=100, policy=seeded(truth, explore=0.0))
     assert history[-1] == [("ssd", 1)] * 8
-    rng = random.Random(0)
-    for r in range(5):
-        c = _round(truth, rng, temps, [("ar", 0)] * 8, [False] * 8, ids)
-        slowed = per_token * 400 / 5
-        policy.observe(replace(c, verify_s=c.verify_s + slowed, wall_s=c.wall_s + slowed, catch_up_sent=400 if r == 0 else 0, catching_up=8))
+    _catch_up_beside_ar(policy, truth, random.Random(0), temps, per_token)
     learnt = policy.snapshot()["catch_up_s_per_token"]
     assert learnt == pytest.approx(per_token, abs=0.0003)
     choices = {  # each asked of the same policy (a copy: a search's choice stands a few rounds)
@@ -1102,6 +1108,26 @@ def test_a_catch_up_is_priced_by_what_it_slowed_and_by_its_size(per_token):
         for unseen in (10, 400)
     }
     assert choices == {10: "ssd", 400: "ssd" if per_token == 0.0 else "ar"}, learnt
+
+
+@pytest.mark.parametrize("per_token,unseen,trial", [(0.0, 100, True), (0.001, 10, True), (0.001, 100, False)])
+def test_a_trial_for_lagging_sequences_pays_the_catch_up_it_would_send(per_token, unseen, trial):
+    """Batch 8 where AR wins, its sequences ``unseen`` tokens ahead of their drafts: a trial of
+    speculation would first send a catch-up of 8 × ``unseen`` tokens. Free (drafts on devices
+    of their own) or small, trials come within the first rounds; at 1 ms a token (SmolLM2's
+    int4 draft beside its target on 2 cores: 2,000 tokens slowed 35 rounds by 75 ms) a catch-up
+    of 800 tokens costs more than a trial's measurement is worth: none in 150 rounds."""
+    truth = replace(SMOL_CPU, step_c=0.06, step_d=0.015, build_k=0.06, build_nk=0.02, ssd_base=0.03)
+    temps, ids, rng = [0.0] * 8, list(range(8)), random.Random(1)
+    policy = seeded(truth, explore=0.3)
+    _catch_up_beside_ar(policy, truth, rng, temps, per_token)
+    tried = False
+    for _ in range(150):
+        if policy.choose([SeqView(i, 0.0, MAX_K, ("ar", "sd", "ssd"), "ar", True, unseen) for i in ids])[0].mode != "ar":
+            tried = True
+            break
+        policy.observe(_round(truth, rng, temps, [("ar", 0)] * 8, [False] * 8, ids))
+    assert tried == trial, policy.catch_up_s
 
 
 # ------------------------------------------------------- batch > 1 on a real CPU target (issue 33, session 22)

@@ -159,6 +159,10 @@ class Trials:
         log.debug("auto explores %s instead of %s for %d sequence(s)", alt, opt, sum(len(g.members) for g in moved_groups))
         self.explored += 1
         self.rate = self.ref = best  # held rounds are charged against the same rate
+        # the catch-up a lagging group's trial sends slows rounds that are not the trial's: paid now
+        catch_up = sum(len(g.members) * g.catch_up_s for g in moved_groups if alt[0] != "ar")
+        self.budget_s -= catch_up
+        self.spent_s += catch_up
         for g in moved_groups:
             g.opt = alt
             if rounds - 1 + wait > 0:

@@ -572,9 +572,12 @@ class AutoPolicy:
         return self._after.weight if mode == "ssd" else self._plain
 
     def _optimistic(self, g: Group) -> Group:
-        """``g`` valued with its bucket's acceptance and hit rates at their upper bounds."""
-        up = Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd)
+        """``g`` valued with its bucket's acceptance and hit rates at their upper bounds, its
+        switches priced as ``g``'s (a catch-up of 800 tokens made a trial look free)."""
+        up = Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd, g.ssd_k, g.lagging, g.verify_k)
         up.members = g.members
+        # the choice, if its rates hold, is kept: its switch is amortised as any choice's
+        up.rebuild_s, up.raise_s, up.leave_s, up.catch_up_s = g.rebuild_s, g.raise_s, g.leave_s, g.catch_up_s
         hits = self._hit[g.bucket]
         fill_values(up, self._accept[g.bucket].upper(), self._miss[g.bucket].upper(), hits.upper, hits.pooled.upper())
         return up
