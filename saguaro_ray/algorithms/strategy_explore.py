@@ -3,8 +3,9 @@
 Without trials a K or mode not run lately would be judged forever by stale numbers; with too
 many, auto pays for them (``docs/auto.md``, "Exploration"). :class:`Trials` keeps the budget
 (``explore`` of the wall time observed, less what trials measured beyond the rate of the choice
-they displaced), the count of rounds that explored, and the explorations in progress (an SSD
-entry is held for a few rounds: its first measures no hit rate); :meth:`Trials.try_explore`
+they displaced and the catch-ups they sent), the count of rounds that explored, and the
+explorations in progress (an SSD entry is held for a few rounds: its first measures no hit rate;
+a trial waits while its drafts catch up); :meth:`Trials.try_explore`
 picks the most promising neighbouring choice of the search's, priced by the round-time model of
 :mod:`~saguaro_ray.algorithms.strategy_search`.
 """
