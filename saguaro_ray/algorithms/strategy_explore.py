@@ -161,7 +161,7 @@ class Trials:
         self.explored += 1
         self.rate = self.ref = best  # held rounds are charged against the same rate
         # the catch-up a lagging group's trial sends slows rounds that are not the trial's: paid now
-        catch_up = sum(len(g.members) * g.catch_up_s for g in moved_groups if alt[0] != "ar")
+        catch_up = sum(len(g.members) * g.catch_up_s for g in moved_groups) if alt[0] != "ar" else 0.0
         self.budget_s -= catch_up
         self.spent_s += catch_up
         for g in moved_groups:

@@ -21,7 +21,7 @@ linearises exactly the model it evaluates), the trials and their budget
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
 :mod:`~saguaro_ray.algorithms.strategy_guard`, and the data the engine and
 the policy exchange :mod:`~saguaro_ray.algorithms.strategy_views`. What is
-left here (~570 lines) is one concept, the policy's state and its use: every
+left here (~600 lines) is one concept, the policy's state and its use: every
 fit, the per-sequence statistics, the sequences entering, rebuilding or leaving SSD and
 what switching costs are read by the choice and written by the observation of
 the round it made; split apart, each half would reach into the other's state.
@@ -29,6 +29,7 @@ the round it made; split apart, each half would reach into the other's state.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -574,10 +575,9 @@ class AutoPolicy:
     def _optimistic(self, g: Group) -> Group:
         """``g`` valued with its bucket's acceptance and hit rates at their upper bounds, its
         switches priced as ``g``'s (a catch-up of 800 tokens made a trial look free)."""
-        up = Group(g.bucket, g.scale, g.cap, g.modes, g.in_ssd, g.ssd_k, g.lagging, g.verify_k)
-        up.members = g.members
-        # the choice, if its rates hold, is kept: its switch is amortised as any choice's
-        up.rebuild_s, up.raise_s, up.leave_s, up.catch_up_s = g.rebuild_s, g.raise_s, g.leave_s, g.catch_up_s
+        # a copy: the choice, if its rates hold, is kept, so its switch is amortised as any
+        # choice's; fill_values replaces (never mutates) the values it computes
+        up = copy.copy(g)
         hits = self._hit[g.bucket]
         fill_values(up, self._accept[g.bucket].upper(), self._miss[g.bucket].upper(), hits.upper, hits.pooled.upper())
         return up
