@@ -80,26 +80,34 @@ class Truth:
     # on 2 cores: a quarter of them 500-670 ms against 280-390); verify() is the mean
     slow_p: float = 0.0
     slow_x: float = 1.0
+    # what the tokens a sequence holds cost the calls that attend them: seconds per token held by
+    # a verification's sequences and by its rows (Σ (K + 1)·held), and per draft (or tree) step and
+    # token held; a sequence starts holding ``prompt`` tokens and holds every token it emits
+    ctx_seq: float = 0.0
+    ctx_tok: float = 0.0
+    ctx_step: float = 0.0
+    prompt: int = 0
 
-    def verify(self, tokens: float, n: int = 0) -> float:
-        return self.fast_verify(tokens, n) * (1.0 + self.slow_p * (self.slow_x - 1.0))
+    def verify(self, tokens: float, n: int = 0, held: float = 0.0, held_rows: float = 0.0) -> float:
+        return self.fast_verify(tokens, n, held, held_rows) * (1.0 + self.slow_p * (self.slow_x - 1.0))
 
-    def fast_verify(self, tokens: float, n: int = 0) -> float:
-        return self.ver_a + self.ver_b * max(0.0, tokens - self.knee) + self.ver_seq * n
+    def fast_verify(self, tokens: float, n: int = 0, held: float = 0.0, held_rows: float = 0.0) -> float:
+        return self.ver_a + self.ver_b * max(0.0, tokens - self.knee) + self.ver_seq * n + self.ctx_seq * held + self.ctx_tok * held_rows
 
-    def verify_law(self, tokens: float, n: int) -> list[tuple[float, float]]:
+    def verify_law(self, tokens: float, n: int, held: float = 0.0, held_rows: float = 0.0) -> list[tuple[float, float]]:
         """(probability, seconds) of a verification's two regimes."""
-        fast = self.fast_verify(tokens, n)
+        fast = self.fast_verify(tokens, n, held, held_rows)
         return [(1.0 - self.slow_p, fast), (self.slow_p, fast * self.slow_x)]
 
-    def step(self, n: float) -> float:
-        return self.step_c + self.step_d * n
+    def step(self, n: float, ctx: float = 0.0) -> float:
+        """A draft step over ``n`` sequences holding ``ctx`` tokens between them."""
+        return self.step_c + self.step_d * n + self.ctx_step * ctx
 
     def hit_at(self, t: float, k: int) -> float:
         return max(0.05, self.hit[t] - self.hit_drop * max(0, k - self.hit_knee))
 
-    def build(self, n_ssd: int, k_max: int) -> float:
-        return k_max * (self.build_k + self.build_nk * n_ssd)
+    def build(self, n_ssd: int, k_max: int, ctx: float = 0.0) -> float:
+        return k_max * (self.build_k + self.build_nk * n_ssd + self.ctx_step * ctx)
 
     def tokens_of(self, t: float, mode: str, k: int, entering: bool) -> float:
         """Expected emitted tokens of one sequence (an SSD entry is a forced miss)."""
@@ -123,26 +131,31 @@ class Truth:
         n_ssd = sum(m == "ssd" for m, _ in choices)
         return t + (self.ctl_ssd + self.ctl_ssd_seq * n_ssd**self.ssd_power if n_ssd else 0.0)
 
-    def drafting(self, choices: list[tuple[str, int]]) -> float:
-        sd = [k for m, k in choices if m == "sd"]
-        return self.draft_r + max(sd) * self.step(len(sd)) if sd else 0.0
+    def drafting(self, choices: list[tuple[str, int]], contexts: list[int] | None = None) -> float:
+        sd = [(k, c) for (m, k), c in zip(choices, contexts or [0] * len(choices)) if m == "sd"]
+        return self.draft_r + max(k for k, _ in sd) * self.step(len(sd), sum(c for _, c in sd)) if sd else 0.0
 
     def expected_time(
         self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool], rebuild: bool = False, catch_ups: int = 0,
-        leaving: bool = False, build_k: int | None = None,
+        leaving: bool = False, build_k: int | None = None, contexts: list[int] | None = None,
     ) -> float:
         """``rebuild``: a sequence enters SSD (:attr:`entry_s`);
         ``catch_ups``: sequences whose drafts are catching up this round (:attr:`catch_up_s`);
         ``leaving``: a sequence left SSD for SD (:attr:`leave_s`);
-        ``build_k``: the K the round's SSD build is for (None: the largest verified)."""
+        ``build_k``: the K the round's SSD build is for (None: the largest verified);
+        ``contexts``: the tokens each sequence holds (None: none)."""
+        contexts = contexts or [0] * len(choices)
         tokens = sum(k + 1 for _, k in choices)
+        held_rows = sum((k + 1) * c for (_, k), c in zip(choices, contexts))
         extra = self.catch_up_s if catch_ups else 0.0
-        verify = self.verify(tokens, len(choices)) + extra
-        t = self.control(choices) + verify + self.drafting(choices) + (self.leave_s if leaving else 0.0)
+        verify = self.verify(tokens, len(choices), sum(contexts), held_rows) + extra
+        t = self.control(choices) + verify + self.drafting(choices, contexts) + (self.leave_s if leaving else 0.0)
         ssd = [(temps[i], k, entering[i]) for i, (m, k) in enumerate(choices) if m == "ssd"]
         if ssd:
-            build = self.build(len(ssd), build_k or max(k for _, k, _ in ssd)) + (self.entry_s if rebuild else 0.0)
-            t += self.ssd_base + sum(p * max(0.0, build - v - extra) for p, v in self.verify_law(tokens, len(choices)))
+            ssd_ctx = sum(c for (m, _), c in zip(choices, contexts) if m == "ssd")
+            build = self.build(len(ssd), build_k or max(k for _, k, _ in ssd), ssd_ctx) + (self.entry_s if rebuild else 0.0)
+            law = self.verify_law(tokens, len(choices), sum(contexts), held_rows)
+            t += self.ssd_base + sum(p * max(0.0, build - v - extra) for p, v in law)
             if self.backup == "neural":
                 miss = [1.0 if e else 1.0 - self.hit_at(tt, k) for tt, k, e in ssd]
                 p_any = 1.0 - math.prod(1.0 - m for m in miss)
@@ -150,26 +163,31 @@ class Truth:
                 t += k_max * (self.step_c * p_any + self.step_d * sum(miss))
         return t
 
-    def rate(self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool] | None = None) -> float:
+    def rate(
+        self, temps: list[float], choices: list[tuple[str, int]], entering: list[bool] | None = None, contexts: list[int] | None = None
+    ) -> float:
         entering = entering or [False] * len(choices)
         e = sum(self.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, choices, entering))
-        return e / self.expected_time(temps, choices, entering)
+        return e / self.expected_time(temps, choices, entering, contexts=contexts)
 
-    def best_fixed(self, temps: list[float], modes: tuple[str, ...] = ("ar", "sd", "ssd")) -> tuple[float, tuple[str, int]]:
+    def best_fixed(
+        self, temps: list[float], modes: tuple[str, ...] = ("ar", "sd", "ssd"), contexts: list[int] | None = None
+    ) -> tuple[float, tuple[str, int]]:
         options = [("ar", 0)] + [(m, k) for m in ("sd", "ssd") if m in modes for k in range(1, MAX_K + 1)]
-        return max((self.rate(temps, [o] * len(temps)), o) for o in options)
+        return max((self.rate(temps, [o] * len(temps), contexts=contexts), o) for o in options)
 
 
 def _round(
     truth: Truth, rng: random.Random, temps, choices, entering, seq_ids, rebuild: bool = False, catch_ups: int = 0, leaving: bool = False,
-    build_k: int | None = None, sent: int = 0,
+    build_k: int | None = None, sent: int = 0, contexts: list[int] | None = None,
 ) -> RoundCosts:
     """One sampled round under ``truth`` (what the engine would report; ``rebuild``,
-    ``catch_ups``, ``leaving``, ``build_k``: see :meth:`Truth.expected_time`; ``sent``: the
-    tokens the round sent the drafts to catch up)."""
+    ``catch_ups``, ``leaving``, ``build_k``, ``contexts``: see :meth:`Truth.expected_time`;
+    ``sent``: the tokens the round sent the drafts to catch up)."""
+    contexts = contexts or [0] * len(choices)
     noise = lambda: math.exp(rng.gauss(0.0, truth.noise))  # noqa: E731
     seqs, misses, ssd_k = [], 0, 0
-    for sid, t, (m, k), en in zip(seq_ids, temps, choices, entering):
+    for sid, t, (m, k), en, held in zip(seq_ids, temps, choices, entering, contexts):
         hit = source = None
         a = truth.alpha[t]
         if m == "ssd":
@@ -187,16 +205,18 @@ def _round(
         acc = 0
         while acc < k and rng.random() < a:
             acc += 1
-        seqs.append(SeqResult(sid, t, m, k, acc, hit, source, built=(build_k or k) if m == "ssd" else 0))
+        seqs.append(SeqResult(sid, t, m, k, acc, hit, source, built=(build_k or k) if m == "ssd" else 0, context=held))
     tokens = sum(k + 1 for _, k in choices)
+    held_rows = sum((k + 1) * c for (_, k), c in zip(choices, contexts))
     slow = truth.slow_x if truth.slow_p and rng.random() < truth.slow_p else 1.0  # no draw without: other tests' streams stay
-    verify = (truth.fast_verify(tokens, len(choices)) * slow + (truth.catch_up_s if catch_ups else 0.0)) * noise()
+    verify = (truth.fast_verify(tokens, len(choices), sum(contexts), held_rows) * slow + (truth.catch_up_s if catch_ups else 0.0)) * noise()
     sd = [k for m, k in choices if m == "sd"]
-    draft = truth.drafting(choices) * noise()
+    draft = truth.drafting(choices, contexts) * noise()
     n_ssd = sum(m == "ssd" for m, _ in choices)
     exposed, build = 0.0, math.nan
     if n_ssd:
-        build = (truth.build(n_ssd, build_k or ssd_k) + (truth.entry_s if rebuild else 0.0)) * noise()
+        ssd_ctx = sum(c for (m, _), c in zip(choices, contexts) if m == "ssd")
+        build = (truth.build(n_ssd, build_k or ssd_k, ssd_ctx) + (truth.entry_s if rebuild else 0.0)) * noise()
         exposed = truth.ssd_base * noise() + max(0.0, build - verify)
         if truth.backup == "neural" and misses:
             exposed += ssd_k * truth.step(misses) * noise()
@@ -231,6 +251,7 @@ def simulate(
     lag = [0] * len(temps)  # tokens its drafts have not seen (it ran AR)
     pending = [0] * len(temps)  # rounds its drafts' catch-up still runs
     seq_ids = list(range(len(temps)))
+    held = [truth.prompt] * len(temps)  # the tokens each holds
     plans = [(0, 0)] * len(temps)  # per sequence in SSD: the K chosen for its last round and the one before
     history, tokens, times = [], [], []
     for r in range(rounds):
@@ -238,8 +259,9 @@ def simulate(
             for i in range(len(temps)):
                 if r and (r + i * lifetime // len(temps)) % lifetime == 0:
                     seq_ids[i], current[i], lag[i], plans[i], pending[i] = max(seq_ids) + 1, None, 0, (0, 0), 0
+                    held[i] = truth.prompt
         lagging = [p > 0 or (bool(truth.catch_up) and n >= truth.catch_up) for p, n in zip(pending, lag)]
-        views = [SeqView(i, t, k_cap, modes, c, lg, n) for i, t, c, lg, n in zip(seq_ids, temps, current, lagging, lag)]
+        views = [SeqView(i, t, k_cap, modes, c, lg, n, h) for i, t, c, lg, n, h in zip(seq_ids, temps, current, lagging, lag, held)]
         picked = [(c.mode, c.k) for c in policy.choose(views)]
         # a sequence whose drafts lag runs AR while they catch up (the engine's not-ready rounds):
         # picked to speculate, it sends them what they missed unless a catch-up already runs
@@ -258,8 +280,10 @@ def simulate(
         build_k = max(built, default=None)
         tokens.append(sum(truth.tokens_of(t, m, k, en) for t, (m, k), en in zip(temps, ran, entering)))
         catching = sum(p > 0 for p in pending)
-        times.append(truth.expected_time(temps, ran, entering, rebuild, catching, leaving, build_k))
-        policy.observe(_round(truth, rng, temps, ran, entering, seq_ids, rebuild, catching, leaving, build_k, sent_tokens))
+        times.append(truth.expected_time(temps, ran, entering, rebuild, catching, leaving, build_k, held))
+        result = _round(truth, rng, temps, ran, entering, seq_ids, rebuild, catching, leaving, build_k, sent_tokens, held)
+        policy.observe(result)
+        held = [h + r.accepted + 1 for h, r in zip(held, result.seqs)]
         plans = [(k, p1 if not en else k) if m == "ssd" else (0, 0) for (m, k), en, (p1, _) in zip(picked, entering, plans)]
         current = [m for m, _ in picked]
         lag = [0 if st or m != "ar" else n + 1 for st, (m, _), n in zip(sent, picked, lag)]
@@ -808,9 +832,12 @@ def step_costs(truth: Truth, batches: tuple[int, ...] = (1, 2, 4, 8), scale: dic
     of K + 1 tokens per sequence, one draft step, a draft call's own part and one tree-build
     step per batch size (``scale``: one kind of measurement multiplied, to mutate the table)."""
     scale = scale or {}
-    ver = tuple((b * (k + 1), b, truth.verify(b * (k + 1), b) * scale.get("verify", 1.0)) for b in batches for k in (0, 1, 3, 7))
-    draft = tuple((n, truth.step(n) * scale.get("draft", 1.0)) for n in batches)
-    build = tuple((n, (truth.build_k + truth.build_nk * n) * scale.get("build", 1.0)) for n in batches)
+    # every batch at a short context (16 tokens), then the largest at a long one (192): as the probe
+    rows = [(b, k, 16) for b in batches for k in (0, 1, 3, 7)] + [(batches[-1], k, 192) for k in (0, 7)]
+    ver = tuple((b * (k + 1), b, c, truth.verify(b * (k + 1), b, b * c, b * (k + 1) * c) * scale.get("verify", 1.0)) for b, k, c in rows)
+    at = [(n, 16) for n in batches] + [(batches[-1], 192)]
+    draft = tuple((n, c, truth.step(n, n * c) * scale.get("draft", 1.0)) for n, c in at)
+    build = tuple((n, c, (truth.build_k + truth.build_nk * n + truth.ctx_step * n * c) * scale.get("build", 1.0)) for n, c in at)
     return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches))
 
 
@@ -1014,7 +1041,7 @@ def test_step_costs_are_checked_and_survive_json():
     with pytest.raises(ConfigError, match="StepCosts.verify"):
         StepCosts(())
     with pytest.raises(ConfigError, match="StepCosts.draft"):
-        StepCosts(((1, 1, 0.01),), ((0, 0.01),))
+        StepCosts(((1, 1, 16, 0.01),), ((0, 16, 0.01),))
     with pytest.raises(ConfigError, match="malformed"):
         StepCosts.from_json({"draft": []})
 
@@ -1141,6 +1168,56 @@ SMOL_CPU = Truth(
     ver_a=0.070, ver_seq=0.006, knee=14, ver_b=0.00525, step_c=0.022, step_d=0.0073, build_k=0.033, build_nk=0.0116,
     ssd_base=0.008, ctl_c0=0.003, ctl_c1=0.0002, alpha={0.0: 0.93, 0.7: 0.9}, hit={0.0: 0.9, 0.7: 0.9}, hit_knee=4, hit_drop=0.1,
 )
+
+
+# SD at K = 1 wins at 50 tokens held (1.30x AR) and loses from ~300 (0.82x at 600): a verification
+# reads what its sequences hold (10 us a token held, 2 us more per row), and so does a draft
+# step (40 us); SSD's build outlasts any verification
+GROWING = replace(SMOL_CPU, step_c=0.01, step_d=0.003, build_k=0.2, ctx_seq=1e-5, ctx_tok=2e-6, ctx_step=4e-5, prompt=50)
+
+
+def _oracle_rate(truth: Truth, temps: list[float], tokens: list[float]) -> float:
+    """Tokens per second of the best fixed choice at each round's context, the contexts growing as
+    ``tokens`` (each round's expected emitted tokens) grew them."""
+    e = t = 0.0
+    held = float(truth.prompt)
+    for x in tokens:
+        rate, opt = truth.best_fixed(temps, contexts=[round(held)] * len(temps))
+        emitted = sum(truth.tokens_of(temp, *opt, False) for temp in temps)
+        e, t = e + emitted, t + emitted / rate
+        held += x / len(temps)
+    return e / t
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_cost_of_what_a_request_holds_moves_the_choice_as_its_context_grows(seed):
+    """A request's sequences hold more tokens every round, and a verification and a draft
+    step read them (SmolLM2 at batch 8, 16 -> 512 tokens held: a decode 63 -> 115 ms, a
+    verification of 9 tokens each 310 -> 420 ms, a draft step 57 -> 80 ms), so a choice
+    right at the start of a request is a loss later on. Seeded by a probe that measured at
+    two contexts, auto speculates while that pays and runs AR after (0.981-0.985 of the
+    best choice at each round's context over seeds 0-3); a table measured at one context
+    (no cost per token held) learns the rise only as it runs into it, leaves SD late and
+    relapses into it, its drafting last measured shorter (0.93-0.95, and 9-14 % slower)."""
+    temps = [0.0] * 8
+    table = step_costs(GROWING)
+    short = replace(
+        table, verify=tuple(r for r in table.verify if r[2] == 16), draft=tuple(r for r in table.draft if r[1] == 16),
+        build=tuple(r for r in table.build if r[1] == 16),
+    )
+    rates = []
+    for t in (table, short):
+        policy = AutoPolicy(max_k=MAX_K, seed=seed)
+        policy.seed(t)
+        _, history, tokens, times = simulate(GROWING, temps, rounds=400, policy=policy, seed=seed)
+        rates.append(sum(tokens) / sum(times))
+        if t is table:
+            held = {"verify_seq": 1e-5, "verify_token": 2e-6, "draft": 4e-5, "build": 4e-5}
+            assert policy.snapshot()["per_token_held"] == pytest.approx(held)
+            speculating = [sum(m != "ar" for m, _ in h) / len(h) for h in history]
+            assert sum(speculating[:60]) >= 0.85 * 60 and sum(speculating[-100:]) <= 0.1 * 100
+            assert rates[0] >= 0.975 * _oracle_rate(GROWING, temps, tokens)
+    assert rates[0] >= 1.06 * rates[1]
 
 
 def test_the_verify_fit_finds_a_flat_part_and_its_knee():

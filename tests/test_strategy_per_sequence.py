@@ -148,6 +148,17 @@ def test_auto_switching_strategy_and_k_every_round_equals_ar(engine, ar_tokens):
     built = [(rec, c) for rec, c in told if c.ssd_batch and rec.build is not None]
     assert built and all(c.ssd_build_s == pytest.approx(rec.build[1] - rec.verify[0]) for rec, c in built)
     assert all(math.isnan(c.ssd_build_s) for _, c in told if not c.ssd_batch)
+    # each sequence's context is the tokens it held when the round started: its prompt and
+    # what it had emitted, so a round's grows by what the round before emitted
+    prompt_of = {}
+    last: dict[int, object] = {}
+    for _, c in told:
+        for r in c.seqs:
+            prompt_of.setdefault(r.seq_id, r.context)
+            if r.seq_id in last:
+                assert r.context == last[r.seq_id].context + last[r.seq_id].accepted + 1
+            last[r.seq_id] = r
+    assert sorted(prompt_of.values()) == sorted(len(p) + 1 for p in PROMPTS)  # the prefill's token held too
 
 
 def test_requests_for_strategies_the_engine_does_not_offer_are_refused(models, ar_tokens):

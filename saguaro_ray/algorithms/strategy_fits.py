@@ -164,6 +164,42 @@ class KneeFit:
         return (theta[0], theta[2], theta[1], knee, theta[3])
 
 
+def held_costs(rows: Sequence[tuple[object, Sequence[float], float]]) -> list[float]:
+    """Seconds per unit of each feature from ``(key, features, seconds)`` rows, ``key`` a call's
+    shape and ``features`` what grows with the tokens its sequences hold: each key's rise from
+    its shortest context to its longest, least squares over the keys, each coefficient at least
+    0 (a negative one is fixed at 0 and the rest refitted); 0 where no key was measured at two
+    contexts.
+
+    What the tokens a sequence holds cost the calls that attend them is measured by the
+    start-up probe, and not fitted from the rounds: within a request the context grows with
+    every round, as slowly as the machine's other drifts, so a fit given the freedom put a
+    draft step's whole cost into it (the policy simulator: a cold start at short contexts,
+    then a draft step predicted at 8 ms for a truth of 1 ms, and AR for good)."""
+    n = len(rows[0][1]) if rows else 0
+    by_key: dict[object, list[tuple[Sequence[float], float]]] = {}
+    for key, x, seconds in rows:
+        by_key.setdefault(key, []).append((x, seconds))
+    xtx = [[0.0] * n for _ in range(n)]
+    xty = [0.0] * n
+    for points in by_key.values():
+        (x_lo, s_lo), (x_hi, s_hi) = min(points, key=lambda p: p[0][0]), max(points, key=lambda p: p[0][0])
+        d = [hi - lo for hi, lo in zip(x_hi, x_lo)]
+        for i in range(n):
+            xty[i] += d[i] * (s_hi - s_lo)
+            for j in range(n):
+                xtx[i][j] += d[i] * d[j]
+    free = [i for i in range(n) if xtx[i][i] > 0.0]
+    while True:
+        theta = [0.0] * n
+        for i, v in zip(free, solve_linear([[xtx[i][j] for j in free] for i in free], [xty[i] for i in free])):
+            theta[i] = v
+        negative = [i for i in free if theta[i] < 0.0]
+        if not negative:
+            return theta
+        free = [i for i in free if i not in negative]
+
+
 def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting for the tiny (n <= 4) normal equations."""
     n = len(b)

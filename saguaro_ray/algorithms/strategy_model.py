@@ -36,13 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from saguaro_ray.algorithms.strategy_fits import Acceptance, CostPerUnit, EwLeastSquares, ExcessRatio, HitRates, KneeFit
+from saguaro_ray.algorithms.strategy_fits import Acceptance, CostPerUnit, EwLeastSquares, ExcessRatio, HitRates, KneeFit, held_costs
 from saguaro_ray.algorithms.strategy_explore import Trials
 from saguaro_ray.algorithms.strategy_guard import ARGuard
 from saguaro_ray.algorithms.strategy_search import (
     SWITCH_HORIZON,
     Costs,
     Group,
+    Held,
     Load,
     all_accepted,
     expected_tokens,
@@ -125,9 +126,13 @@ class AutoPolicy:
         self._verify = KneeFit(COST_DECAY)
         self._drafting = EwLeastSquares(3, COST_DECAY)
         self._build = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
+        # what the tokens a sequence holds cost the calls that attend them, measured by the probe
+        # (held_costs: the rounds of a request cannot tell it from the rest); the fits are of the rest
+        self._held = Held()
         self._after = EwLeastSquares(4, COST_DECAY, intercept_share=0.5)
-        # steady SSD rounds' (verified tokens, sequences, SSD sequences, K, build end, verification), measured
-        self._spread: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=SPREAD_ROUNDS)
+        # steady SSD rounds' (verified tokens, sequences, SSD sequences, K, build end, verification, and
+        # the tokens held: by the sequences, by the verification's rows, by the SSD sequences), measured
+        self._spread: deque[tuple[int, int, int, int, float, float, float, float, float]] = deque(maxlen=SPREAD_ROUNDS)
         self._ctl = EwLeastSquares(7, COST_DECAY)
         self._plain = 0.0  # decayed count of rounds that drafted nothing: the evidence behind AR's control plane
         # SD, and SSD hits. A sampled bucket not seen yet starts from the greedy bucket's rate (under
@@ -176,17 +181,20 @@ class AutoPolicy:
         predicted that much short on a fresh engine) and its steps; a build step over
         n SSD sequences is fitted as what it costs beyond a draft step over as many
         sequences (the build's model, :meth:`_observe_ssd`)."""
-        for tokens, batch, seconds in costs.verify:
-            self._verify.add(tokens, batch, seconds)
+        verify_seq, verify_token = held_costs([((t, b), (b * c, t * c), s) for t, b, c, s in costs.verify])
+        [draft_held], [build_held] = (held_costs([(n, (n * c,), s) for n, c, s in rows]) or [0.0] for rows in (costs.draft, costs.build))
+        held = self._held = Held(verify_seq, verify_token, draft_held, build_held)
+        for tokens, batch, context, seconds in costs.verify:
+            self._verify.add(tokens, batch, seconds - held.verify_seq * batch * context - held.verify_token * tokens * context)
             if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
                 self._guard.seed_ar(batch, seconds)
         own = dict(costs.draft_call)
-        for n, seconds in costs.draft:
+        for n, context, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
-                self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * seconds)
+                self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * (seconds - held.draft * n * context))
         draft = self._drafting.theta
-        for n, seconds in costs.build:
-            beyond = max(0.0, seconds - (draft[1] + draft[2] * n if draft is not None else 0.0))
+        for n, context, seconds in costs.build:
+            beyond = max(0.0, seconds - held.build * n * context - (draft[1] + draft[2] * n if draft is not None else 0.0))
             for k in dict.fromkeys((1, self.max_k)):
                 self._build.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
         self._seeded = True
@@ -216,7 +224,8 @@ class AutoPolicy:
             self._observe_switch(costs, self._rebuild)
         elif leave:
             self._observe_switch(costs, self._leave, left)
-        self._observe_catch_up(costs)
+        held_by = _held_by(costs.seqs)
+        self._observe_catch_up(costs, held_by)
         if costs.seqs and not rebuild and not leave and not caught_up:
             self._guard.add(
                 ARGuard.context(costs.batch, [r.temperature for r in costs.seqs]),
@@ -226,16 +235,19 @@ class AutoPolicy:
             )
         self._observed += 1
         self._trials.charge(costs)
+        held = self._held
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0 and not costs.catching_up:
-            self._verify.add(costs.verify_tokens, costs.batch, costs.verify_s, costs.ssd_batch > 0)
+            y_v = costs.verify_s - held.verify_seq * held_by.held - held.verify_token * held_by.held_rows
+            self._verify.add(costs.verify_tokens, costs.batch, y_v, costs.ssd_batch > 0)
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
         if steps > 0:
-            self._drafting.add((1.0, float(steps), float(steps * costs.draft_batch)), costs.draft_s)
+            x_d = (1.0, float(steps), float(steps * costs.draft_batch))
+            self._drafting.add(x_d, costs.draft_s - held.draft * steps * held_by.sd_held)
         else:
             self._drafting.decay_only()
         ssd = [r for r in costs.seqs if r.mode == "ssd"]
         if costs.ssd_batch > 0 and ssd:
-            self._observe_ssd(costs, ssd, rebuild)
+            self._observe_ssd(costs, ssd, held_by, rebuild)
         else:
             self._after.decay_only()
             self._build.decay_only()
@@ -297,13 +309,13 @@ class AutoPolicy:
         coder pair counted as steady rounds and K changes looked free)."""
         return any(r.mode == "ssd" and r.proposed > 0 and (r.seq_id in self._entering or r.rebuilt) for r in seqs)
 
-    def _left(self, seqs: Sequence[SeqResult]) -> tuple[int, int]:
-        """The sequences that ran SSD last round and SD in this one, and the largest K
-        of the builds the round waited for for them ((0, 0): none left)."""
-        ks = [st.ssd_k for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k]
-        return len(ks), max(ks, default=0)
+    def _left(self, seqs: Sequence[SeqResult]) -> tuple[int, int, int]:
+        """The sequences that ran SSD last round and SD in this one, the largest K of the
+        builds the round waited for for them and the tokens they hold ((0, 0, 0): none left)."""
+        left = [(st.ssd_k, r.context) for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k]
+        return len(left), max((k for k, _ in left), default=0), sum(c for _, c in left)
 
-    def _observe_catch_up(self, costs: RoundCosts) -> None:
+    def _observe_catch_up(self, costs: RoundCosts, held: Load) -> None:
         """A catch-up's tokens go through the drafts beside the next rounds' verifications:
         where they share the machine with the target (CPU: 5-15 % slower verifications for
         ~10 rounds after 8 sequences' catch-up) those rounds' verification beyond what the
@@ -311,7 +323,7 @@ class AutoPolicy:
         self._catch_up.age()
         self._catch_up.add(units=float(costs.catch_up_sent))
         if costs.catching_up and costs.verify_tokens > 0 and self._verify.theta is not None:
-            predicted = self._costs().verify_s(costs.verify_tokens, costs.batch, costs.ssd_batch > 0)
+            predicted = self._costs().verify_s(costs.verify_tokens, costs.batch, costs.ssd_batch > 0, held.held, held.held_rows)
             self._catch_up.add(seconds=costs.verify_s - predicted)  # unclamped: noise both ways
 
     @property
@@ -319,7 +331,7 @@ class AutoPolicy:
         """What a catch-up costs the rounds beside it, per token sent."""
         return self._catch_up.value
 
-    def _observe_switch(self, costs: RoundCosts, ratio: ExcessRatio, left: tuple[int, int] = (0, 0)) -> None:
+    def _observe_switch(self, costs: RoundCosts, ratio: ExcessRatio, left: tuple[int, int, int] = (0, 0, 0)) -> None:
         """What a switching round took beyond the steady round the model predicts for
         its load (its forced misses as misses), as a multiple of the build it switched:
         a rebuild's (this round's SSD sequences at their K), or a leave's (the build in
@@ -330,11 +342,11 @@ class AutoPolicy:
         load = Load()
         for r in costs.seqs:
             hit = 0.0 if self._missed(r) else 1.0
-            load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit)
+            load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit, held=r.context)
         if left[0]:
             build = c.build_s(*left)
         else:
-            build = c.build_s(load.n_ssd, load.ssd_k) if load.n_ssd and load.ssd_k else 0.0
+            build = c.build_s(load.n_ssd, load.ssd_k, load.ssd_held) if load.n_ssd and load.ssd_k else 0.0
         if build <= 0.0 or not math.isfinite(costs.wall_s):
             return
         ratio.add(costs.wall_s - c.round_time(load), build)
@@ -355,7 +367,7 @@ class AutoPolicy:
         round verifies)."""
         return r.hit is False or r.seq_id in self._entering
 
-    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], rebuild: bool = False) -> None:
+    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], held: Load, rebuild: bool = False) -> None:
         """Fit SSD's two exposed parts: when the build ended (where it ran this
         round) and the rest of the exposure, the lookup and backups. Both start
         from the draft's measured step costs: a build is K sequential steps of
@@ -378,10 +390,14 @@ class AutoPolicy:
             # open, every one at one K, is the draft's measured step and not 0
             x_b = (1.0, n, float(k_build), n * k_build)
             steps = k_build * (draft[1] + draft[2] * n) if draft is not None else 0.0
+            steps += k_build * self._held.build * held.ssd_held
             prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
             self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
             if costs.verify_s > 0.0 and costs.ssd_build_s > 0.0:
-                self._spread.append((costs.verify_tokens, costs.batch, costs.ssd_batch, k_build, costs.ssd_build_s, costs.verify_s))
+                self._spread.append(
+                    (costs.verify_tokens, costs.batch, costs.ssd_batch, k_build, costs.ssd_build_s, costs.verify_s, held.held,
+                     held.held_rows, held.ssd_held)
+                )
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:
             self._build.decay_only()
@@ -455,9 +471,12 @@ class AutoPolicy:
         build = self._build_coefficients(draft)
         after = self._after.theta or [_SSD_EXPOSED_PRIOR * ver[0], 0.0, draft[1], draft[2]]
         ctl = self._ctl.theta or [0.0] * 7
-        c = Costs(ver, (draft[0], draft[1], draft[2]), tuple(build), tuple(after), tuple(ctl))  # type: ignore[arg-type]
+        c = Costs(ver, tuple(draft), tuple(build), tuple(after), tuple(ctl), held=self._held)  # type: ignore[arg-type]
         # each recent round's build and verification over what these coefficients predict for it
-        pairs = ((build_s, verify_s, c.build_s(n, k), c.verify_s(tokens, batch, True)) for tokens, batch, n, k, build_s, verify_s in self._spread)
+        pairs = (
+            (build_s, verify_s, c.build_s(n, k, ssd_held), c.verify_s(tokens, batch, True, held, held_rows))
+            for tokens, batch, n, k, build_s, verify_s, held, held_rows, ssd_held in self._spread
+        )
         c.spread = tuple((b / pb, v / pv) for b, v, pb, pv in pairs if pb > 0.0 and pv > 0.0)
         return c
 
@@ -509,24 +528,26 @@ class AutoPolicy:
             g.members.append(i)
             g.seq_ids.append(v.seq_id)
             g.unseen += v.unseen if v.lagging else 0
+            g.held += v.context
         self._trials.age_holds({v.seq_id for v in waiting})
         fixed_all = (*fixed, *held, *((v, Choice("ar", 0)) for v in waiting))
         glist = list(groups.values())
         shape = (tuple((key, len(g.members)) for key, g in groups.items()), tuple((v.temperature, c) for v, c in fixed_all))
         costs, rebuild, leave, catch_up = self._costs(), self.rebuild_ratio, self.leave_ratio, self.catch_up_s
+        tokens_held = sum(v.context for v in auto)
 
         if not held and shape == self._reuse[0] and self._reuse[1] > 0:
             # the batch looks as it did a round ago: its choice stands (estimates move slowly)
             self._reuse = (shape, self._reuse[1] - 1, self._reuse[2], self._reuse[3])
             for g, opt in zip(glist, self._reuse[2]):
                 g.opt = opt
-                g.price_switches(costs, len(auto), rebuild, leave, catch_up)
+                g.price_switches(costs, len(auto), rebuild, leave, catch_up, tokens_held)
             self.prediction = self._reuse[3]
         else:
             for g in glist:
                 alphas, miss, _, hits = curve(g.bucket)
                 fill_values(g, alphas, miss, hits.values, hits.pooled.value)
-                g.price_switches(costs, len(auto), rebuild, leave, catch_up)
+                g.price_switches(costs, len(auto), rebuild, leave, catch_up, tokens_held)
             base = self._fixed_load(fixed_all, curve)
             best = self._last_rate = optimise(glist, base, costs, self._last_rate)
             searched = [g.opt for g in glist]
@@ -560,7 +581,7 @@ class AutoPolicy:
             e, hit = e_draft[k], hits.values(all_accepted(e_draft))[k]
             if c.mode == "ssd":
                 e = hit * e + (1.0 - hit) * expected_tokens(miss, 1.0, k)[k]
-            load.add(1, c.mode, c.k, e, hit)
+            load.add(1, c.mode, c.k, e, hit, held=v.context)
         return load
 
     # ------------------------------------------------------------------ exploring
@@ -612,6 +633,7 @@ class AutoPolicy:
             "wall_s": self._trials.wall_s,  # wall time observed (explore_s / wall_s: the share trials cost)
             "verify_s": None if self._verify.theta is None else dict(zip(("a", "per_token", "per_seq", "knee", "ssd"), self._verify.theta)),
             "draft_s": coef(self._drafting, ("a", "per_step", "per_step_seq")),
+            "per_token_held": self._held._asdict(),  # seconds: the probe's (Held)
             # the build's end after verification's start (the draft's steps included)
             "ssd_build_s": (
                 dict(zip(("a", "per_seq", "per_k", "per_seq_k"), self._build_coefficients(self._drafting.theta or [0.0, 0.0, 0.0])))
@@ -638,6 +660,14 @@ class AutoPolicy:
             "catch_up_s_per_token": self.catch_up_s,  # what the drafts' catch-ups slow verifications by
             "guard_held": self._guard.held,  # rounds whose speculating choice gave way to AR (measuring it, or faster)
         }
+
+
+def _held_by(seqs: Sequence[SeqResult]) -> Load:
+    """A finished round's tokens held (:class:`Load`'s ``held``, ``held_rows``, ``sd_held``, ``ssd_held``)."""
+    load = Load()
+    for r in seqs:
+        load.add(1, r.mode, r.proposed, 0.0, 1.0, held=r.context)
+    return load
 
 
 def _clamp_time(seconds: float) -> float:

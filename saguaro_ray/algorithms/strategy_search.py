@@ -13,7 +13,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from saguaro_ray.algorithms.strategy_fits import ALPHA_MAX
 
@@ -35,7 +35,10 @@ def expected_tokens(alphas: Sequence[float], scale: float, k_max: int) -> list[f
 class Load:
     """A round's totals as the cost model sees them: the fixed sequences' part, then a candidate's."""
 
-    __slots__ = ("n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "build_k", "log_hit", "miss_k", "switch_s")
+    __slots__ = (
+        "n", "tokens", "e", "n_sd", "steps", "n_ssd", "ssd_k", "build_k", "log_hit", "miss_k", "switch_s", "held", "held_rows", "sd_held",
+        "ssd_held",
+    )
 
     def __init__(self) -> None:
         self.n = 0
@@ -49,20 +52,30 @@ class Load:
         self.log_hit = 0.0  # log P(every SSD sequence hits)
         self.miss_k = 0.0  # expected Σ K over the SSD sequences that miss
         self.switch_s = 0.0  # seconds of switch costs (SSD entries and rebuilds), amortised: the search's, not the round's
+        self.held = 0.0  # tokens the sequences hold (Held: what each attends)
+        self.held_rows = 0.0  # Σ (K + 1)·held over the verification's rows
+        self.sd_held = 0.0  # ... held by the SD sequences (a draft step's rows)
+        self.ssd_held = 0.0  # ... and by the SSD ones (a tree step's)
 
-    def add(self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0, build_k: int = 0) -> None:
-        """``count`` sequences verifying ``k`` tokens in ``mode``; an SSD sequence's build is
-        for ``build_k`` (0: ``k``, as in a steady round)."""
+    def add(
+        self, count: int, mode: str, k: int, e: float, hit: float, switch_s: float = 0.0, build_k: int = 0, held: float = 0.0
+    ) -> None:
+        """``count`` sequences verifying ``k`` tokens in ``mode``, holding ``held`` tokens between
+        them; an SSD sequence's build is for ``build_k`` (0: ``k``, as in a steady round)."""
         self.n += count
         self.switch_s += count * switch_s
         self.tokens += count * (k + 1)
+        self.held += held
+        self.held_rows += held * (k + 1)
         self.e += count * e
         if mode in _SEQUENTIAL:
             self.n_sd += count
+            self.sd_held += held
             if k > self.steps:
                 self.steps = k
         elif mode == "ssd":
             self.n_ssd += count
+            self.ssd_held += held
             if k > self.ssd_k:
                 self.ssd_k = k
             if (build_k or k) > self.build_k:
@@ -75,6 +88,20 @@ class Load:
         for name in Load.__slots__:
             setattr(out, name, getattr(self, name))
         return out
+
+
+class Held(NamedTuple):
+    """What the tokens a sequence holds cost the calls that attend them, in seconds per token
+    held: a verification's per sequence and per verified token, a draft step's and a tree
+    step's per sequence. Measured by the start-up probe at two contexts
+    (:func:`~saguaro_ray.algorithms.strategy_fits.held_costs`): SmolLM2 at batch 8 on 2 cores,
+    16 -> 512 tokens held, a decode 63 -> 115 ms, a verification of 9 tokens each 310 -> 420 ms,
+    a draft step 57 -> 80 ms."""
+
+    verify_seq: float = 0.0
+    verify_token: float = 0.0
+    draft: float = 0.0
+    build: float = 0.0
 
 
 @dataclass
@@ -90,16 +117,19 @@ class Costs:
     # recent steady SSD rounds' measured build end and verification, each over what these
     # coefficients predict for its load: the spread the build's overrun is priced over (empty: none yet)
     spread: tuple[tuple[float, float], ...] = ()
+    held: Held = Held()  # what the tokens the sequences hold cost the calls that attend them
 
-    def build_s(self, n_ssd: int, k: int) -> float:
-        """The SSD build over ``n_ssd`` sequences at K = ``k``: when it ends, from verification's start."""
+    def build_s(self, n_ssd: int, k: int, held: float = 0.0) -> float:
+        """The SSD build over ``n_ssd`` sequences holding ``held`` tokens between them, at K = ``k``:
+        when it ends, from verification's start."""
         b = self.build
-        return b[0] + b[1] * n_ssd + k * (b[2] + b[3] * n_ssd)
+        return b[0] + b[1] * n_ssd + k * (b[2] + b[3] * n_ssd + self.held.build * held)
 
-    def verify_s(self, tokens: float, n: float, ssd: bool) -> float:
-        """A verification of ``tokens`` tokens over ``n`` sequences (``ssd``: a build runs beside it)."""
-        v = self.ver
-        return max(0.0, v[0] + v[1] * max(0.0, tokens - v[3]) + v[2] * n + (v[4] if ssd else 0.0))
+    def verify_s(self, tokens: float, n: float, ssd: bool, held: float = 0.0, held_rows: float = 0.0) -> float:
+        """A verification of ``tokens`` tokens over ``n`` sequences holding ``held`` tokens between
+        them (``held_rows``: Σ (K + 1)·held; ``ssd``: a build runs beside it)."""
+        v, h = self.ver, self.held
+        return max(0.0, v[0] + v[1] * max(0.0, tokens - v[3]) + v[2] * n + (v[4] if ssd else 0.0) + h.verify_seq * held + h.verify_token * held_rows)
 
     def overrun(self, build: float, verify: float) -> float:
         """The build's expected time past the verification's end, E[max(0, B − V)].
@@ -123,14 +153,14 @@ class Costs:
         c = self.ctl
         ctl = c[0] + c[1] * (load.n - load.n_sd - load.n_ssd) + c[2] * load.n_sd + c[3] * load.n_ssd
         ctl += (c[4] + c[5] * load.steps if sequential else 0.0) + (c[6] if load.n_ssd else 0.0)
-        verify = self.verify_s(load.tokens, load.n, load.n_ssd > 0)
+        verify = self.verify_s(load.tokens, load.n, load.n_ssd > 0, load.held, load.held_rows)
         t = max(0.0, ctl) + verify
         if sequential:
             d = self.draft
-            t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd))
+            t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd + self.held.draft * load.sd_held))
         if load.n_ssd:
             a = self.after
-            t += self.overrun(self.build_s(load.n_ssd, load.build_k), verify)
+            t += self.overrun(self.build_s(load.n_ssd, load.build_k, load.ssd_held), verify)
             p_any = 1.0 - math.exp(load.log_hit)
             t += max(0.0, a[0] + a[1] * load.n_ssd + a[2] * load.ssd_k * p_any + a[3] * load.miss_k)
         return t
@@ -141,7 +171,7 @@ class Group:
 
     __slots__ = (
         "bucket", "scale", "cap", "modes", "in_ssd", "ssd_k", "verify_k", "lagging", "members", "seq_ids", "hit", "hit_pooled",
-        "e_sd", "e_ssd", "entry", "leave", "rebuild_s", "raise_s", "leave_s", "unseen", "catch_up_s", "opt",
+        "e_sd", "e_ssd", "entry", "leave", "rebuild_s", "raise_s", "leave_s", "unseen", "catch_up_s", "held", "opt",
     )
 
     def __init__(
@@ -174,12 +204,14 @@ class Group:
         self.leave_s = 0.0  # seconds per member of a round that leaves SSD for SD (the build in flight)
         self.unseen = 0  # lagging: the tokens its members' drafts are to be sent (the catch-up)
         self.catch_up_s = 0.0  # seconds per member that the catch-up a switch into speculation sends costs
+        self.held = 0  # the tokens its members hold between them
         self.opt: tuple[str, int] = ("ar", 0)
 
-    def price_switches(self, costs: Costs, n: int, rebuild: float, leave: float, catch_up: float = 0.0) -> None:
+    def price_switches(self, costs: Costs, n: int, rebuild: float, leave: float, catch_up: float = 0.0, held: float = 0.0) -> None:
         """What switching costs this group, per member, in a round of ``n`` auto sequences
-        (``rebuild``, ``leave``: what such rounds took beyond a steady one, in predicted builds;
-        ``catch_up``: what a catch-up slows the rounds beside it by, per token sent).
+        holding ``held`` tokens between them (``rebuild``, ``leave``: what such rounds took beyond
+        a steady one, in predicted builds; ``catch_up``: what a catch-up slows the rounds beside
+        it by, per token sent).
 
         A rebuild's fixed part is shared by every sequence that rebuilds in the round: per
         member, the batch's (charged to a group alone, it kept small groups out of SSD); so is
@@ -187,14 +219,14 @@ class Group:
         SSD: the next round builds at the new K beside a verification of the old one (SmolLM2
         at batch 8, K 1 -> 5: that round took 573 ms where its neighbours took 200)."""
         self.catch_up_s = catch_up * self.unseen / len(self.members) if self.members else 0.0
-        self.rebuild_s = [0.0] + [rebuild * costs.build_s(n, k) / n for k in range(1, self.cap + 1)]
-        self.leave_s = leave * costs.build_s(n, self.ssd_k) / n if self.in_ssd and self.ssd_k else 0.0
+        self.rebuild_s = [0.0] + [rebuild * costs.build_s(n, k, held) / n for k in range(1, self.cap + 1)]
+        self.leave_s = leave * costs.build_s(n, self.ssd_k, held) / n if self.in_ssd and self.ssd_k else 0.0
         self.raise_s = [0.0] * (self.cap + 1)
         if self.in_ssd and self.ssd_k:
-            verify = costs.verify_s(n * (self.ssd_k + 1), n, True)
-            now = costs.overrun(costs.build_s(n, self.ssd_k), verify)
+            verify = costs.verify_s(n * (self.ssd_k + 1), n, True, held, held * (self.ssd_k + 1))
+            now = costs.overrun(costs.build_s(n, self.ssd_k, held), verify)
             for k in range(self.ssd_k + 1, self.cap + 1):
-                self.raise_s[k] = max(0.0, costs.overrun(costs.build_s(n, k), verify) - now) / n
+                self.raise_s[k] = max(0.0, costs.overrun(costs.build_s(n, k, held), verify) - now) / n
 
     def value(self, opt: tuple[str, int]) -> float:
         mode, k = opt
@@ -298,9 +330,9 @@ def _load_of(groups: list[Group], opts: list[tuple[str, int]], base: Load, as_ru
         mode, k = opt
         if as_run and mode == "ssd" and g.in_ssd and g.verify_k:
             v = g.verify_k
-            load.add(len(g.members), mode, v, g.e_ssd[v], g.hit[v], g.switch_s(opt), build_k=min(g.ssd_k, g.cap))
+            load.add(len(g.members), mode, v, g.e_ssd[v], g.hit[v], g.switch_s(opt), min(g.ssd_k, g.cap), g.held)
         else:
-            load.add(len(g.members), mode, k, g.value(opt), g.hit[k], g.switch_s(opt))
+            load.add(len(g.members), mode, k, g.value(opt), g.hit[k], g.switch_s(opt), held=g.held)
     return load
 
 
@@ -315,7 +347,6 @@ def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) ->
     incumbent stands (Dinkelbach). Each sweep also tries the other mode
     off: a step count held fixed would hide its own fixed cost. λ starts
     at ``last_rate`` (the last search's ratio), where it usually already is."""
-    d_step = costs.draft[2]
     # verification is flat up to its knee and linear past it: the picks are linearised with the
     # slope past it and, where the batch in AR leaves a flat part, with none (tokens under the
     # knee are free)
@@ -343,9 +374,9 @@ def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) ->
         used = slopes if it == 0 else slopes[:1]
         per_slope = {b_tok: linearised(groups, best_opts, weights, lam, b_tok, costs, all_hit, p_all) for b_tok in used}
 
-        def picks(s: int, q: int, share: int, per_group: list[tuple[float, list, list, tuple[float, float]]]) -> list[tuple[str, int]]:
+        def picks(s: int, q: int, share: int, per_group: list[tuple[float, list, list, tuple[float, float], float]]) -> list[tuple[str, int]]:
             opts = []
-            for ar_val, sd_pref, ssd_pref, any_costs in per_group:
+            for ar_val, sd_pref, ssd_pref, any_costs, d_step in per_group:
                 any_cost = any_costs[share]
                 v, pick = ar_val, ("ar", 0)
                 if s and sd_pref:
@@ -387,27 +418,29 @@ def optimise(groups: list[Group], base: Load, costs: Costs, last_rate: float) ->
 def linearised(
     groups: list[Group], incumbent: list[tuple[str, int]], weights: list[float], lam: float, b_tok: float, costs: Costs,
     all_hit: float, p_all: float,
-) -> list[tuple[float, list[tuple[float, int]], list[tuple[float, int]], tuple[float, float]]]:
-    """Per group, N − λ·T linearised with ``b_tok`` a token: AR's value, SD's and SSD's best
-    value up to each K, and SSD's share of P(some sequence misses) (dear, cheap): see
-    :func:`optimise`."""
+) -> list[tuple[float, list[tuple[float, int]], list[tuple[float, int]], tuple[float, float], float]]:
+    """Per group, N − λ·T linearised with ``b_tok`` a token (and what its row attends): AR's
+    value, SD's and SSD's best value up to each K, SSD's share of P(some sequence misses)
+    (dear, cheap) and a draft step's cost per member: see :func:`optimise`."""
     _, e_seq, e_any, e_miss = costs.after
     total_weight = sum(weights)
     per_group = []
     for g, inc, w in zip(groups, incumbent, weights):
+        c = len(g.members)
+        token = b_tok + costs.held.verify_token * g.held / c
+        d_step = costs.draft[2] + costs.held.draft * g.held / c
         leave_s, sd_s = g.switch_s(("ar", 0)), g.switch_s(("sd", 1))
-        sd = [g.e_sd[k] - g.leave - lam * (b_tok * (k + 1) + sd_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
+        sd = [g.e_sd[k] - g.leave - lam * (token * (k + 1) + sd_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
         ssd = (
-            [g.e_ssd[k] - lam * (b_tok * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k + g.switch_s(("ssd", k))) for k in range(1, g.cap + 1)]
+            [g.e_ssd[k] - lam * (token * (k + 1) + e_seq + e_miss * (1.0 - g.hit[k]) * k + g.switch_s(("ssd", k))) for k in range(1, g.cap + 1)]
             if "ssd" in g.modes
             else []
         )
-        c = len(g.members)
         joined = (g.hit[inc[1]] if inc[0] == "ssd" else g.hit_pooled) ** c
         others = all_hit / joined if inc[0] == "ssd" and joined > 0 else all_hit
         dear = lam * e_any * others * (1.0 - joined) / c
         cheap = lam * e_any * p_all * w / total_weight / c if w else dear
-        per_group.append((g.value(("ar", 0)) - lam * (b_tok + leave_s), _prefix_best(sd), _prefix_best(ssd), (dear, cheap)))
+        per_group.append((g.value(("ar", 0)) - lam * (token + leave_s), _prefix_best(sd), _prefix_best(ssd), (dear, cheap), d_step))
     return per_group
 
 

@@ -35,7 +35,9 @@ class SeqView:
     ``lagging``: its drafts have not seen the tokens of its last AR rounds
     (the engine's catch-up threshold), or are still taking them: chosen to
     speculate, it runs AR while they catch up. ``unseen``: the tokens its
-    drafts would be sent to catch up now (what the catch-up's work grows with)."""
+    drafts would be sent to catch up now (what the catch-up's work grows with).
+    ``context``: the tokens it holds, which each of its rows attends (a verification of
+    K + 1 tokens reads them K + 1 times, a draft step once)."""
 
     seq_id: int
     temperature: float
@@ -44,12 +46,15 @@ class SeqView:
     current: str | None
     lagging: bool = False
     unseen: int = 0
+    context: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_cap, int) or self.k_cap < 0:
             raise ConfigError(f"SeqView.k_cap must be an integer >= 0, got {self.k_cap!r}")
-        if not isinstance(self.unseen, int) or self.unseen < 0:
-            raise ConfigError(f"SeqView.unseen must be an integer >= 0, got {self.unseen!r}")
+        for name in ("unseen", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"SeqView.{name} must be an integer >= 0, got {value!r}")
         if "ar" not in self.modes or any(m not in AUTO_MODES for m in self.modes):
             raise ConfigError(f"SeqView.modes must include 'ar' and name only {', '.join(AUTO_MODES)}; got {self.modes!r}")
 
@@ -98,6 +103,9 @@ class SeqResult:
     # the build was made ahead, so a change of K shows in the build a round before it is verified
     # (0: not SSD, or not known)
     built: int = 0
+    # the tokens it held when the round started: what each row of its verification and of its
+    # drafting attended (0: not known)
+    context: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,18 +133,21 @@ class StepCosts:
 
     What ``auto`` knows of the machine before a round has run (see
     :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed`):
-    ``verify``: (tokens, sequences, seconds) of one target call, decode
-    (tokens = sequences) and verification of K + 1 tokens per sequence;
-    ``draft``: (sequences, seconds) of one sequential draft step;
-    ``build``: (SSD sequences, seconds) of one step of SSD's tree build over
+    ``verify``: (tokens, sequences, context, seconds) of one target call, decode
+    (tokens = sequences) and verification of K + 1 tokens per sequence, each
+    sequence holding ``context`` tokens;
+    ``draft``: (sequences, context, seconds) of one sequential draft step;
+    ``build``: (SSD sequences, context, seconds) of one step of SSD's tree build over
     their branches (empty: not measured; the build is then priced as draft
     steps); ``draft_call``: (sequences, seconds) of a draft call's own part
     beyond its steps (feeding what the last round accepted, the first draw),
-    which an SD round's drafting pays once (empty: not measured, taken as 0)."""
+    which an SD round's drafting pays once (empty: not measured, taken as 0).
+    Measured at two contexts, the rows seed what a row's attention over the
+    tokens its sequence holds costs (a request's rounds grow it)."""
 
-    verify: tuple[tuple[int, int, float], ...]
-    draft: tuple[tuple[int, float], ...] = ()
-    build: tuple[tuple[int, float], ...] = ()
+    verify: tuple[tuple[int, int, int, float], ...]
+    draft: tuple[tuple[int, int, float], ...] = ()
+    build: tuple[tuple[int, int, float], ...] = ()
     draft_call: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -157,9 +168,9 @@ class StepCosts:
         """The inverse of :meth:`to_json`; a malformed table is a :class:`ConfigError`."""
         try:
             return cls(
-                tuple((int(a), int(b), float(s)) for a, b, s in d["verify"]),
-                tuple((int(a), float(s)) for a, s in d.get("draft", ())),
-                tuple((int(a), float(s)) for a, s in d.get("build", ())),
+                tuple((int(a), int(b), int(c), float(s)) for a, b, c, s in d["verify"]),
+                tuple((int(a), int(c), float(s)) for a, c, s in d.get("draft", ())),
+                tuple((int(a), int(c), float(s)) for a, c, s in d.get("build", ())),
                 tuple((int(a), float(s)) for a, s in d.get("draft_call", ())),
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -4,7 +4,10 @@ At engine start (issue 33) the round loop's own workers run a few real steps on 
 sequences — target calls of K + 1 tokens per sequence at batch 1, 2, 4, 8 (decode is K = 0), and
 draft calls of 1 and ``max_k`` sequential steps at the same batches, and SSD tree builds of 1 and
 ``max_k`` steps over the engine's ``budget`` branches per sequence — timed by the worker's own
-span, as a round's are. :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed` starts the
+span, as a round's are; then, on sequences holding :data:`PROBE_LONG` tokens, the same calls at
+K = 0 and ``max_k`` for one batch, so the cost of what each row attends is seeded too (a
+request's context grows by hundreds of tokens, and within one request's rounds the fits cannot
+tell that cost from the rest). :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed` starts the
 cost fits from them, so the first round of the first request is already a search instead of a
 schedule of trial rounds. The table is cached per machine, models, dtype and runner options (under
 ``$SAGUARO_COSTS_DIR`` or ``~/.cache/saguaro-ray/costs``): a second engine of the same kind reads it
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,8 +47,12 @@ log = logging.getLogger(__name__)
 PROBE_BATCHES = (1, 2, 4, 8)  # batch sizes measured (those up to the engine's max batch)
 PROBE_REPEATS = 2  # each measurement's minimum over this many calls (a busy machine only adds time)
 PROBE_PROMPT = 16  # tokens of each throwaway sequence's prompt
+PROBE_LONG = 192  # ... and of the long ones (a request's context some hundred tokens in)
+PROBE_LONG_BATCH = 8  # the largest batch measured at two contexts (the long ones' prefill is the probe's dearest call)
+PROBE_CONTEXT_REPEATS = 5  # turns of those measurements
 PROBE_SEQ_BASE = 1 << 62  # throwaway sequence ids: far above any request's
-PROBE_VERSION = 2  # what a cached table measured: 2 added the draft call's own part (an older table is measured afresh)
+# what a cached table measured: 2 added the draft call's own part, 3 the context (an older table is measured afresh)
+PROBE_VERSION = 3
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -129,17 +137,32 @@ def _write(path: Path, costs: StepCosts, identity: Mapping[str, Any]) -> None:
 class _Probe:
     """Throwaway sequences on the loop's workers, stepped as the round loop steps real ones."""
 
-    def __init__(self, loop: "RoundLoop", first_id: int, n: int) -> None:
+    def __init__(self, loop: "RoundLoop", first_id: int, n: int, prompt: int = PROBE_PROMPT) -> None:
         self.loop = loop
+        self.prompt = prompt
         self.ids = [first_id + i for i in range(n)]
-        self.tokens = {s: [1 + (7 * s + 3 * j) % 61 for j in range(PROBE_PROMPT)] for s in self.ids}
+        self.tokens = {s: [1 + (7 * s + 3 * j) % 61 for j in range(prompt)] for s in self.ids}
         self.rounds = {s: 0 for s in self.ids}
 
     def step(self, s: int, full: bool = False) -> SeqStep:
         ids = self.tokens[s]
         committed = len(ids) - 1 if self.rounds[s] and not full else 0
         recent = ids[max(0, committed - RECENT_TOKENS) : committed]
-        return SeqStep(s, committed, ids[committed:], _GREEDY, 0, len(ids) - PROBE_PROMPT, recent, PROBE_PROMPT)
+        return SeqStep(s, committed, ids[committed:], _GREEDY, 0, len(ids) - self.prompt, recent, self.prompt)
+
+    def context(self, seqs: Sequence[int]) -> int:
+        """The tokens ``seqs`` hold, on average: what each of their rows attends."""
+        return max(1, round(sum(len(self.tokens[s]) for s in seqs) / len(seqs)))
+
+    def admit(self, draft: bool) -> None:
+        """Every sequence's prompt onto the target (its first decode), or the draft (a prefill:
+        it holds every prompt token but the last, as after a round)."""
+        if not draft:
+            self.verify(self.ids, 0)
+            return
+        self.timed(self.loop.drafts.primary, "prefill", lambda full: ([self.step(s, full) for s in self.ids],))
+        for s in self.ids:
+            self.rounds[s] = 1
 
     def timed(self, worker: Any, method: str, args: Callable[[bool], tuple]) -> tuple[Any, float]:
         value, (start, end) = RetryingCall(worker, method, args).value()
@@ -171,61 +194,132 @@ class _Probe:
                 log.debug("auto: releasing the probe's sequences on %s failed: %r", getattr(w, "name", w), e)
 
 
-def _build_steps(loop: "RoundLoop", probe: _Probe, batches: Sequence[int], max_k: int, draft_step: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
-    """One step of SSD's tree build over n sequences' branches (the engine's ``budget`` each),
-    for n in ``batches``: builds of 1 and ``max_k`` steps from the same state (every call rolls
-    the draft back to the step's start, so the same items can be built again), their
-    difference per step — at least a draft step over as many sequences, as the policy's
-    build model has it."""
+def _per_step(one: float, many: float, max_k: int) -> float:
+    """A call's cost per step from calls of 1 and ``max_k`` steps (their own part is in both)."""
+    return max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one
+
+
+def _build(loop: "RoundLoop", probe: _Probe, seqs: Sequence[int], k_next: int) -> float:
+    """One SSD tree build of ``k_next`` steps over ``seqs``' branches (the engine's ``budget``
+    each), timed; every call rolls the draft back to the step's start, so the same items can
+    be built again."""
     budget = max(1, loop.spec.budget)
     fanout = [budget // 2, budget - budget // 2]  # after a rejection of the one proposed token, after its acceptance
 
-    def build(seqs: Sequence[int], k_next: int) -> float:
-        def args(full: bool) -> tuple:
-            items = [BuildItem(probe.step(s, full), Proposal([1 + probe.tokens[s][-1] % 61], None, ProposalSource.DRAFT), fanout, k_next) for s in seqs]
-            return (items,)
+    def args(full: bool) -> tuple:
+        items = [BuildItem(probe.step(s, full), Proposal([1 + probe.tokens[s][-1] % 61], None, ProposalSource.DRAFT), fanout, k_next) for s in seqs]
+        return (items,)
 
-        return probe.timed(loop.drafts.primary, "build", args)[1]
-
-    out = []
-    build(probe.ids[:1], 1)  # warm-up
-    for b in batches:
-        one = min(build(probe.ids[:b], 1) for _ in range(PROBE_REPEATS))
-        many = min(build(probe.ids[:b], max_k) for _ in range(PROBE_REPEATS))
-        step = (many - one) / (max_k - 1) if max_k > 1 else one
-        out.append((b, max(step, draft_step.get(b, 0.0))))
-    return tuple(out)
+    return probe.timed(loop.drafts.primary, "build", args)[1]
 
 
-def measure(loop: "RoundLoop", max_batch: int, max_k: int, kv_tokens: int) -> StepCosts:
-    """Time the target's and the primary draft's steps (module docstring) on throwaway sequences."""
-    ks = sorted({0, 1, max(1, max_k // 2), max_k})
-    batches = [b for b in PROBE_BATCHES if b <= max(1, max_batch)]
-    need = PROBE_PROMPT + 1 + len(batches) * PROBE_REPEATS * sum(k + 1 for k in ks)  # the first sequence's, the longest
-    batches = [b for b in batches if b * need <= kv_tokens // 4]
-    if need > loop.max_context or not batches:
-        raise ConfigError(f"the probe's sequences need {need} tokens of context each; this engine has {loop.max_context}, KV {kv_tokens}")
+class _Rows:
+    """The measured rows of a :class:`StepCosts` table, as the probe collects them."""
+
+    def __init__(self) -> None:
+        self.verify: list[tuple[int, int, int, float]] = []
+        self.draft: list[tuple[int, int, float]] = []
+        self.build: list[tuple[int, int, float]] = []
+        self.calls: list[tuple[int, float]] = []
+
+    def table(self) -> StepCosts:
+        return StepCosts(tuple(self.verify), tuple(self.draft), tuple(self.build), tuple(self.calls))
+
+
+def _at_every_batch(loop: "RoundLoop", rows: _Rows, batches: Sequence[int], ks: Sequence[int], max_k: int) -> None:
+    """Verifications at each K of ``ks``, draft steps, draft calls' own parts and build steps
+    at each of ``batches``, on short sequences. A tree step over n sequences' branches costs
+    at least a draft step over them, as the policy's build model has it."""
     n = batches[-1]
-    target = _Probe(loop, PROBE_SEQ_BASE, n)
-    draft = _Probe(loop, PROBE_SEQ_BASE + n, n)
+    target, draft = _Probe(loop, PROBE_SEQ_BASE, n), _Probe(loop, PROBE_SEQ_BASE + n, n)
     try:
-        target.verify(target.ids, 0)  # admission: the whole prompt (and any warm-up of the worker)
-        draft.timed(loop.drafts.primary, "prefill", lambda full: ([draft.step(s, full) for s in draft.ids],))
-        for s in draft.ids:  # the draft holds every prompt token but the last, as after a round
-            draft.rounds[s] = 1
+        target.admit(draft=False)  # the whole prompt (and any warm-up of the worker)
+        draft.admit(draft=True)
         draft.propose(draft.ids, 1)  # warm-up
-        verify = tuple(
-            (b * (k + 1), b, min(target.verify(target.ids[:b], k) for _ in range(PROBE_REPEATS))) for b in batches for k in ks
-        )
-        steps, calls = [], []
         for b in batches:
+            for k in ks:
+                context = target.context(target.ids[:b])
+                rows.verify.append((b * (k + 1), b, context, min(target.verify(target.ids[:b], k) for _ in range(PROBE_REPEATS))))
+        steps = {}
+        for b in batches:
+            context = draft.context(draft.ids[:b])
             one = min(draft.propose(draft.ids[:b], 1) for _ in range(PROBE_REPEATS))
             many = min(draft.propose(draft.ids[:b], max_k) for _ in range(PROBE_REPEATS))
-            # the call's own part (feeding the pending token, the first draw) is in both; a step is the rest
-            step = max(0.0, (many - one) / (max_k - 1)) if max_k > 1 else one
-            steps.append((b, step))
-            calls.append((b, max(0.0, one - step)))
-        return StepCosts(verify, tuple(steps), _build_steps(loop, draft, batches, max_k, dict(steps)), tuple(calls))
+            steps[b] = _per_step(one, many, max_k)
+            rows.draft.append((b, context, steps[b]))
+            rows.calls.append((b, max(0.0, one - steps[b])))
+        _build(loop, draft, draft.ids[:1], 1)  # warm-up
+        for b in batches:
+            context = draft.context(draft.ids[:b])
+            one = min(_build(loop, draft, draft.ids[:b], 1) for _ in range(PROBE_REPEATS))
+            many = min(_build(loop, draft, draft.ids[:b], max_k) for _ in range(PROBE_REPEATS))
+            rows.build.append((b, context, max(_per_step(one, many, max_k), steps[b])))
     finally:
         target.release()
         draft.release()
+
+
+def _at_two_contexts(loop: "RoundLoop", rows: _Rows, b: int, max_k: int) -> None:
+    """Decodes, verifications of ``max_k`` + 1 tokens, draft steps and build steps over ``b``
+    sequences holding :data:`PROBE_PROMPT` and :data:`PROBE_LONG` tokens, the two contexts'
+    calls taking turns (:data:`PROBE_CONTEXT_REPEATS` each): the short context's time is its
+    calls' median, the long one's that plus the median of the turns' differences, so a
+    machine's drift slows both alike and a slow spell in one turn moves neither. (On 2 shared
+    cores a verification of 72 tokens took 313-432 ms over five turns at one context: a
+    context's calls measured after the other's, or their least times, put the difference
+    anywhere from -50 to +110 ms.)"""
+    first = PROBE_SEQ_BASE + 2 * PROBE_BATCHES[-1]
+    probes = {
+        (role, prompt): _Probe(loop, first + 2 * b * i + b * (role == "draft"), b, prompt)
+        for i, prompt in enumerate((PROBE_PROMPT, PROBE_LONG))
+        for role in ("target", "draft")
+    }
+    try:
+        for (role, _), probe in probes.items():
+            probe.admit(draft=role == "draft")
+            if role == "draft":
+                probe.propose(probe.ids, 1)  # warm-up
+                _build(loop, probe, probe.ids, 1)
+
+        def turns(call: Callable[[_Probe], float], role: str) -> dict[int, tuple[int, float]]:
+            """Per context: the tokens its sequences held at the first call, and its time."""
+            held = {prompt: probes[(role, prompt)].context(probes[(role, prompt)].ids) for prompt in (PROBE_PROMPT, PROBE_LONG)}
+            pairs = [tuple(call(probes[(role, prompt)]) for prompt in (PROBE_PROMPT, PROBE_LONG)) for _ in range(PROBE_CONTEXT_REPEATS)]
+            short = statistics.median(s for s, _ in pairs)
+            return {PROBE_PROMPT: (held[PROBE_PROMPT], short), PROBE_LONG: (held[PROBE_LONG], short + statistics.median(l - s for s, l in pairs))}
+
+        for k in sorted({0, max_k}):
+            for held, seconds in turns(lambda p: p.verify(p.ids, k), "target").values():
+                rows.verify.append((b * (k + 1), b, held, seconds))
+        one, many = turns(lambda p: p.propose(p.ids, 1), "draft"), turns(lambda p: p.propose(p.ids, max_k), "draft")
+        b_one, b_many = (turns(lambda p, k=k: _build(loop, p, p.ids, k), "draft") for k in (1, max_k))
+        for prompt in (PROBE_PROMPT, PROBE_LONG):
+            step = _per_step(one[prompt][1], many[prompt][1], max_k)
+            rows.draft.append((b, one[prompt][0], step))
+            rows.build.append((b, b_one[prompt][0], max(_per_step(b_one[prompt][1], b_many[prompt][1], max_k), step)))
+    finally:
+        for probe in probes.values():
+            probe.release()
+
+
+def measure(loop: "RoundLoop", max_batch: int, max_k: int, kv_tokens: int) -> StepCosts:
+    """Time the target's and the primary draft's steps (module docstring) on throwaway sequences:
+    at every batch on short sequences, then at two contexts for one batch (skipped where the
+    engine's context or KV has no room for the long ones)."""
+    ks = sorted({0, 1, max(1, max_k // 2), max_k})
+    batches = [b for b in PROBE_BATCHES if b <= max(1, max_batch)]
+
+    def need(prompt: int, kinds: Sequence[int], count: int, repeats: int) -> int:  # the first sequence's context, the longest
+        return prompt + 1 + count * repeats * sum(k + 1 for k in kinds)
+
+    short = need(PROBE_PROMPT, ks, len(batches), PROBE_REPEATS)
+    batches = [b for b in batches if b * short <= kv_tokens // 4]
+    if short > loop.max_context or not batches:
+        raise ConfigError(f"the probe's sequences need {short} tokens of context each; this engine has {loop.max_context}, KV {kv_tokens}")
+    rows = _Rows()
+    _at_every_batch(loop, rows, batches, ks, max_k)
+    b = max(x for x in batches if x <= PROBE_LONG_BATCH)
+    long = need(PROBE_LONG, sorted({0, max_k}), 1, PROBE_CONTEXT_REPEATS)
+    if long <= loop.max_context and b * (long + need(PROBE_PROMPT, sorted({0, max_k}), 1, PROBE_CONTEXT_REPEATS)) <= kv_tokens // 4:
+        _at_two_contexts(loop, rows, b, max_k)
+    return rows.table()

@@ -39,6 +39,7 @@ class Assigner:
             policy = AutoPolicy(modes=menu.auto_modes, max_k=menu.max_k)
         self.policy = policy
         self._seen: dict[int, tuple[int, int]] = {}  # per sequence: (hits, lookups) before the round
+        self._context: dict[int, int] = {}  # ... and the tokens it held
         self.sequence_rounds: dict[str, int] = {}  # sequence-rounds run per mode, since start (engine metrics)
 
     def assign(self, running: list[SequenceState], rec: RoundRecord) -> None:
@@ -57,12 +58,15 @@ class Assigner:
             views = [
                 SeqView(
                     s.seq_id, s.params.temperature, loop.spec_len(s, loop.strategy_of(s).k or 0), modes, s.mode, loop.lagging(s),
-                    loop.catch_up_size(s),
+                    loop.catch_up_size(s), len(s.all_ids),
                 )
                 for s in auto
             ]
             fixed = [
-                (SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode), Choice(*picks[s.seq_id]))
+                (
+                    SeqView(s.seq_id, s.params.temperature, picks[s.seq_id][1], ("ar",), s.mode, context=len(s.all_ids)),
+                    Choice(*picks[s.seq_id]),
+                )
                 for s in running
                 if s.seq_id in picks
             ]
@@ -88,6 +92,7 @@ class Assigner:
             rec.modes[s.mode] = rec.modes.get(s.mode, 0) + 1
             self.sequence_rounds[s.mode] = self.sequence_rounds.get(s.mode, 0) + 1
         self._seen = {s.seq_id: (s.hits, s.lookups) for s in running}
+        self._context = {s.seq_id: len(s.all_ids) for s in running}
 
     def metrics(self) -> dict[str, Any]:
         """What the engine chose so far: sequence-rounds per mode, and the policy's state."""
@@ -106,7 +111,7 @@ class Assigner:
             seqs.append(
                 SeqResult(
                     s.seq_id, s.params.temperature, s.mode or "ar", proposed, accepted, hit, s.served if ssd else None, ssd and s.rebuilt,
-                    s.built if ssd else 0,
+                    s.built if ssd else 0, self._context.get(s.seq_id, 0),
                 )
             )
         parts = round_components(rec)
