@@ -42,7 +42,7 @@ def test_the_probe_seeds_auto_and_its_first_round_is_a_search(zoo_tiny, costs_di
         saved = json.loads(path.read_text())
         assert saved["identity"]["models"]["target"] == repr(str(zoo_tiny / "target"))
         costs = saved["costs"]
-        # max_k 8, batch <= 4, on short sequences; then batch 4 at K = 0 and 8, at two contexts by turns
+        # max_k 8, batch <= 4, on short sequences; then batch 4 at K = 0 and 8 and its draft steps, at two contexts by turns
         long = cost_probe.PROBE_LONG
         verify = [(b, t, c >= long) for t, b, c, _ in costs["verify"]]
         assert verify[:12] == [(b, b * (k + 1), False) for b in (1, 2, 4) for k in (0, 1, 4, 8)]
@@ -50,7 +50,7 @@ def test_the_probe_seeds_auto_and_its_first_round_is_a_search(zoo_tiny, costs_di
         assert [(n, c >= long) for n, c, _ in costs["draft"]] == [(1, False), (2, False), (4, False), (4, False), (4, True)]
         assert all(s >= 0.0 for _, _, s in costs["draft"])
         # a tree step over a sequence's branches costs at least a draft step over the sequence
-        assert [(n, c >= long) for n, c, _ in costs["build"]] == [(1, False), (2, False), (4, False), (4, False), (4, True)]
+        assert [n for n, _, _ in costs["build"]] == [1, 2, 4]
         assert all(b >= d for (_, _, b), (_, _, d) in zip(costs["build"], costs["draft"]))
         policy = eng.loop.assigner.policy
         assert isinstance(policy, AutoPolicy) and policy.snapshot()["verify_s"] is not None  # fitted before any round

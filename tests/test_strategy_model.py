@@ -837,7 +837,7 @@ def step_costs(truth: Truth, batches: tuple[int, ...] = (1, 2, 4, 8), scale: dic
     ver = tuple((b * (k + 1), b, c, truth.verify(b * (k + 1), b, b * c, b * (k + 1) * c) * scale.get("verify", 1.0)) for b, k, c in rows)
     at = [(n, 16) for n in batches] + [(batches[-1], 192)]
     draft = tuple((n, c, truth.step(n, n * c) * scale.get("draft", 1.0)) for n, c in at)
-    build = tuple((n, c, (truth.build_k + truth.build_nk * n + truth.ctx_step * n * c) * scale.get("build", 1.0)) for n, c in at)
+    build = tuple((n, 16, (truth.build_k + truth.build_nk * n + truth.ctx_step * n * 16) * scale.get("build", 1.0)) for n in batches)
     return StepCosts(ver, draft, build, tuple((n, truth.draft_r * scale.get("draft", 1.0)) for n in batches))
 
 
@@ -1212,7 +1212,7 @@ def test_the_cost_of_what_a_request_holds_moves_the_choice_as_its_context_grows(
         _, history, tokens, times = simulate(GROWING, temps, rounds=400, policy=policy, seed=seed)
         rates.append(sum(tokens) / sum(times))
         if t is table:
-            held = {"verify_seq": 1e-5, "verify_token": 2e-6, "draft": 4e-5, "build": 4e-5}
+            held = {"verify_seq": 1e-5, "verify_token": 2e-6, "step": 4e-5}
             assert policy.snapshot()["per_token_held"] == pytest.approx(held)
             speculating = [sum(m != "ar" for m, _ in h) / len(h) for h in history]
             assert sum(speculating[:60]) >= 0.85 * 60 and sum(speculating[-100:]) <= 0.1 * 100

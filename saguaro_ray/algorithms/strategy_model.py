@@ -182,8 +182,8 @@ class AutoPolicy:
         n SSD sequences is fitted as what it costs beyond a draft step over as many
         sequences (the build's model, :meth:`_observe_ssd`)."""
         verify_seq, verify_token = held_costs([((t, b), (b * c, t * c), s) for t, b, c, s in costs.verify])
-        [draft_held], [build_held] = (held_costs([(n, (n * c,), s) for n, c, s in rows]) or [0.0] for rows in (costs.draft, costs.build))
-        held = self._held = Held(verify_seq, verify_token, draft_held, build_held)
+        [step] = held_costs([(n, (n * c,), s) for n, c, s in costs.draft]) or [0.0]
+        held = self._held = Held(verify_seq, verify_token, step)
         for tokens, batch, context, seconds in costs.verify:
             self._verify.add(tokens, batch, seconds - held.verify_seq * batch * context - held.verify_token * tokens * context)
             if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
@@ -191,10 +191,10 @@ class AutoPolicy:
         own = dict(costs.draft_call)
         for n, context, seconds in costs.draft:
             for steps in dict.fromkeys((1, self.max_k)):
-                self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * (seconds - held.draft * n * context))
+                self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * (seconds - held.step * n * context))
         draft = self._drafting.theta
         for n, context, seconds in costs.build:
-            beyond = max(0.0, seconds - held.build * n * context - (draft[1] + draft[2] * n if draft is not None else 0.0))
+            beyond = max(0.0, seconds - held.step * n * context - (draft[1] + draft[2] * n if draft is not None else 0.0))
             for k in dict.fromkeys((1, self.max_k)):
                 self._build.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
         self._seeded = True
@@ -242,7 +242,7 @@ class AutoPolicy:
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
         if steps > 0:
             x_d = (1.0, float(steps), float(steps * costs.draft_batch))
-            self._drafting.add(x_d, costs.draft_s - held.draft * steps * held_by.sd_held)
+            self._drafting.add(x_d, costs.draft_s - held.step * steps * held_by.sd_held)
         else:
             self._drafting.decay_only()
         ssd = [r for r in costs.seqs if r.mode == "ssd"]
@@ -390,7 +390,7 @@ class AutoPolicy:
             # open, every one at one K, is the draft's measured step and not 0
             x_b = (1.0, n, float(k_build), n * k_build)
             steps = k_build * (draft[1] + draft[2] * n) if draft is not None else 0.0
-            steps += k_build * self._held.build * held.ssd_held
+            steps += k_build * self._held.step * held.ssd_held
             prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
             self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
             if costs.verify_s > 0.0 and costs.ssd_build_s > 0.0:

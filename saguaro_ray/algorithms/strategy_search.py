@@ -92,16 +92,16 @@ class Load:
 
 class Held(NamedTuple):
     """What the tokens a sequence holds cost the calls that attend them, in seconds per token
-    held: a verification's per sequence and per verified token, a draft step's and a tree
-    step's per sequence. Measured by the start-up probe at two contexts
+    held: a verification's per sequence and per verified token, a draft step's per sequence
+    (a tree step is a draft step over the sequence's branches, which share what it holds).
+    Measured by the start-up probe at two contexts
     (:func:`~saguaro_ray.algorithms.strategy_fits.held_costs`): SmolLM2 at batch 8 on 2 cores,
     16 -> 512 tokens held, a decode 63 -> 115 ms, a verification of 9 tokens each 310 -> 420 ms,
     a draft step 57 -> 80 ms."""
 
     verify_seq: float = 0.0
     verify_token: float = 0.0
-    draft: float = 0.0
-    build: float = 0.0
+    step: float = 0.0
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Costs:
         """The SSD build over ``n_ssd`` sequences holding ``held`` tokens between them, at K = ``k``:
         when it ends, from verification's start."""
         b = self.build
-        return b[0] + b[1] * n_ssd + k * (b[2] + b[3] * n_ssd + self.held.build * held)
+        return b[0] + b[1] * n_ssd + k * (b[2] + b[3] * n_ssd + self.held.step * held)
 
     def verify_s(self, tokens: float, n: float, ssd: bool, held: float = 0.0, held_rows: float = 0.0) -> float:
         """A verification of ``tokens`` tokens over ``n`` sequences holding ``held`` tokens between
@@ -157,7 +157,7 @@ class Costs:
         t = max(0.0, ctl) + verify
         if sequential:
             d = self.draft
-            t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd + self.held.draft * load.sd_held))
+            t += max(0.0, d[0] + load.steps * (d[1] + d[2] * load.n_sd + self.held.step * load.sd_held))
         if load.n_ssd:
             a = self.after
             t += self.overrun(self.build_s(load.n_ssd, load.build_k, load.ssd_held), verify)
@@ -428,7 +428,7 @@ def linearised(
     for g, inc, w in zip(groups, incumbent, weights):
         c = len(g.members)
         token = b_tok + costs.held.verify_token * g.held / c
-        d_step = costs.draft[2] + costs.held.draft * g.held / c
+        d_step = costs.draft[2] + costs.held.step * g.held / c
         leave_s, sd_s = g.switch_s(("ar", 0)), g.switch_s(("sd", 1))
         sd = [g.e_sd[k] - g.leave - lam * (token * (k + 1) + sd_s) for k in range(1, g.cap + 1)] if "sd" in g.modes else []
         ssd = (

@@ -4,10 +4,11 @@ At engine start (issue 33) the round loop's own workers run a few real steps on 
 sequences — target calls of K + 1 tokens per sequence at batch 1, 2, 4, 8 (decode is K = 0), and
 draft calls of 1 and ``max_k`` sequential steps at the same batches, and SSD tree builds of 1 and
 ``max_k`` steps over the engine's ``budget`` branches per sequence — timed by the worker's own
-span, as a round's are; then, on sequences holding :data:`PROBE_LONG` tokens, the same calls at
-K = 0 and ``max_k`` for one batch, so the cost of what each row attends is seeded too (a
-request's context grows by hundreds of tokens, and within one request's rounds the fits cannot
-tell that cost from the rest). :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed` starts the
+span, as a round's are; then decodes, verifications of ``max_k`` + 1 tokens and draft steps on
+sequences holding :data:`PROBE_PROMPT` and :data:`PROBE_LONG` tokens by turns, at the largest
+batch up to :data:`PROBE_LONG_BATCH`, so what the tokens a sequence holds cost is measured too
+(a request's context grows by hundreds of tokens, and within one request's rounds the fits
+cannot tell that cost from the rest). :meth:`~saguaro_ray.algorithms.strategy_model.AutoPolicy.seed` starts the
 cost fits from them, so the first round of the first request is already a search instead of a
 schedule of trial rounds. The table is cached per machine, models, dtype and runner options (under
 ``$SAGUARO_COSTS_DIR`` or ``~/.cache/saguaro-ray/costs``): a second engine of the same kind reads it
@@ -260,14 +261,14 @@ def _at_every_batch(loop: "RoundLoop", rows: _Rows, batches: Sequence[int], ks: 
 
 
 def _at_two_contexts(loop: "RoundLoop", rows: _Rows, b: int, max_k: int) -> None:
-    """Decodes, verifications of ``max_k`` + 1 tokens, draft steps and build steps over ``b``
-    sequences holding :data:`PROBE_PROMPT` and :data:`PROBE_LONG` tokens, the two contexts'
-    calls taking turns (:data:`PROBE_CONTEXT_REPEATS` each): the short context's time is its
-    calls' median, the long one's that plus the median of the turns' differences, so a
-    machine's drift slows both alike and a slow spell in one turn moves neither. (On 2 shared
-    cores a verification of 72 tokens took 313-432 ms over five turns at one context: a
-    context's calls measured after the other's, or their least times, put the difference
-    anywhere from -50 to +110 ms.)"""
+    """Decodes, verifications of ``max_k`` + 1 tokens and draft steps over ``b`` sequences
+    holding :data:`PROBE_PROMPT` and :data:`PROBE_LONG` tokens (a tree step's held tokens are
+    priced as a draft step's), the two contexts' calls taking turns
+    (:data:`PROBE_CONTEXT_REPEATS` each): the short context's time is its calls' median, the
+    long one's that plus the median of the turns' differences, so a machine's drift slows both
+    alike and a slow spell in one turn moves neither. (On 2 shared cores a verification of 72
+    tokens took 313-432 ms over five turns at one context: a context's calls measured after
+    the other's, or their least times, put the difference anywhere from -50 to +110 ms.)"""
     first = PROBE_SEQ_BASE + 2 * PROBE_BATCHES[-1]
     probes = {
         (role, prompt): _Probe(loop, first + 2 * b * i + b * (role == "draft"), b, prompt)
@@ -279,7 +280,6 @@ def _at_two_contexts(loop: "RoundLoop", rows: _Rows, b: int, max_k: int) -> None
             probe.admit(draft=role == "draft")
             if role == "draft":
                 probe.propose(probe.ids, 1)  # warm-up
-                _build(loop, probe, probe.ids, 1)
 
         def turns(call: Callable[[_Probe], float], role: str) -> dict[int, tuple[int, float]]:
             """Per context: the tokens its sequences held at the first call, and its time."""
@@ -292,11 +292,8 @@ def _at_two_contexts(loop: "RoundLoop", rows: _Rows, b: int, max_k: int) -> None
             for held, seconds in turns(lambda p: p.verify(p.ids, k), "target").values():
                 rows.verify.append((b * (k + 1), b, held, seconds))
         one, many = turns(lambda p: p.propose(p.ids, 1), "draft"), turns(lambda p: p.propose(p.ids, max_k), "draft")
-        b_one, b_many = (turns(lambda p, k=k: _build(loop, p, p.ids, k), "draft") for k in (1, max_k))
         for prompt in (PROBE_PROMPT, PROBE_LONG):
-            step = _per_step(one[prompt][1], many[prompt][1], max_k)
-            rows.draft.append((b, one[prompt][0], step))
-            rows.build.append((b, b_one[prompt][0], max(_per_step(b_one[prompt][1], b_many[prompt][1], max_k), step)))
+            rows.draft.append((b, one[prompt][0], _per_step(one[prompt][1], many[prompt][1], max_k)))
     finally:
         for probe in probes.values():
             probe.release()
