@@ -97,6 +97,19 @@ def test_no_draft_no_probe_and_a_failed_probe_leaves_the_cold_start(zoo_tiny, co
         assert small.generate(PROMPTS[:1], greedy(8))[0].token_ids
     finally:
         small.close()
+    # room for the short sequences at every batch, not for the long ones: seeded, no cost per token held
+    mid = _engine(zoo_tiny, max_kv_tokens=2048)
+    try:
+        [path] = list(costs_dir.glob("*.json"))
+        costs = json.loads(path.read_text())["costs"]
+        assert {b for _, b, _, _ in costs["verify"]} == {1, 2, 4}
+        assert max(c for _, _, c, _ in costs["verify"]) < cost_probe.PROBE_LONG
+        snapshot = mid.loop.assigner.policy.snapshot()
+        assert snapshot["verify_s"] is not None and set(snapshot["per_token_held"].values()) == {0.0}
+    finally:
+        mid.close()
+        path.unlink()
+        costs_dir.rmdir()
 
     def broken(*args, **kwargs):
         raise RuntimeError("a worker fell over")
