@@ -9,10 +9,10 @@ the batch's fixed-strategy sequences in both sums (they share the round);
 :meth:`AutoPolicy.observe` then fits what the round cost.
 
 ``docs/auto.md`` explains the model term by term and why each term is there
-(verification, SD drafting, SSD's build overrun and lookup, control plane,
-acceptance per position and temperature, switching costs), the AR guard, the
-Dinkelbach search over groups of alike sequences, the time-charged
-exploration and the cold start. This module learns (the fits, acceptance and
+(verification, SD drafting, SSD's build overrun and lookup, control plane, the
+tokens a sequence holds, acceptance per position and temperature, switching
+costs), the AR guard, the Dinkelbach search over groups of alike sequences,
+the time-charged exploration and the cold start. This module learns (the fits, acceptance and
 hit rates, from every round), groups the batch and decides (cold start,
 search, guard, trials); the round-time model and its search are
 :mod:`~saguaro_ray.algorithms.strategy_search` (one module: the search
@@ -180,7 +180,9 @@ class AutoPolicy:
         ms at batch 1, ~10 % of an SD round at K = 7, which left out had SD
         predicted that much short on a fresh engine) and its steps; a build step over
         n SSD sequences is fitted as what it costs beyond a draft step over as many
-        sequences (the build's model, :meth:`_observe_ssd`)."""
+        sequences (the build's model, :meth:`_observe_ssd`). What the tokens a sequence
+        holds cost (:class:`Held`) is taken from the rows measured at two contexts and
+        kept; every fit, here and in :meth:`observe`, is of the rest."""
         verify_seq, verify_token = held_costs([((t, b), (b * c, t * c), s) for t, b, c, s in costs.verify])
         [step] = held_costs([(n, (n * c,), s) for n, c, s in costs.draft]) or [0.0]
         held = self._held = Held(verify_seq, verify_token, step)
