@@ -813,6 +813,8 @@ def test_bad_policy_arguments_are_config_errors_naming_the_field(kwargs, field_n
 @pytest.mark.parametrize(
     "make,field_name",
     [(lambda: SeqView(1, 0.0, -1, ("ar",), None), "k_cap"), (lambda: SeqView(1, 0.0, 2, ("sd",), None), "modes"),
+     (lambda: SeqView(1, 0.0, 2, ("ar",), None, unseen=-1), "SeqView.unseen"),
+     (lambda: SeqView(1, 0.0, 2, ("ar",), None, context=-3), "SeqView.context"),
      (lambda: Choice("ar", 2), "Choice.k"), (lambda: Choice("sd", 0), "Choice.k"), (lambda: Choice("beam", 1), "Choice.mode")],
 )
 def test_bad_views_and_choices_are_config_errors(make, field_name):
