@@ -1194,8 +1194,8 @@ def _oracle_rate(truth: Truth, temps: list[float], tokens: list[float]) -> float
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_cost_of_what_a_request_holds_moves_the_choice_as_its_context_grows(seed):
     """A request's sequences hold more tokens every round, and a verification and a draft
-    step read them (SmolLM2 at batch 8, 16 -> 512 tokens held: a decode 63 -> 115 ms, a
-    verification of 9 tokens each 310 -> 420 ms, a draft step 57 -> 80 ms), so a choice
+    step read them (SmolLM2 at batch 8, 16 -> 512 tokens held: a decode 64 -> 114 ms, a
+    verification of 9 tokens each 316 -> 416 ms, a draft step 57 -> 80 ms), so a choice
     right at the start of a request is a loss later on. Seeded by a probe that measured at
     two contexts, auto speculates while that pays and runs AR after (0.981-0.985 of the
     best choice at each round's context over seeds 0-3); a table measured at one context

@@ -96,7 +96,7 @@ class Held(NamedTuple):
     (a tree step is a draft step over the sequence's branches, which share what it holds).
     Measured by the start-up probe at two contexts
     (:func:`~saguaro_ray.algorithms.strategy_fits.held_costs`): SmolLM2 at batch 8 on 2 cores,
-    16 -> 512 tokens held, a decode 63 -> 115 ms, a verification of 9 tokens each 310 -> 420 ms,
+    16 -> 512 tokens held, a decode 64 -> 114 ms, a verification of 9 tokens each 316 -> 416 ms,
     a draft step 57 -> 80 ms."""
 
     verify_seq: float = 0.0
