@@ -92,19 +92,10 @@ class EwLeastSquares:
 
     def _solve(self) -> list[float]:
         assert self._prior is not None
-        free = list(range(self.n))
-        while True:
-            theta = [0.0] * self.n
-            sol = solve_linear(
-                [[self._xtx[i][j] + (self._ridge[i] if i == j else 0.0) for j in free] for i in free],
-                [self._xty[i] + self._ridge[i] * self._prior[i] for i in free],
-            )
-            for i, v in zip(free, sol):
-                theta[i] = v
-            negative = [i for i in free if theta[i] < 0.0]
-            if not negative:
-                return theta
-            free = [i for i in free if i not in negative]  # fix those at 0 and refit the rest
+        return solve_nonnegative(
+            [[self._xtx[i][j] + (self._ridge[i] if i == j else 0.0) for j in range(self.n)] for i in range(self.n)],
+            [self._xty[i] + self._ridge[i] * self._prior[i] for i in range(self.n)],
+        )
 
 
 VERIFY_KNEES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # token counts a verification may be flat up to
@@ -189,10 +180,16 @@ def held_costs(rows: Sequence[tuple[object, Sequence[float], float]]) -> list[fl
             xty[i] += d[i] * (s_hi - s_lo)
             for j in range(n):
                 xtx[i][j] += d[i] * d[j]
-    free = [i for i in range(n) if xtx[i][i] > 0.0]
+    return solve_nonnegative(xtx, xty)
+
+
+def solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a·θ = b`` (normal equations) with every θ_i ≥ 0: a negative coefficient is fixed at 0 and
+    the rest refitted, until none is; a feature never observed (``a[i][i]`` = 0) stays at 0."""
+    free = [i for i in range(len(b)) if a[i][i] > 0.0]
     while True:
-        theta = [0.0] * n
-        for i, v in zip(free, solve_linear([[xtx[i][j] for j in free] for i in free], [xty[i] for i in free])):
+        theta = [0.0] * len(b)
+        for i, v in zip(free, solve_linear([[a[i][j] for j in free] for i in free], [b[i] for i in free])):
             theta[i] = v
         negative = [i for i in free if theta[i] < 0.0]
         if not negative:

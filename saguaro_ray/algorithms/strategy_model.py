@@ -187,7 +187,7 @@ class AutoPolicy:
         [step] = held_costs([(n, (n * c,), s) for n, c, s in costs.draft]) or [0.0]
         held = self._held = Held(verify_seq, verify_token, step)
         for tokens, batch, context, seconds in costs.verify:
-            self._verify.add(tokens, batch, seconds - held.verify_seq * batch * context - held.verify_token * tokens * context)
+            self._verify.add(tokens, batch, seconds - held.verify(batch * context, tokens * context))
             if tokens == batch:  # a decode: AR's round, for the guard until AR rounds measure it
                 self._guard.seed_ar(batch, seconds)
         own = dict(costs.draft_call)
@@ -239,7 +239,7 @@ class AutoPolicy:
         self._trials.charge(costs)
         held = self._held
         if costs.verify_tokens > 0 and costs.verify_s >= 0.0 and not costs.catching_up:
-            y_v = costs.verify_s - held.verify_seq * held_by.held - held.verify_token * held_by.held_rows
+            y_v = costs.verify_s - held.verify(held_by.held, held_by.held_rows)
             self._verify.add(costs.verify_tokens, costs.batch, y_v, costs.ssd_batch > 0)
         steps = costs.draft_steps if costs.draft_batch > 0 else 0
         if steps > 0:
@@ -317,7 +317,7 @@ class AutoPolicy:
         left = [(st.ssd_k, r.context) for r in seqs if r.mode == "sd" and (st := self._seqs.get(r.seq_id)) is not None and st.ssd_k]
         return len(left), max((k for k, _ in left), default=0), sum(c for _, c in left)
 
-    def _observe_catch_up(self, costs: RoundCosts, held: Load) -> None:
+    def _observe_catch_up(self, costs: RoundCosts, held_by: Load) -> None:
         """A catch-up's tokens go through the drafts beside the next rounds' verifications:
         where they share the machine with the target (CPU: 5-15 % slower verifications for
         ~10 rounds after 8 sequences' catch-up) those rounds' verification beyond what the
@@ -325,7 +325,7 @@ class AutoPolicy:
         self._catch_up.age()
         self._catch_up.add(units=float(costs.catch_up_sent))
         if costs.catching_up and costs.verify_tokens > 0 and self._verify.theta is not None:
-            predicted = self._costs().verify_s(costs.verify_tokens, costs.batch, costs.ssd_batch > 0, held.held, held.held_rows)
+            predicted = self._costs().verify_s(costs.verify_tokens, costs.batch, costs.ssd_batch > 0, held_by.held, held_by.held_rows)
             self._catch_up.add(seconds=costs.verify_s - predicted)  # unclamped: noise both ways
 
     @property
@@ -369,7 +369,7 @@ class AutoPolicy:
         round verifies)."""
         return r.hit is False or r.seq_id in self._entering
 
-    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], held: Load, rebuild: bool = False) -> None:
+    def _observe_ssd(self, costs: RoundCosts, ssd: Sequence[SeqResult], held_by: Load, rebuild: bool = False) -> None:
         """Fit SSD's two exposed parts: when the build ended (where it ran this
         round) and the rest of the exposure, the lookup and backups. Both start
         from the draft's measured step costs: a build is K sequential steps of
@@ -392,13 +392,13 @@ class AutoPolicy:
             # open, every one at one K, is the draft's measured step and not 0
             x_b = (1.0, n, float(k_build), n * k_build)
             steps = k_build * (draft[1] + draft[2] * n) if draft is not None else 0.0
-            steps += k_build * self._held.step * held.ssd_held
+            steps += k_build * self._held.step * held_by.ssd_held
             prior_b = None if self._build.has_prior or draft is None else [0.0, 0.0, 0.0, 0.0]
             self._build.add(x_b, _clamp_time(costs.ssd_build_s) - steps, prior_b)
             if costs.verify_s > 0.0 and costs.ssd_build_s > 0.0:
                 self._spread.append(
-                    (costs.verify_tokens, costs.batch, costs.ssd_batch, k_build, costs.ssd_build_s, costs.verify_s, held.held,
-                     held.held_rows, held.ssd_held)
+                    (costs.verify_tokens, costs.batch, costs.ssd_batch, k_build, costs.ssd_build_s, costs.verify_s, held_by.held,
+                     held_by.held_rows, held_by.ssd_held)
                 )
             overrun = max(0.0, costs.ssd_build_s - costs.verify_s)
         else:

@@ -103,6 +103,11 @@ class Held(NamedTuple):
     verify_token: float = 0.0
     step: float = 0.0
 
+    def verify(self, held: float, held_rows: float) -> float:
+        """A verification's part for sequences holding ``held`` tokens between them, its rows
+        ``held_rows`` = Σ (K + 1)·held."""
+        return self.verify_seq * held + self.verify_token * held_rows
+
 
 @dataclass
 class Costs:
@@ -128,8 +133,8 @@ class Costs:
     def verify_s(self, tokens: float, n: float, ssd: bool, held: float = 0.0, held_rows: float = 0.0) -> float:
         """A verification of ``tokens`` tokens over ``n`` sequences holding ``held`` tokens between
         them (``held_rows``: Σ (K + 1)·held; ``ssd``: a build runs beside it)."""
-        v, h = self.ver, self.held
-        return max(0.0, v[0] + v[1] * max(0.0, tokens - v[3]) + v[2] * n + (v[4] if ssd else 0.0) + h.verify_seq * held + h.verify_token * held_rows)
+        v = self.ver
+        return max(0.0, v[0] + v[1] * max(0.0, tokens - v[3]) + v[2] * n + (v[4] if ssd else 0.0) + self.held.verify(held, held_rows))
 
     def overrun(self, build: float, verify: float) -> float:
         """The build's expected time past the verification's end, E[max(0, B − V)].
