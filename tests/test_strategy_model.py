@@ -30,7 +30,7 @@ from saguaro_ray.algorithms.strategy_model import (
     temperature_bucket,
 )
 from saguaro_ray.algorithms import strategy_guard, strategy_model
-from saguaro_ray.algorithms.strategy_fits import HitRates
+from saguaro_ray.algorithms.strategy_fits import EwLeastSquares, HitRates
 from saguaro_ray.algorithms.strategy_search import SWITCH_HORIZON, Costs, Group
 from saguaro_ray.errors import ConfigError
 
@@ -1388,3 +1388,51 @@ def test_rounds_of_fixed_ssd_at_another_k_do_not_hold_autos_ssd(monkeypatch):
         policy.observe(RoundCosts(8, 40, truth.verify(40, 8), 0, 0, 0.0, 8, ar_round, 3 * ar_round, seqs, 2 * ar_round))
     _, history, tokens, times = simulate(truth, temps, rounds=40, policy=policy)
     assert policy.snapshot()["guard_held"] == 0 and all(m == "ssd" for h in history for m, _ in h), history[:5]
+
+
+# the coder pair at batch 8 on 2 cores (session 37): AR 252 ms a round; a tree step over 8
+# sequences 0.26 s in the rounds, beside a verification, where the start-up probe times it alone
+PAIR_B8 = Truth(
+    ver_a=0.25, ver_b=0.016, knee=8, step_c=0.0176, step_d=0.012, build_k=0.1, build_nk=0.02, ssd_base=0.005, backup="fast",
+    alpha={0.0: 0.9, 0.7: 0.87}, hit={0.0: 0.9, 0.7: 0.8},
+)
+
+
+@pytest.mark.parametrize("alone", [1.0, 0.5], ids=["probe-as-rounds", "probe-alone-half"])
+def test_rounds_at_one_k_scale_the_probes_build_and_add_no_cost_every_k_pays(alone):
+    """The probe times a tree build alone; in the rounds it shares the machine with a
+    verification (the coder pair at batch 8: 1.9x the probe's step). After requests fixed to
+    SSD at K = 4, every build observed at one K, the excess was fitted as a cost independent of
+    K (the probe's rows, observations at K = 1 and 8, said the K-part was known): K = 1 was
+    predicted at 0.65 s, measured 0.34 s, and auto kept to AR where SSD at K = 1 ran 1.2x
+    faster. The probe's build now gives the proportions and the rounds the scale: K = 1's
+    build is predicted within 15 % and auto runs SSD from its first round."""
+    truth, temps = PAIR_B8, [0.0, 0.7] * 4
+    rate, best = truth.best_fixed(temps)
+    ar, ssd4 = truth.rate(temps, [("ar", 0)] * 8), truth.rate(temps, [("ssd", 4)] * 8)
+    assert best[0] == "ssd" and best[1] <= 2 and rate > 1.1 * ar > 1.1 * ssd4  # K = 4 loses to AR, K <= 2 wins
+    policy = seeded(truth, build=alone)
+    rng = random.Random(5)
+    for i in range(60):  # eight requests fixed to SSD at K = 4
+        policy.observe(_round(truth, rng, temps, [("ssd", 4)] * 8, [i == 0] * 8, list(range(100, 108)), rebuild=i == 0))
+    b = policy.snapshot()["ssd_build_s"]
+    assert b["a"] + 8 * b["per_seq"] + b["per_k"] + 8 * b["per_seq_k"] == pytest.approx(truth.build(8, 1), rel=0.15)
+    _, history, tokens, times = simulate(truth, temps, rounds=80, policy=policy)
+    assert all(m == "ssd" for m, _ in history[0]), history[:3]
+    assert achieved(tokens, times, last=80) >= 0.95 * rate
+
+
+def test_an_anchored_fit_scales_its_shape_at_one_point_and_follows_data_that_span_more():
+    """:meth:`EwLeastSquares.anchor`: θ0 until observed; observations at one point scale the
+    anchor's proportions to them (not the cheapest coefficient); observations at two K
+    recover a truth with a part fixed in K that the anchor did not have."""
+    fit = EwLeastSquares(3, 0.98)
+    fit.anchor([0.0, 0.01, 0.002], (1.0, 8.0, 64.0), shape=[0.0, 0.02, 0.004])
+    assert fit.theta == [0.0, 0.01, 0.002]
+    for _ in range(30):
+        fit.add((1.0, 4.0, 32.0), 3 * (4 * 0.02 + 32 * 0.004))  # at K = 4, 3x the shape
+    assert fit.theta == pytest.approx([0.0, 0.06, 0.012], rel=1e-3)
+    for i in range(200):
+        k = 1 + 3 * (i % 2)
+        fit.add((1.0, float(k), 8.0 * k), 0.3 + 0.1 * k)  # 0.3 fixed in K, 0.1 a K
+    assert fit.theta[0] == pytest.approx(0.3, rel=0.02) and fit.theta[1] + 8 * fit.theta[2] == pytest.approx(0.1, rel=0.02)

@@ -195,10 +195,19 @@ class AutoPolicy:
             for steps in dict.fromkeys((1, self.max_k)):
                 self._drafting.add((1.0, float(steps), float(steps * n)), own.get(n, 0.0) + steps * (seconds - held.step * n * context))
         draft = self._drafting.theta
+        probe = EwLeastSquares(4, COST_DECAY)
         for n, context, seconds in costs.build:
             beyond = max(0.0, seconds - held.step * n * context - (draft[1] + draft[2] * n if draft is not None else 0.0))
             for k in dict.fromkeys((1, self.max_k)):
-                self._build.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
+                probe.add((1.0, float(n), float(k), float(n * k)), k * beyond, [0.0, 0.0, 0.0, 0.0])
+        if probe.theta is not None:
+            # in the rounds a build runs beside a verification that shares the machine: what it
+            # takes beyond its steps there is, until rounds at several K tell, as the probe's
+            # composition, or the steps' own (the probe measured nothing beyond them)
+            n = max(n for n, _, _ in costs.build)
+            steps = [0.0, 0.0, draft[1], draft[2]] if draft is not None else None
+            shape = probe.theta if any(t > 0.0 for t in probe.theta) else steps
+            self._build.anchor(probe.theta, (1.0, float(n), float(self.max_k), float(n * self.max_k)), shape)
         self._seeded = True
 
     # ------------------------------------------------------------------ learning
