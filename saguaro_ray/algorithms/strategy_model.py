@@ -204,10 +204,10 @@ class AutoPolicy:
             # in the rounds a build runs beside a verification that shares the machine: what it
             # takes beyond its steps there is, until rounds at several K tell, as the probe's
             # composition, or the steps' own (the probe measured nothing beyond them)
-            n = max(n for n, _, _ in costs.build)
+            widest = float(max(n for n, _, _ in costs.build))
             steps = [0.0, 0.0, draft[1], draft[2]] if draft is not None else None
             shape = probe.theta if any(t > 0.0 for t in probe.theta) else steps
-            self._build.anchor(probe.theta, (1.0, float(n), float(self.max_k), float(n * self.max_k)), shape)
+            self._build.anchor(probe.theta, (1.0, widest, float(self.max_k), widest * self.max_k), shape)
         self._seeded = True
 
     # ------------------------------------------------------------------ learning
