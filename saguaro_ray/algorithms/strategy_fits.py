@@ -24,7 +24,9 @@ class EwLeastSquares:
     needs no time scale: given, or that observation split between the
     intercept and the features) only as firmly as :data:`FIT_PRIOR_WEIGHT` of an
     observation: enough to settle a direction the data leave open (every
-    round at one token count), too little to pull against a real spread. Every
+    round at one token count), too little to pull against a real spread — or,
+    through :meth:`anchor`, to the proportions of a θ0 measured elsewhere,
+    whose scale the data set. Every
     coefficient is kept non-negative (each is a cost): a negative slope fitted
     from noise would send the search to the largest load, a negative intercept
     make the loads it was not fitted on look free."""

@@ -21,7 +21,7 @@ linearises exactly the model it evaluates), the trials and their budget
 :mod:`~saguaro_ray.algorithms.strategy_fits`, the guard
 :mod:`~saguaro_ray.algorithms.strategy_guard`, and the data the engine and
 the policy exchange :mod:`~saguaro_ray.algorithms.strategy_views`. What is
-left here (~600 lines) is one concept, the policy's state and its use: every
+left here (~630 lines) is one concept, the policy's state and its use: every
 fit, the per-sequence statistics, the sequences entering, rebuilding or leaving SSD and
 what switching costs are read by the choice and written by the observation of
 the round it made; split apart, each half would reach into the other's state.
@@ -205,8 +205,8 @@ class AutoPolicy:
             # takes beyond its steps there is, until rounds at several K tell, as the probe's
             # composition, or the steps' own (the probe measured nothing beyond them)
             widest = float(max(n for n, _, _ in costs.build))
-            steps = [0.0, 0.0, draft[1], draft[2]] if draft is not None else None
-            shape = probe.theta if any(t > 0.0 for t in probe.theta) else steps
+            step_shape = [0.0, 0.0, draft[1], draft[2]] if draft is not None else None
+            shape = probe.theta if any(t > 0.0 for t in probe.theta) else step_shape
             self._build.anchor(probe.theta, (1.0, widest, float(self.max_k), widest * self.max_k), shape)
         self._seeded = True
 
