@@ -269,6 +269,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write the PNG here")
     p.add_argument("--markdown", default=None, help="write the cells as a Markdown table here (the README's Performance table)")
+    p.add_argument("--rounds", default=None, metavar="FILE.jsonl", help="write every batch of every run here, one JSON line each, with all its rounds")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -322,6 +323,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             pin_cores=args.pin_cores,
             dtype=args.dtype,
             sampling=args.sampling,
+            rounds=args.rounds,
         )
     )
     print(format_table(report))

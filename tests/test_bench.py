@@ -18,7 +18,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
         [sys.executable, "-m", "saguaro_ray.jobs.bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"),
          "--modes", "ar,sd:2,ssd,auto", "--prompts", "code", "--max-tokens", "8", "--batch-sizes", "1,2", "--temperatures", "0",
          "--mixed", "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png),
-         "--markdown", str(tmp_path / "bench.md")],
+         "--markdown", str(tmp_path / "bench.md"), "--rounds", str(tmp_path / "rounds.jsonl")],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
@@ -65,6 +65,21 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert chose["policy"]["rounds_chosen"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tok/s" in proc.stdout and "=ar" in proc.stdout
+    # --rounds: every batch each mode generated, with the rounds and strategies the report summarised
+    lines = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    prompts = report["config"]["num_prompts"]
+    for e in results:
+        mine = [x for x in lines if (x["mode"], x["batch_size"], x["temperature"]) == (e["mode"], e["batch_size"], e["temperature"])]
+        assert [x["first"] for x in mine] == list(range(0, prompts, e["batch_size"])) and {x["repeat"] for x in mine} == {0}
+        assert all(len(x["outputs"]) == min(e["batch_size"], prompts - x["first"]) for x in mine)
+        decode = [rd for x in mine for rd in x["rounds"] if not rd["prefill"]]
+        assert len(decode) * e["per_round_ms"]["wall"] / 1000 == pytest.approx(sum(rd["end"] - rd["start"] for rd in decode))
+        if e["strategy"]:
+            added = {}
+            for x in mine:
+                for m, n in x["strategy"].items():
+                    added[m] = added.get(m, 0) + n
+            assert added == e["strategy"]
 
 
 def test_step_costs_cover_only_the_models_the_benched_modes_run(zoo_tiny):
@@ -335,7 +350,8 @@ def test_a_cell_runs_batch_by_batch_with_the_modes_taking_turns():
     rotates from batch to batch (no mode always first or last on a drifting
     machine), each batch knowing its first request's index (the mix's
     temperatures and the peers' seeds follow it); a runner's batches add up to
-    its one run of the cell; the turns go on across repeats, so a batch of every
+    its one run of the cell, and each batch is recorded (``--rounds``) with its
+    first prompt; the turns go on across repeats, so a batch of every
     prompt does not always put the same runner first."""
     from saguaro_ray.bench.plan import SamplingSetting, temperature_settings
     from saguaro_ray.bench.run import _run_cell
@@ -355,8 +371,10 @@ def test_a_cell_runs_batch_by_batch_with_the_modes_taking_turns():
 
     runners = [Recorder("ar"), Recorder("sd"), Recorder("auto")]
     mix = temperature_settings([], [0.0, 0.7])[0]
-    runs = _run_cell(runners, [f"p{i}" for i in range(7)], mix, SamplingSetting(), 16, 0, 3)
+    recorded = []  # --rounds: each runner's batches, with their repeat and first prompt
+    runs = _run_cell(runners, [f"p{i}" for i in range(7)], mix, SamplingSetting(), 16, 0, 3, lambda r, rep, first: recorded.append((r.mode, rep, first, r.outputs[0])))
     assert [c[0] for c in calls] == ["ar", "sd", "auto", "sd", "auto", "ar", "auto", "ar", "sd"]
+    assert recorded == [(m, 0, first, (first,)) for m in ("ar", "sd", "auto") for first in (0, 3, 6)]
     assert {c[1:] for c in calls} == {(0, 3), (3, 3), (6, 1)}
     assert [r.mode for r in runs] == ["ar", "sd", "auto"]
     for r in runs:

@@ -9,9 +9,11 @@ into the report's entries.
 
 from __future__ import annotations
 
+import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
@@ -54,6 +56,7 @@ class BenchArgs:
     pin_cores: bool = True  # Ray workers claim CPU cores of their own (EngineConfig.pin_cores)
     dtype: str | None = None  # every engine's and peer's (None: the runner's default, fp32 on CPU)
     sampling: list[dict[str, Any]] | None = None  # sampling settings (``--sampling``), run interleaved; None: plain alone
+    rounds: str | None = None  # a JSON-lines file: every batch of every run with all its rounds (``--rounds``)
     progress: bool = True
 
 
@@ -246,12 +249,12 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     total = len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) * len(samplings) + (1 in args.batch_sizes) * len(peers) * plain)
     runs: list[RunResult] = []
     strategies: dict[str, dict[str, Any]] = {}
-    with tqdm(total=total, desc="bench", disable=not args.progress) as bar:
+    with tqdm(total=total, desc="bench", disable=not args.progress) as bar, _rounds_log(args.rounds) as record:
         # One runtime's engines at a time: modes are compared within a runtime,
         # and engines left idle still cost a small machine (their processes and
         # threads wake up to poll), so only the engines being compared are alive.
         for i, runtime in enumerate(args.runtimes):
-            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, samplings, bar, strategies)
+            runs += _run_group(args, engines, runtime, peers if i == 0 else [], prompts, settings, samplings, bar, strategies, record)
     return {
         "machine": machine_info(args.threads),
         "step_costs_ms": step_costs(_benched_models(args), threads=args.threads, dtype=args.dtype, draft_vocab=args.draft_vocab),
@@ -260,6 +263,36 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         "engine_strategies": strategies,
         "timeline_sample": timeline_sample(runs),
     }
+
+
+Record = Callable[[RunResult, int, int], None]  # a batch's run, its repeat, its first prompt's index
+
+
+def _unrecorded(run: RunResult, repeat: int, first: int) -> None:
+    """Without ``--rounds`` the batches' rounds are summarised and let go."""
+
+
+@contextmanager
+def _rounds_log(path: str | None) -> Iterator[Record]:
+    """``--rounds``: each batch a runner generates, as one JSON line written
+    when its cell ends (a bench stopped midway keeps the cells it finished):
+    its run's labels, ``repeat``, ``first`` (its first prompt's index), its
+    seconds, tokens, strategies, outputs and every round record. The report
+    keeps a few rounds per mode; a question the report cannot answer (which
+    prompt lost, what auto predicted against what a round took) is answered
+    from these lines without running the bench again."""
+    if path is None:
+        yield _unrecorded
+        return
+    with open(path, "w", encoding="utf-8") as f:
+
+        def record(run: RunResult, repeat: int, first: int) -> None:
+            labels = {k: getattr(run, k) for k in ("mode", "runtime", "num_drafts", "batch_size", "temperature", "sampling")}
+            line = {**labels, "repeat": repeat, "first": first, "seconds": run.seconds, "tokens": run.tokens, "strategy": run.strategy}
+            f.write(json.dumps({**line, "outputs": run.outputs, "rounds": run.rounds}) + "\n")
+            f.flush()
+
+        yield record
 
 
 def _benched_models(args: BenchArgs) -> dict[str, str]:
@@ -285,12 +318,13 @@ def _run_group(
     samplings: list[SamplingSetting],
     bar: Any,
     strategies: dict[str, dict[str, Any]],
+    record: Record = _unrecorded,
 ) -> list[RunResult]:
     """Every setting (temperature × sampling) over one runtime's engines'
     modes (and the peers at batch 1, plain sampling only: transformers has no
     presence or frequency penalty), interleaved batch by batch
-    (:func:`_run_cell`); ``strategies`` gets each engine's choices once its
-    runs are done (``runtime/dN``)."""
+    (:func:`_run_cell`, each batch passed to ``record``); ``strategies`` gets
+    each engine's choices once its runs are done (``runtime/dN``)."""
     closers: list[Callable[[], None]] = []
     engines: list[_Engine] = []
     runners: list[Any] = []
@@ -311,7 +345,7 @@ def _run_group(
                 for rep in range(args.repeats):
                     for s in samplings:
                         cell = [r for r in runners if r.runtime != "hf" or (b == 1 and not s.params)]
-                        runs += _run_cell(cell, prompts, t, s, args.max_tokens, rep, b)
+                        runs += _run_cell(cell, prompts, t, s, args.max_tokens, rep, b, record)
                         bar.update(len(cell))
         strategies.update({f"{e.runtime}/d{e.num_drafts}": e.strategies() for e in engines})
     finally:
@@ -321,7 +355,8 @@ def _run_group(
 
 
 def _run_cell(
-    runners: list[Any], prompts: list[str], t: TemperatureSetting, s: SamplingSetting, max_tokens: int, rep: int, b: int
+    runners: list[Any], prompts: list[str], t: TemperatureSetting, s: SamplingSetting, max_tokens: int, rep: int, b: int,
+    record: Record = _unrecorded,
 ) -> list[RunResult]:
     """One cell (batch size × setting × repeat): every batch of ``b`` prompts
     is generated by each runner in a rotating order before the next batch
@@ -331,7 +366,8 @@ def _run_cell(
     whatever the runner before it left behind; taking turns charges both to
     every row alike, as the demo does. The turns go on counting across
     repeats: where one batch is every prompt (batch 8 of 8), a repeat is the
-    only turn, and each repeat puts another runner first."""
+    only turn, and each repeat puts another runner first. Each batch's run
+    goes to ``record`` once the cell is done."""
     parts: dict[int, list[RunResult]] = {i: [] for i in range(len(runners))}
     starts = range(0, len(prompts), b)
     for j, first in enumerate(starts):
@@ -342,6 +378,9 @@ def _run_cell(
                 parts[i].append(r.run(chunk, t, max_tokens, seed=rep, batch_size=b, first=first))
             else:
                 parts[i].append(r.run(chunk, t, max_tokens, seed=rep, batch_size=b, sampling=s, first=first))
+    for i in range(len(runners)):
+        for first, part in zip(starts, parts[i]):
+            record(part, rep, first)
     return [merge_runs(parts[i]) for i in range(len(runners))]
 
 
