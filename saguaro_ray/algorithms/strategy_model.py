@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +235,7 @@ class AutoPolicy:
             self._observe_switch(costs, self._rebuild)
         elif leave:
             self._observe_switch(costs, self._leave, left)
-        held_by = _held_by(costs.seqs)
+        held_by = _round_load(costs.seqs)
         self._observe_catch_up(costs, held_by)
         if costs.seqs and not rebuild and not leave and not caught_up:
             self._guard.add(
@@ -350,10 +350,7 @@ class AutoPolicy:
         if self._verify.theta is None:
             return
         c = self._costs()
-        load = Load()
-        for r in costs.seqs:
-            hit = 0.0 if self._missed(r) else 1.0
-            load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, hit, held=r.context)
+        load = _round_load(costs.seqs, self._missed)
         if left[0]:
             build = c.build_s(*left)
         else:
@@ -673,11 +670,14 @@ class AutoPolicy:
         }
 
 
-def _held_by(seqs: Sequence[SeqResult]) -> Load:
-    """A finished round's tokens held (:class:`Load`'s ``held``, ``held_rows``, ``sd_held``, ``ssd_held``)."""
+def _round_load(seqs: Sequence[SeqResult], missed: Callable[[SeqResult], bool] = lambda r: False) -> Load:
+    """A finished round as the :class:`Load` the model prices: each sequence in the mode it
+    ran at the K it proposed (a sequence that ran AR at none), holding its context, its
+    lookup a hit unless ``missed``. The fits take its tokens held (``held``, ``held_rows``,
+    ``sd_held``, ``ssd_held``); a switching round's excess is measured against its round time."""
     load = Load()
     for r in seqs:
-        load.add(1, r.mode, r.proposed, 0.0, 1.0, held=r.context)
+        load.add(1, r.mode, r.proposed if r.mode != "ar" else 0, 0.0, 0.0 if missed(r) else 1.0, held=r.context)
     return load
 
 

@@ -155,12 +155,13 @@ class _Probe:
         """The tokens ``seqs`` hold, on average: what each of their rows attends."""
         return max(1, round(sum(len(self.tokens[s]) for s in seqs) / len(seqs)))
 
-    def admit(self, draft: bool) -> None:
-        """Every sequence's prompt onto the target (its first decode), or the draft (a prefill:
-        it holds every prompt token but the last, as after a round)."""
-        if not draft:
-            self.verify(self.ids, 0)
-            return
+    def admit(self) -> None:
+        """Every sequence's prompt onto the target: its first decode."""
+        self.verify(self.ids, 0)
+
+    def prefill(self) -> None:
+        """Every sequence's prompt onto the draft: it holds every prompt token but the last,
+        as after a round."""
         self.timed(self.loop.drafts.primary, "prefill", lambda full: ([self.step(s, full) for s in self.ids],))
         for s in self.ids:
             self.rounds[s] = 1
@@ -234,8 +235,8 @@ def _at_every_batch(loop: "RoundLoop", rows: _Rows, batches: Sequence[int], ks: 
     n = batches[-1]
     target, draft = _Probe(loop, PROBE_SEQ_BASE, n), _Probe(loop, PROBE_SEQ_BASE + n, n)
     try:
-        target.admit(draft=False)  # the whole prompt (and any warm-up of the worker)
-        draft.admit(draft=True)
+        target.admit()  # the whole prompt (and any warm-up of the worker)
+        draft.prefill()
         draft.propose(draft.ids, 1)  # warm-up
         for b in batches:
             for k in ks:
@@ -277,8 +278,10 @@ def _at_two_contexts(loop: "RoundLoop", rows: _Rows, b: int, max_k: int) -> None
     }
     try:
         for (role, _), probe in probes.items():
-            probe.admit(draft=role == "draft")
-            if role == "draft":
+            if role == "target":
+                probe.admit()
+            else:
+                probe.prefill()
                 probe.propose(probe.ids, 1)  # warm-up
 
         def turns(call: Callable[[_Probe], float], role: str) -> dict[int, tuple[int, float]]:
