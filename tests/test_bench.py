@@ -467,7 +467,7 @@ def test_auto_rows_report_their_prediction_error_from_the_timeline():
     for i, rd in enumerate(rounds):
         rd["accepted"] = [2]  # 3 tokens emitted a round
         if i >= 2:  # the first two: no prediction (a cold start), not compared
-            rd["auto"] = {"chosen": {"option": "sd:3", "tokens": 3.3, "seconds": 0.005}, "runner_up": None}
+            rd["auto"] = {"chosen": {"option": "sd:3", "tokens": 3.3, "seconds": 0.005, "verify": 0.0033}, "runner_up": None}
     rounds.append({**rounds[-1], "prefill": True})  # an admission round is no decode round
     # a round whose speculating pick ran AR while its drafts caught up: counted apart, not compared
     # ... it sent 24 tokens; a catch-up ran beside it and beside one other round
@@ -476,11 +476,11 @@ def test_auto_rows_report_their_prediction_error_from_the_timeline():
     pred = prediction_error(rounds)
     assert pred["rounds"] == 8 and pred["not_ready_rounds"] == 1 and pred["seconds_ratio"] == pytest.approx(1.25) and pred["seconds_error"] == pytest.approx(0.25)
     assert pred["catch_up_tokens"] == 24 and pred["catch_up_rounds"] == 2
-    assert pred["tokens_error"] == pytest.approx(0.1)
+    assert pred["tokens_error"] == pytest.approx(0.1) and pred["verify_ratio"] == pytest.approx(1.1)  # 3.3 ms predicted, 3 ms verified
     assert prediction_error(_rounds(3, 0.004, 0.003)) is None
     auto, sd = summarise([_run("auto", "ray", rounds, 16, 8, 500.0), _run("sd:3", "ray", rounds, 16, 8, 480.0)])
     assert auto["auto_prediction"] == pred and sd["auto_prediction"] is None
-    assert "predicted/measured round time 1.25 (median error 25%)" in auto_note(auto)
+    assert "predicted/measured round time 1.25 (median error 25%), verification 1.10" in auto_note(auto)
 
 
 def test_sampling_settings_are_cells_of_their_own(monkeypatch, capsys):

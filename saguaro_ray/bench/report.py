@@ -390,7 +390,7 @@ def auto_note(e: dict[str, Any]) -> str:
     if e["mean_k"] is not None:
         parts.append(f"mean K {e['mean_k']:.1f}")
     if pred := e.get("auto_prediction"):
-        parts.append(f"predicted/measured round time {pred['seconds_ratio']:.2f} (median error {pred['seconds_error']:.0%})")
+        parts.append(f"predicted/measured round time {pred['seconds_ratio']:.2f} (median error {pred['seconds_error']:.0%}), verification {pred['verify_ratio']:.2f}")
     return "; ".join(parts)
 
 

@@ -60,7 +60,7 @@ class RoundRecord:
     catch_up_sent: int = 0
     catching_up: int = 0
     # auto's prediction for the round (None: no auto sequence, or a cold-start round): the option
-    # it chose and the runner-up, each {"option", "tokens", "seconds"}, and "measured": what the
+    # it chose and the runner-up, each {"option", "tokens", "seconds", "verify"}, and "measured": what the
     # round then took (tokens emitted, wall seconds); see :func:`prediction_error`
     auto: dict[str, Any] | None = None
 
@@ -145,12 +145,14 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
     """How far ``auto``'s predictions were from what its rounds then took, over the decode
     rounds that carry one: the median of |predicted / measured − 1| for the round's
     seconds and for its emitted tokens, the mean predicted / measured seconds (below 1:
-    auto expected its rounds faster than they ran), and how many rounds were compared.
+    auto expected its rounds faster than they ran) and the same for the verification alone
+    (``verify_ratio``: where it is near 1 and ``seconds_ratio`` is not, drafting or the
+    control plane was mispredicted), and how many rounds were compared.
     A round where some sequence auto chose to speculate ran AR while its drafts caught up
     did not run what was predicted: it is counted apart (``not_ready_rounds``), not
     compared; so are the catch-ups' tokens and the rounds that ran beside one
     (``catch_up_tokens``, ``catch_up_rounds``). None when no round carries a prediction."""
-    secs, toks, not_ready, caught, beside = [], [], 0, 0, 0
+    secs, toks, verify, not_ready, caught, beside = [], [], [], 0, 0, 0
     for r in rounds:
         get = r.get if isinstance(r, Mapping) else lambda name, r=r: getattr(r, name)
         pred = get("auto")
@@ -165,6 +167,9 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
         emitted = sum(get("accepted")) + len(get("accepted"))
         if wall > 0:
             secs.append(pred["chosen"]["seconds"] / wall)
+        span = get("verify")
+        if span is not None and span[1] > span[0] and "verify" in pred["chosen"]:
+            verify.append(pred["chosen"]["verify"] / (span[1] - span[0]))
         if emitted > 0:
             toks.append(pred["chosen"]["tokens"] / emitted)
     if not secs:
@@ -176,5 +181,6 @@ def prediction_error(rounds: Sequence[RoundRecord | Mapping[str, Any]]) -> dict[
         "catch_up_rounds": float(beside),
         "seconds_error": statistics.median(abs(x - 1.0) for x in secs),
         "seconds_ratio": statistics.fmean(secs),
+        "verify_ratio": statistics.fmean(verify) if verify else math.nan,
         "tokens_error": statistics.median(abs(x - 1.0) for x in toks) if toks else math.nan,
     }
