@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Callable, Sequence
@@ -273,6 +274,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """A report the bench writes after hours of running must have somewhere to go: a
+    folder that is missing or not writable fails the command before any engine starts."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: its folder {folder} does not exist or is not writable")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from saguaro_ray.bench.plan import parse_modes, sampling_settings, temperature_settings
     from saguaro_ray.bench.plot import plot, require_matplotlib
@@ -294,6 +305,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--target-tp needs the ray runtime; drop inprocess from --runtimes")
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
         raise ConfigError("--repeats and --batch-sizes must be positive")
+    for flag, path in (("--json", args.json_out), ("--markdown", args.markdown), ("--plot", args.plot), ("--rounds", args.rounds)):
+        _check_output(flag, path)
     if args.plot:
         require_matplotlib()
     report = run_bench(

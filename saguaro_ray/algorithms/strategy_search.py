@@ -278,9 +278,10 @@ def option(groups: list[Group], opts: list[tuple[str, int]], base: Load, costs: 
     """One option's prediction for the round about to run: its label (``sd:4``; ``ar+ssd:4``
     when groups differ), expected emitted tokens of the batch, predicted round seconds
     (no amortised switch) and the verification's part of them (``verify``: the timeline
-    tells a misprediction of the target's call from one of drafting and control). A group that stays in SSD verifies and builds what its earlier
-    plans fixed (:attr:`Group.verify_k`, :attr:`Group.ssd_k`), not the K it chooses now:
-    that K is what the search values, for the rounds it will run in."""
+    tells a misprediction of the target's call from one of drafting and control). A group
+    that stays in SSD verifies and builds what its earlier plans fixed
+    (:attr:`Group.verify_k`, :attr:`Group.ssd_k`), not the K it chooses now: that K is what
+    the search values, for the rounds it will run in."""
     load = _load_of(groups, opts, base, as_run=True)
     label = "+".join(sorted({"ar" if m == "ar" else f"{m}:{k}" for m, k in opts}))
     verify = costs.verify_s(load.tokens, load.n, load.n_ssd > 0, load.held, load.held_rows)
