@@ -66,6 +66,8 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tok/s" in proc.stdout and "=ar" in proc.stdout
     # --rounds: every batch each mode generated, with the rounds and strategies the report summarised
+    from saguaro_ray.bench.report import _added
+
     lines = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     prompts = report["config"]["num_prompts"]
     for e in results:
@@ -75,11 +77,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
         decode = [rd for x in mine for rd in x["rounds"] if not rd["prefill"]]
         assert len(decode) * e["per_round_ms"]["wall"] / 1000 == pytest.approx(sum(rd["end"] - rd["start"] for rd in decode))
         if e["strategy"]:
-            added = {}
-            for x in mine:
-                for m, n in x["strategy"].items():
-                    added[m] = added.get(m, 0) + n
-            assert added == e["strategy"]
+            assert _added(x["strategy"] for x in mine) == e["strategy"]
 
 
 def test_step_costs_cover_only_the_models_the_benched_modes_run(zoo_tiny):
