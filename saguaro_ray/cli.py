@@ -229,7 +229,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default="code", help="code | text | humaneval | chat | FILE.jsonl")
     p.add_argument("--dtype", default=None, help="every engine's and peer's dtype (float32 | bfloat16; default: float32 on CPU)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per setting (each batch size runs all of them)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=_csv(int), default=[64], help="tokens per request; several (64,256) bench each length's cells in the same run, on the same engines"
+    )
     p.add_argument("--batch-sizes", type=_csv(int), default=[1])
     p.add_argument("--temperatures", type=_csv(float), default=[0.0])
     p.add_argument(
@@ -303,8 +305,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--runtimes takes ray and/or inprocess, got {sorted(unknown)}")
     if args.target_tp != 1 and "inprocess" in args.runtimes:
         raise ConfigError("--target-tp needs the ray runtime; drop inprocess from --runtimes")
-    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
-        raise ConfigError("--repeats and --batch-sizes must be positive")
+    if args.repeats < 1 or not args.batch_sizes or not args.max_tokens or any(x < 1 for x in args.batch_sizes + args.max_tokens):
+        raise ConfigError("--repeats, --batch-sizes and --max-tokens must be positive")
     for flag, path in (("--json", args.json_out), ("--markdown", args.markdown), ("--plot", args.plot), ("--rounds", args.rounds)):
         _check_output(flag, path)
     if args.plot:

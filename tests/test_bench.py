@@ -16,7 +16,7 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
         [sys.executable, "-m", "saguaro_ray.jobs.bench", "--target", str(zoo_tiny / "target"), "--draft", str(zoo_tiny / "draft"),
-         "--modes", "ar,sd:2,ssd,auto", "--prompts", "code", "--max-tokens", "8", "--batch-sizes", "1,2", "--temperatures", "0",
+         "--modes", "ar,sd:2,ssd,auto", "--prompts", "code", "--max-tokens", "8,5", "--batch-sizes", "1,2", "--temperatures", "0",
          "--mixed", "--repeats", "1", "--runtimes", "inprocess", "--build-ahead", "on", "--json", str(out_json), "--plot", str(out_png),
          "--markdown", str(tmp_path / "bench.md"), "--rounds", str(tmp_path / "rounds.jsonl")],
         capture_output=True, text=True, timeout=600,
@@ -24,14 +24,14 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out_json.read_text())
     table = (tmp_path / "bench.md").read_text().splitlines()  # the README's table: a header, a rule, a row per cell
-    assert table[0] == "| batch, T | ar | sd:2 | ssd | auto | auto / best fixed | auto / AR | auto chose |"
-    assert [line.split(" | ")[0] for line in table[2:]] == ["| 1, 0", "| 1, mixed 0/0.7", "| 2, 0", "| 2, mixed 0/0.7"]
+    assert table[0] == "| tokens, batch, T | ar | sd:2 | ssd | auto | auto / best fixed | auto / AR | auto chose |"
+    assert [line.split(" | ")[0] for line in table[2:]] == [f"| {n}, {b}, {t}" for n in (8, 5) for b in (1, 2) for t in ("0", "mixed 0/0.7")]
     assert {"machine", "results", "step_costs_ms"} <= set(report)
     assert report["config"]["build_ahead"] is True  # in process too, as asked
     assert report["machine"]["cpu_count"] >= 1
     results = report["results"]
-    assert len(results) == 4 * 2 * 2  # modes x batch sizes x (T = 0, the 0/0.7 mix)
-    assert {e["temperature"] for e in results} == {0.0, "mix:0,0.7"}
+    assert len(results) == 4 * 2 * 2 * 2  # modes x lengths x batch sizes x (T = 0, the 0/0.7 mix)
+    assert {e["temperature"] for e in results} == {0.0, "mix:0,0.7"} and {e["max_tokens"] for e in results} == {8, 5}
     for e in results:
         assert RESULT_KEYS <= set(e)
         assert e["tokens_per_s"] > 0 and e["ideal_tokens_per_s"] > 0 and e["ideal_speedup_vs_ar"] > 0
@@ -52,14 +52,14 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
             assert None not in (e["hops_ms"]["bookkeeping"], e["hops_ms"]["lookup_send"], e["hops_ms"]["lookup_reply"])
         elif e["mode"] != "auto":
             assert e["cache_hit_rate"] is None and e["efficiency"] is None
-        cell = [x for x in results if (x["batch_size"], x["temperature"]) == (e["batch_size"], e["temperature"])]
+        cell = [x for x in results if (x["max_tokens"], x["batch_size"], x["temperature"]) == (e["max_tokens"], e["batch_size"], e["temperature"])]
         best = max((x for x in cell if x["mode"] != "auto"), key=lambda x: x["tokens_per_s"])
         assert e["best_fixed"] == best["mode"]
         if e["mode"] == "auto":  # every cell's auto row, beside its best fixed mode
             assert e["auto_vs_best"] == pytest.approx(e["tokens_per_s"] / best["tokens_per_s"])
             assert e["auto_vs_ar"] == pytest.approx(e["speedup_vs_ar"])
             assert sum(e["strategy"].values()) > 0 and set(e["strategy"]) <= {"ar", "sd", "ssd"}
-    assert len([e for e in results if e["mode"] == "auto"]) == 2 * 2
+    assert len([e for e in results if e["mode"] == "auto"]) == 2 * 2 * 2
     chose = report["engine_strategies"]["inprocess/d1"]  # the one engine's own count of what every run chose
     assert chose["sequence_rounds"]["ar"] >= sum(e["strategy"]["ar"] for e in results if e["mode"] == "ar")
     assert chose["policy"]["rounds_chosen"] > 0
@@ -71,9 +71,11 @@ def test_bench_writes_json_and_plot(zoo_tiny, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     prompts = report["config"]["num_prompts"]
     for e in results:
-        mine = [x for x in lines if (x["mode"], x["batch_size"], x["temperature"]) == (e["mode"], e["batch_size"], e["temperature"])]
+        labels = ("mode", "max_tokens", "batch_size", "temperature")
+        mine = [x for x in lines if all(x[k] == e[k] for k in labels)]
         assert [x["first"] for x in mine] == list(range(0, prompts, e["batch_size"])) and {x["repeat"] for x in mine} == {0}
         assert all(len(x["outputs"]) == min(e["batch_size"], prompts - x["first"]) for x in mine)
+        assert all(len(o) == e["max_tokens"] for x in mine for o in x["outputs"])  # each length's requests, that long
         decode = [rd for x in mine for rd in x["rounds"] if not rd["prefill"]]
         assert len(decode) * e["per_round_ms"]["wall"] / 1000 == pytest.approx(sum(rd["end"] - rd["start"] for rd in decode))
         if e["strategy"]:
@@ -87,7 +89,7 @@ def test_step_costs_cover_only_the_models_the_benched_modes_run(zoo_tiny):
 
     args = BenchArgs(
         target=str(zoo_tiny / "target"), draft="zoo:small/draft", qualifier="zoo:small/qualifier", modes=["ar", "hf-ar"],
-        num_drafts=[1], prompts="code", max_tokens=8, batch_sizes=[1], temperatures=[0.0], repeats=1,
+        num_drafts=[1], prompts="code", max_tokens=[8], batch_sizes=[1], temperatures=[0.0], repeats=1,
     )
     assert _benched_models(args) == {"target": str(zoo_tiny / "target")}
     args.modes = ["ar", "ssd"]
@@ -150,11 +152,14 @@ def test_gpu_check_sections_report_failures_and_run_on(tmp_path):
             ray.shutdown()
 
 
-def _run(mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, k_rounds=0, num_drafts=1, sampling=None):
+def _run(
+    mode, runtime, rounds, accepted, spec_rounds, tokens_per_s, batch=1, temperature=0.0, strategy=None, k_total=0.0, k_rounds=0, num_drafts=1, sampling=None,
+    max_tokens=64,
+):
     from saguaro_ray.bench.report import RunResult, round_breakdown
 
     return RunResult(
-        mode, runtime, num_drafts, batch, temperature, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds,
+        mode, runtime, num_drafts, batch, temperature, max_tokens, 1.0, 100, int(tokens_per_s), 1.0, accepted, spec_rounds, 0, 0, round_breakdown(rounds), rounds,
         strategy=strategy or {}, k_total=k_total, k_rounds=k_rounds, sampling=sampling,
     )
 
@@ -205,7 +210,7 @@ def test_outputs_that_are_not_ars_are_counted_and_named():
     assert by["ssd", 0.0, "ray", 1] == {"equal": 3, "of": 4}
     assert by["hf-ar", 0.0, "hf", 1] == {"equal": 1, "of": 2} and by["hf-ar", 0.7, "hf", 1] is None
     assert by["sd", 0.0, "ray", 2] is None
-    assert inexact_rows(summarise(runs)) == ["ssd (ray) batch 1 T 0: 3/4 equal"]  # the peer's near-tie is reported, not a breach
+    assert inexact_rows(summarise(runs)) == ["ssd (ray) 64 tokens batch 1 T 0: 3/4 equal"]  # the peer's near-tie is reported, not a breach
 
 
 def test_ideal_ceiling_follows_its_definition():
@@ -237,7 +242,7 @@ def test_peers_run_beside_our_modes_at_batch_one(zoo_tiny):
 
     args = BenchArgs(
         target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=None, modes=["ar", "sd", "hf-ar", "hf-assisted"],
-        num_drafts=[1], prompts="humaneval", max_tokens=8, batch_sizes=[1, 2], temperatures=[0.0], repeats=1,
+        num_drafts=[1], prompts="humaneval", max_tokens=[8], batch_sizes=[1, 2], temperatures=[0.0], repeats=1,
         runtimes=["inprocess"], num_prompts=2, progress=False,
     )
     results = run_bench(args)["results"]
@@ -322,7 +327,7 @@ def test_one_engine_per_runtime_serves_every_mode_and_ssd_gets_one_per_num_draft
     assert [nd for nd, _ in engine_plan(parse_modes(["ssd"]), [2])] == [2]  # --num-drafts 2 alone: no one-draft engine
     args = BenchArgs(
         target=str(zoo_tiny / "target"), draft=str(zoo_tiny / "draft"), qualifier=None, modes=[], num_drafts=[1],
-        prompts="code", max_tokens=8, batch_sizes=[1], temperatures=[0.0], repeats=1,
+        prompts="code", max_tokens=[8], batch_sizes=[1], temperatures=[0.0], repeats=1,
     )
     spec = engine_spec(plan[0][1], args)
     assert spec.mode == "auto" and spec.allow == ("ar", "sd", "ssd", "auto")
@@ -457,6 +462,33 @@ def test_every_cell_names_its_best_fixed_mode_and_auto_is_compared_with_it():
     assert md[2] == "| 1, 1, 0 | 300.0 | 420.0 | 390.0 | 410.0 | 999.0 | 0.41 (ssd/d2) | 1.37 | sd 75 %, ar 25 %, K 3.0 |"
     assert md[3].startswith("| 1, 1, mixed 0/0.7 | 300.0 | 280.0 | 330.0 | 360.0 | – | 1.09 (ssd) | 1.20 |")
     assert md[4] == "| 2, 1, 0 | – | – | 1000.0 | – | 999.0 | – | – | – |"
+
+
+def test_each_request_length_is_a_cell_of_its_own():
+    """``--max-tokens 64,256`` benches both lengths in one run: each length's rows are
+    compared with that length's alone (best fixed mode, AR, the exactness check), the
+    Markdown table gets a tokens column, and a peer joins the rows of its own length."""
+    from saguaro_ray.bench.report import format_table, markdown_table, summarise
+
+    runs = []
+    for n, speeds in [(64, {"ar": 300, "ssd": 390, "auto": 380}), (256, {"ar": 310, "ssd": 600, "auto": 590})]:
+        for mode, tps in speeds.items():
+            r = _run(mode, "ray", _rounds(2, 0.004, 0.003), 0, 0, tps, max_tokens=n)
+            r.outputs = [(n,)] if mode != "ssd" or n == 64 else [(0,)]  # the long SSD row is off AR's tokens
+            runs.append(r)
+    runs.append(_run("hf-ar", "hf", [], 0, 0, 100, max_tokens=256))
+    entries = summarise(runs)
+    by = {(e["mode"], e["max_tokens"]): e for e in entries}
+    assert by["auto", 64]["auto_vs_best"] == pytest.approx(380 / 390) and by["auto", 256]["auto_vs_best"] == pytest.approx(590 / 600)
+    assert by["auto", 64]["auto_vs_ar"] == pytest.approx(380 / 300) and by["hf-ar", 256]["speedup_vs_ar"] == pytest.approx(100 / 310)
+    assert by["ssd", 64]["same_as_ar"] == {"equal": 1, "of": 1} and by["ssd", 256]["same_as_ar"] == {"equal": 0, "of": 1}
+    md = markdown_table(entries).splitlines()
+    assert md[0] == "| tokens, batch, T | ar | ssd | auto | hf-ar | auto / best fixed | auto / AR | auto chose |"
+    assert md[2].startswith("| 64, 1, 0 | 300.0 | 390.0 | 380.0 | – | 0.97 (ssd) |")
+    assert md[3].startswith("| 256, 1, 0 | 310.0 | 600.0 | 590.0 | 100.0 | 0.98 (ssd) |")
+    assert len(md) == 4 and "   256" in format_table({"results": entries})
+    one = markdown_table([e for e in entries if e["max_tokens"] == 64]).splitlines()  # one length: no column for it
+    assert one[0].startswith("| batch, T | ar |")
 
 
 def test_auto_rows_report_their_prediction_error_from_the_timeline():

@@ -121,6 +121,7 @@ class PeerRunner:
             num_drafts=self.num_drafts,
             batch_size=1,
             temperature=temperatures.label,
+            max_tokens=max_tokens,
             seconds=seconds,
             tokens=tokens,
             decode_tokens=decode_tokens,

@@ -50,11 +50,11 @@ def plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     if keys:
         axes[0].legend(handles, list(colors), loc="upper right", fontsize=7, ncols=4)
     ax = axes[-1]
-    # the bars: the lowest single temperature (a mixed cell's is a label), else the first cell's; the first sampling setting's
+    # the bars: the lowest single temperature (a mixed cell's is a label), else the first cell's; the first sampling setting's and request length's
     single = [x["temperature"] for x in report["results"] if not isinstance(x["temperature"], str)]
     shown = min(single) if single else report["results"][0]["temperature"]
-    sampling = report["results"][0].get("sampling")
-    res = [e for e in report["results"] if e["temperature"] == shown and e.get("sampling") == sampling]
+    first = report["results"][0]
+    res = [e for e in report["results"] if e["temperature"] == shown and (e.get("sampling"), e.get("max_tokens")) == (first.get("sampling"), first.get("max_tokens"))]
     labels = [f"{e['mode']}/{e['runtime'][:2]}/d{e['num_drafts']}\nb={e['batch_size']}" for e in res]
     ax.bar(range(len(res)), [e["tokens_per_s"] for e in res], color="#1f77b4")
     ax.errorbar(

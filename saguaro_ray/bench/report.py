@@ -49,6 +49,7 @@ class RunResult:
     num_drafts: int
     batch_size: int
     temperature: float | str  # a mixed setting's label (``mix:0,0.7``)
+    max_tokens: int  # every request's length (``--max-tokens``: one run may bench several)
     seconds: float
     tokens: int
     decode_tokens: int
@@ -99,13 +100,13 @@ def _median_min_max(xs: list[float]) -> tuple[float, float, float]:
 
 
 def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
-    """One result entry per (mode, runtime, drafts, batch, temperature,
-    sampling), then each cell's comparisons (:func:`_compare`)."""
+    """One result entry per (mode, runtime, drafts, request length, batch,
+    temperature, sampling), then each cell's comparisons (:func:`_compare`)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
-        groups.setdefault((r.mode, r.runtime, r.num_drafts, r.batch_size, r.temperature, r.sampling), []).append(r)
+        groups.setdefault((r.mode, r.runtime, r.num_drafts, r.max_tokens, r.batch_size, r.temperature, r.sampling), []).append(r)
     entries = []
-    for (mode, runtime, nd, b, t, sampling), rs in groups.items():
+    for (mode, runtime, nd, n, b, t, sampling), rs in groups.items():
         tps = [r.decode_tokens / r.decode_seconds for r in rs]
         med, lo, hi = _median_min_max(tps)
         spec_rounds = sum(r.spec_rounds for r in rs)
@@ -126,6 +127,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
                 "mode": mode,
                 "runtime": runtime,
                 "num_drafts": nd,
+                "max_tokens": n,
                 "batch_size": b,
                 "temperature": t,
                 "sampling": sampling,
@@ -194,25 +196,26 @@ def _same_as_ar(rs: Sequence[RunResult], runs: Sequence[RunResult]) -> dict[str,
 
 def _reference_for(ar: RunResult, r: RunResult) -> bool:
     """Is ``ar`` (an AR run of our engine) the run ``r`` is compared with: the
-    same temperature, sampling and seed, and for our rows the same runtime and
+    same request length, temperature, sampling and seed, and for our rows the same runtime and
     batch size (a peer: any of ours, the engine's outputs not depending on the batch)."""
-    if ar.runtime == "hf" or (ar.temperature, ar.sampling, ar.seed) != (r.temperature, r.sampling, r.seed):
+    if ar.runtime == "hf" or (ar.max_tokens, ar.temperature, ar.sampling, ar.seed) != (r.max_tokens, r.temperature, r.sampling, r.seed):
         return False
     return r.runtime == "hf" or (ar.runtime, ar.batch_size) == (r.runtime, r.batch_size)
 
 
 def inexact_rows(results: Sequence[dict[str, Any]]) -> list[str]:
     """The rows of our engine whose outputs are not all AR's
-    (``ssd (ray) batch 4 T 0.7: 3/8 equal``): each one breaks the exactness contract."""
+    (``ssd (ray) 64 tokens batch 4 T 0.7: 3/8 equal``): each one breaks the exactness contract."""
     return [
-        f"{row_name(e)} ({e['runtime']}) batch {e['batch_size']} T {_temperature_label(e['temperature'])}: {e['same_as_ar']['equal']}/{e['same_as_ar']['of']} equal"
+        f"{row_name(e)} ({e['runtime']}) {e['max_tokens']} tokens batch {e['batch_size']} T {_temperature_label(e['temperature'])}: "
+        f"{e['same_as_ar']['equal']}/{e['same_as_ar']['of']} equal"
         for e in results
         if e["runtime"] != "hf" and e.get("same_as_ar") and e["same_as_ar"]["equal"] < e["same_as_ar"]["of"]
     ]
 
 
 def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a[k] == b[k] for k in ("runtime", "batch_size", "temperature", "sampling"))
+    return all(a[k] == b[k] for k in ("runtime", "max_tokens", "batch_size", "temperature", "sampling"))
 
 
 def row_name(e: dict[str, Any]) -> str:
@@ -221,8 +224,8 @@ def row_name(e: dict[str, Any]) -> str:
 
 
 def _compare(entries: list[dict[str, Any]]) -> None:
-    """Each entry's speedups over ``ar`` and ``sd`` of its cell (batch size ×
-    temperature × sampling × runtime), and the cell's best fixed mode (the fastest
+    """Each entry's speedups over ``ar`` and ``sd`` of its cell (request length ×
+    batch size × temperature × sampling × runtime), and the cell's best fixed mode (the fastest
     engine row that is not ``auto``) with ``auto``'s ratios to it and to AR.
     A peer (runtime ``hf``) is compared with our modes of the first runtime measured."""
     ours = [x["runtime"] for x in entries if x["runtime"] != "hf"]
@@ -350,7 +353,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{role}: decode {c['decode_1']:.2f} ms, 8-token verify {c['verify_8']:.2f} ms, tree step {c[[k for k in c if k.startswith('tree')][0]]:.2f} ms"
         for role, c in costs.items()
     ]
-    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'batch':>6}{'T':>10}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}{'=ar':>8}"
+    head = f"{'mode':<12}{'runtime':<10}{'D':>2}{'tokens':>7}{'batch':>6}{'T':>10}{'tok/s':>9}{'vs ar':>7}{'vs sd':>7}{'accept':>8}{'hit':>6}{'eff':>6}{'ideal/ar':>9}{'ctrl':>7}{'=ar':>8}"
     lines = pre + [head]
 
     def f(v: float | None, width: int, fmt: str, suffix: str = "") -> str:
@@ -359,7 +362,7 @@ def format_table(report: dict[str, Any]) -> str:
     for e in report["results"]:
         t = e["temperature"]
         lines.append(
-            f"{e['mode']:<12}{e['runtime']:<10}{e['num_drafts']:>2}{e['batch_size']:>6}{t if isinstance(t, str) else format(t, '.1f'):>10}"
+            f"{e['mode']:<12}{e['runtime']:<10}{e['num_drafts']:>2}{e['max_tokens']:>7}{e['batch_size']:>6}{t if isinstance(t, str) else format(t, '.1f'):>10}"
             f"{e['tokens_per_s']:>9.1f}{f(e['speedup_vs_ar'], 7, '.2f', 'x')}{f(e['speedup_vs_sd'], 7, '.2f', 'x')}"
             f"{f(e['mean_accepted'], 8, '.2f')}{f(e['cache_hit_rate'], 6, '.0%')}{f(e['efficiency'], 6, '.2f')}"
             f"{f(e['ideal_speedup_vs_ar'], 9, '.2f', 'x')}{f(e['control_plane_fraction'], 7, '.1%')}"
@@ -403,25 +406,29 @@ def _temperature_label(t: float | str) -> str:
 
 def markdown_table(results: Sequence[dict[str, Any]]) -> str:
     """The report's cells as the README's Markdown table: one row per cell
-    (batch size, temperature — and runtime, drafts, sampling where a run
-    varies them), one tok/s column per mode in the order the run had them
+    (batch size, temperature — and runtime, drafts, sampling, request length
+    where a run varies them), one tok/s column per mode in the order the run had them
     (``–``: not run in that cell), then an ``auto`` row's comparison with the
     cell's best fixed mode and AR and what it chose. ``results`` may join
     several runs' (``report["results"]`` of each)."""
     modes = list(dict.fromkeys(e["mode"] for e in results))
     ours = [e for e in results if e["mode"] not in PEER_MODES]
     varying = [k for k in ("runtime", "num_drafts", "sampling") if len({str(e.get(k)) for e in ours}) > 1]
+    lengths = len({e.get("max_tokens") for e in ours}) > 1  # a column of its own, which a peer's row matches too
+
+    def cell_of(e: dict[str, Any]) -> tuple:
+        return (*([e.get("max_tokens")] if lengths else []), e["batch_size"], _temperature_label(e["temperature"]))
+
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for e in ours:
-        key = (*(str(e.get(k)) for k in varying), e["batch_size"], _temperature_label(e["temperature"]))
-        cells.setdefault(key, {})[e["mode"]] = e
-    for e in results:  # a peer (its own runtime) joins every row of its batch size and temperature
+        cells.setdefault((*(str(e.get(k)) for k in varying), *cell_of(e)), {})[e["mode"]] = e
+    for e in results:  # a peer (its own runtime) joins every row of its length, batch size and temperature
         if e["mode"] in PEER_MODES:
-            cell = (e["batch_size"], _temperature_label(e["temperature"]))
-            for row in [r for k, r in cells.items() if k[-2:] == cell] or [cells.setdefault(("–",) * len(varying) + cell, {})]:
+            cell = cell_of(e)
+            for row in [r for k, r in cells.items() if k[-len(cell) :] == cell] or [cells.setdefault(("–",) * len(varying) + cell, {})]:
                 row[e["mode"]] = e
     has_auto = any(base_mode(m) == "auto" for m in modes)
-    head = [", ".join([*varying, "batch", "T"]), *modes] + (["auto / best fixed", "auto / AR", "auto chose"] if has_auto else [])
+    head = [", ".join([*varying, *(["tokens"] if lengths else []), "batch", "T"]), *modes] + (["auto / best fixed", "auto / AR", "auto chose"] if has_auto else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, row in cells.items():
         out = [", ".join(str(k) for k in key)] + [f"{row[m]['tokens_per_s']:.1f}" if m in row else "–" for m in modes]

@@ -37,7 +37,7 @@ class BenchArgs:
     modes: list[str]
     num_drafts: list[int]
     prompts: str
-    max_tokens: int
+    max_tokens: list[int]  # request lengths, each a set of cells of its own, run one after another on the same engines
     batch_sizes: list[int]
     temperatures: list[float]
     repeats: int
@@ -173,6 +173,7 @@ class _Runner:
             num_drafts=self.num_drafts,
             batch_size=b,
             temperature=temperatures.label,
+            max_tokens=max_tokens,
             sampling=sampling.label,
             seconds=seconds,
             tokens=tokens,
@@ -246,7 +247,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
         _start_ray_for(args, engines)
     rows = sum(len(ms) for _, ms in engines)
     plain = sum(not s.params for s in samplings)  # the peers run plain sampling alone
-    total = len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) * len(samplings) + (1 in args.batch_sizes) * len(peers) * plain)
+    total = len(args.max_tokens) * len(settings) * args.repeats * (len(args.batch_sizes) * rows * len(args.runtimes) * len(samplings) + (1 in args.batch_sizes) * len(peers) * plain)
     runs: list[RunResult] = []
     strategies: dict[str, dict[str, Any]] = {}
     with tqdm(total=total, desc="bench", disable=not args.progress) as bar, _rounds_log(args.rounds) as record:
@@ -287,7 +288,7 @@ def _rounds_log(path: str | None) -> Iterator[Record]:
     with open(path, "w", encoding="utf-8") as f:
 
         def record(run: RunResult, repeat: int, first: int) -> None:
-            labels = {k: getattr(run, k) for k in ("mode", "runtime", "num_drafts", "batch_size", "temperature", "sampling")}
+            labels = {k: getattr(run, k) for k in ("mode", "runtime", "num_drafts", "max_tokens", "batch_size", "temperature", "sampling")}
             line = {**labels, "repeat": repeat, "first": first, "seconds": run.seconds, "tokens": run.tokens, "strategy": run.strategy}
             f.write(json.dumps({**line, "outputs": run.outputs, "rounds": run.rounds}) + "\n")
             f.flush()
@@ -320,7 +321,7 @@ def _run_group(
     strategies: dict[str, dict[str, Any]],
     record: Record = _unrecorded,
 ) -> list[RunResult]:
-    """Every setting (temperature × sampling) over one runtime's engines'
+    """Every cell (request length × batch size × temperature × sampling) over one runtime's engines'
     modes (and the peers at batch 1, plain sampling only: transformers has no
     presence or frequency penalty), interleaved batch by batch
     (:func:`_run_cell`, each batch passed to ``record``); ``strategies`` gets
@@ -340,13 +341,14 @@ def _run_group(
             closers.append(runners[-1].close)
         for r in runners:  # warm-up: first-call allocations (up to the largest batch, on the shared engine) and lazy imports
             r.run(prompts[: 1 if r.runtime == "hf" else max(args.batch_sizes)], settings[0], 8, 0)
-        for b in args.batch_sizes:
-            for t in settings:
-                for rep in range(args.repeats):
-                    for s in samplings:
-                        cell = [r for r in runners if r.runtime != "hf" or (b == 1 and not s.params)]
-                        runs += _run_cell(cell, prompts, t, s, args.max_tokens, rep, b, record)
-                        bar.update(len(cell))
+        for n in args.max_tokens:  # the engines live on: what auto learned at one length it brings to the next, as a server would
+            for b in args.batch_sizes:
+                for t in settings:
+                    for rep in range(args.repeats):
+                        for s in samplings:
+                            cell = [r for r in runners if r.runtime != "hf" or (b == 1 and not s.params)]
+                            runs += _run_cell(cell, prompts, t, s, n, rep, b, record)
+                            bar.update(len(cell))
         strategies.update({f"{e.runtime}/d{e.num_drafts}": e.strategies() for e in engines})
     finally:
         for close in closers:
