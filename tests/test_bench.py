@@ -308,6 +308,10 @@ def test_mode_labels_parse_into_request_strategies_and_bad_ones_fail_in_one_line
     code = main(["bench", "--target", str(zoo_tiny / "target"), "--mixed", "0.7"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "--mixed needs at least two different temperatures" in err
+    for flag in ("--max-tokens", "--batch-sizes"):
+        code = main(["bench", "--target", str(zoo_tiny / "target"), flag, "64,0"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and flag in err and "must be positive" in err
     for flag in ("--json", "--markdown", "--rounds"):  # a report with nowhere to go fails before the hours of running
         code = main(["bench", "--target", str(zoo_tiny / "target"), flag, str(zoo_tiny / "no-such-folder" / "out")])
         err = capsys.readouterr().err.strip()
