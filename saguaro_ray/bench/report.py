@@ -68,6 +68,12 @@ class RunResult:
     outputs: list[tuple[int, ...]] = field(repr=False, default_factory=list)  # each request's token ids, in prompt order
 
 
+# What names a report row and a ``--rounds`` line (a run's labels), and the part of it that makes a
+# cell: the rows of one cell are compared with one another (best fixed mode, AR, the exactness check).
+ROW_LABELS = ("mode", "runtime", "num_drafts", "max_tokens", "batch_size", "temperature", "sampling")
+CELL_LABELS = tuple(k for k in ROW_LABELS if k not in ("mode", "num_drafts"))
+
+
 def _added(counts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Counts by key (a run's rounds per mode, its per-round breakdown) added up."""
     out: dict[str, Any] = {}
@@ -104,9 +110,10 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
     temperature, sampling), then each cell's comparisons (:func:`_compare`)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
-        groups.setdefault((r.mode, r.runtime, r.num_drafts, r.max_tokens, r.batch_size, r.temperature, r.sampling), []).append(r)
+        groups.setdefault(tuple(getattr(r, k) for k in ROW_LABELS), []).append(r)
     entries = []
-    for (mode, runtime, nd, n, b, t, sampling), rs in groups.items():
+    for key, rs in groups.items():
+        mode = rs[0].mode
         tps = [r.decode_tokens / r.decode_seconds for r in rs]
         med, lo, hi = _median_min_max(tps)
         spec_rounds = sum(r.spec_rounds for r in rs)
@@ -124,13 +131,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         strategy = _added(r.strategy for r in rs)
         entries.append(
             {
-                "mode": mode,
-                "runtime": runtime,
-                "num_drafts": nd,
-                "max_tokens": n,
-                "batch_size": b,
-                "temperature": t,
-                "sampling": sampling,
+                **dict(zip(ROW_LABELS, key)),
                 "tokens_per_s": med,
                 "tokens_per_s_min": lo,
                 "tokens_per_s_max": hi,
@@ -215,7 +216,7 @@ def inexact_rows(results: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a[k] == b[k] for k in ("runtime", "max_tokens", "batch_size", "temperature", "sampling"))
+    return all(a[k] == b[k] for k in CELL_LABELS)
 
 
 def row_name(e: dict[str, Any]) -> str:
