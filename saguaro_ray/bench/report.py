@@ -67,6 +67,10 @@ class RunResult:
     seed: int = 0  # every request's seed (the repeat's index)
     outputs: list[tuple[int, ...]] = field(repr=False, default_factory=list)  # each request's token ids, in prompt order
 
+    def labels(self) -> dict[str, Any]:
+        """What names this run's report row and its ``--rounds`` lines (:data:`ROW_LABELS`)."""
+        return {k: getattr(self, k) for k in ROW_LABELS}
+
 
 # What names a report row and a ``--rounds`` line (a run's labels), and the part of it that makes a
 # cell: the rows of one cell are compared with one another (best fixed mode, AR, the exactness check).
@@ -110,9 +114,9 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
     temperature, sampling), then each cell's comparisons (:func:`_compare`)."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in runs:
-        groups.setdefault(tuple(getattr(r, k) for k in ROW_LABELS), []).append(r)
+        groups.setdefault(tuple(r.labels().values()), []).append(r)
     entries = []
-    for key, rs in groups.items():
+    for rs in groups.values():
         mode = rs[0].mode
         tps = [r.decode_tokens / r.decode_seconds for r in rs]
         med, lo, hi = _median_min_max(tps)
@@ -131,7 +135,7 @@ def summarise(runs: list[RunResult]) -> list[dict[str, Any]]:
         strategy = _added(r.strategy for r in rs)
         entries.append(
             {
-                **dict(zip(ROW_LABELS, key)),
+                **rs[0].labels(),
                 "tokens_per_s": med,
                 "tokens_per_s_min": lo,
                 "tokens_per_s_max": hi,

@@ -19,7 +19,7 @@ from saguaro_ray.algorithms.fanout import parse_fanout
 from saguaro_ray.bench.machine import machine_info, step_costs
 from saguaro_ray.bench.peers import PeerRunner
 from saguaro_ray.bench.plan import BenchMode, SamplingSetting, TemperatureSetting, in_turn, parse_modes, sampling_settings, temperature_settings
-from saguaro_ray.bench.report import ROW_LABELS, RunResult, merge_runs, round_breakdown, summarise, timeline_sample
+from saguaro_ray.bench.report import RunResult, merge_runs, round_breakdown, summarise, timeline_sample
 from saguaro_ray.model_set import needed_specs
 from saguaro_ray.config import ResponseFormat, SamplingParams, SpeculationConfig, Strategy
 from saguaro_ray.engine.sequence import strategy_totals
@@ -288,8 +288,7 @@ def _rounds_log(path: str | None) -> Iterator[Record]:
     with open(path, "w", encoding="utf-8") as f:
 
         def record(run: RunResult, repeat: int, first: int) -> None:
-            labels = {k: getattr(run, k) for k in ROW_LABELS}
-            line = {**labels, "repeat": repeat, "first": first, "seconds": run.seconds, "tokens": run.tokens, "strategy": run.strategy}
+            line = {**run.labels(), "repeat": repeat, "first": first, "seconds": run.seconds, "tokens": run.tokens, "strategy": run.strategy}
             f.write(json.dumps({**line, "outputs": run.outputs, "rounds": run.rounds}) + "\n")
             f.flush()
 
